@@ -1,0 +1,73 @@
+"""Additive biases: a float tensor broadcastable to ``[B, H, Mq, Mk]``, or a bool mask.
+
+Broadcast dims keep stride 0 and are never expanded in memory; gradients flow to the tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InputError, InputTypeError
+from .base import Atom, AttentionBias, Geometry, visible_to_additive
+
+
+@dataclass(frozen=True, eq=False)
+class AdditiveAtom(Atom):
+    """``tensor[b, h, i, j]`` is added to the scores (a bool mask is stored as 0 / -inf)."""
+
+    tensor: torch.Tensor  # 4-D, broadcastable to [B, H, Mq_full, Mk_full]
+    is_mask: bool = False
+    family: str = "AdditiveBias"
+    kind = "additive"
+
+    def sizes(self):
+        b, h, mq, mk = self.tensor.shape
+        return tuple(n if n > 1 else None for n in (b, h, mq, mk))
+
+    def tensors(self):
+        return {"tensor": self.tensor}
+
+    def dense(self, g: Geometry, dtype, device) -> torch.Tensor:
+        t = self.tensor.to(device=device, dtype=dtype)
+        if t.shape[2] > 1:
+            t = t[:, :, g.q_off : g.q_off + g.Mq]
+        if t.shape[3] > 1:
+            t = t[:, :, :, g.k_off : g.k_off + g.Mk]
+        return t
+
+    def lower(self, builder) -> None:
+        builder.add_additive(self.tensor.to(builder.device))
+
+    def __repr__(self) -> str:
+        kind = "mask" if self.is_mask else str(self.tensor.dtype).replace("torch.", "")
+        return f"{kind}{list(self.tensor.shape)}"
+
+
+class AdditiveBias(AttentionBias):
+    """A dense float bias broadcastable to ``[B, H, Mq, Mk]`` (fewer dims broadcast from the left).
+
+    A bool tensor means "True = visible" and becomes a mask. Gradients flow to a float tensor
+    that requires grad, reduced over its broadcast dims.
+    """
+
+    def __new__(cls, tensor: torch.Tensor):
+        if isinstance(tensor, AttentionBias):
+            raise InputTypeError("AdditiveBias takes a plain tensor; compose biases with '+' instead")
+        if not isinstance(tensor, torch.Tensor):
+            raise InputTypeError(f"AdditiveBias takes a tensor, got {type(tensor).__name__}")
+        if tensor.dim() > 4 or tensor.dim() < 1:
+            raise InputError(f"AdditiveBias tensor must have 1 to 4 dims [B, H, Mq, Mk], got shape {list(tensor.shape)}")
+        is_mask = tensor.dtype == torch.bool
+        if is_mask:
+            tensor = visible_to_additive(tensor, torch.float32)
+        elif not tensor.is_floating_point():
+            raise InputTypeError(f"AdditiveBias tensor must be floating point or bool, got dtype {tensor.dtype}")
+        t4 = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape)) if tensor.dim() < 4 else tensor
+        return cls._create([AdditiveAtom(t4, is_mask=is_mask, family=cls.__name__)], device=tensor.device)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The 4-D additive tensor (a view of the one given)."""
+        return self.atoms[0].tensor

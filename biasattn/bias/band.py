@@ -1,0 +1,54 @@
+"""The diagonal band atom shared by the causal and local-attention families."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Atom, Geometry, visible_to_additive
+
+TOP_LEFT = "top_left"
+BOTTOM_RIGHT = "bottom_right"
+
+
+@dataclass(frozen=True, eq=False)
+class BandAtom(Atom):
+    """Keys with ``i + shift - window_left <= j <= i + shift + window_right`` are visible.
+
+    ``shift`` is 0 for top-left alignment and ``Mk - Mq`` (full sizes) for bottom-right alignment;
+    a window of None is unbounded on that side.
+    """
+
+    alignment: str
+    window_left: int | None
+    window_right: int | None
+    family: str = "LowerTriangularMask"
+    kind = "band"
+
+    @property
+    def needs_full_size(self) -> bool:
+        return self.alignment == BOTTOM_RIGHT
+
+    def diagonal_bounds(self, g: Geometry) -> tuple[int | None, int | None]:
+        """Bounds on ``d = j - i`` in the bias' global coordinates (None = unbounded)."""
+        shift = 0 if self.alignment == TOP_LEFT else g.Mk_full - g.Mq_full
+        lo = None if self.window_left is None else shift - self.window_left
+        hi = None if self.window_right is None else shift + self.window_right
+        return lo, hi
+
+    def dense(self, g: Geometry, dtype, device) -> torch.Tensor:
+        lo, hi = self.diagonal_bounds(g)
+        d = g.cols(device) - g.rows(device)
+        visible = torch.ones_like(d, dtype=torch.bool)
+        if lo is not None:
+            visible &= d >= lo
+        if hi is not None:
+            visible &= d <= hi
+        return visible_to_additive(visible, dtype)[None, None]
+
+    def lower(self, builder) -> None:
+        builder.add_band(*self.diagonal_bounds(builder.g))
+
+    def __repr__(self) -> str:
+        return f"band({self.alignment}, left={self.window_left}, right={self.window_right})"

@@ -1,0 +1,519 @@
+"""The tensor-subclass machinery shared by every bias family.
+
+An :class:`AttentionBias` is a ``torch.Tensor`` wrapper subclass: it has a shape, dtype and device,
+but no storage of its own. Its meaning is a tuple of *atoms* (a band, segments, padded keys, a block
+layout, an additive tensor, ALiBi slopes), each of which knows how to materialize itself and how to
+lower itself into a :class:`~biasattn.bias.spec.BiasSpec`. Composition concatenates atoms; slicing
+records offsets. All ``__torch_function__`` handling lives here, so ``torch.compile`` support,
+``.to()`` and foreign-op materialization are solved once for every family.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import BiasCompositionError, InputError
+
+MATERIALIZE_WARN_BYTES = 256 * 2**20
+_warned_large_materialize = False
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where a bias is evaluated: the call's sizes and the bias' slicing offsets.
+
+    Query row ``i`` of the call is row ``i + q_off`` of the bias; ``Mq_full``/``Mk_full`` are the
+    sizes the bias is aligned to (bottom-right alignment and ALiBi use them).
+    """
+
+    B: int
+    H: int
+    Mq: int
+    Mk: int
+    q_off: int = 0
+    k_off: int = 0
+    Mq_full: int = 0
+    Mk_full: int = 0
+
+    def rows(self, device) -> torch.Tensor:
+        """Global query indices ``[Mq, 1]`` (int64)."""
+        return (torch.arange(self.Mq, device=device) + self.q_off)[:, None]
+
+    def cols(self, device) -> torch.Tensor:
+        """Global key indices ``[1, Mk]`` (int64)."""
+        return (torch.arange(self.Mk, device=device) + self.k_off)[None, :]
+
+
+def visible_to_additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Turn a bool visibility tensor into the additive form (0 visible, -inf hidden)."""
+    zero = torch.zeros((), dtype=dtype, device=visible.device)
+    return torch.where(visible, zero, torch.full((), float("-inf"), dtype=dtype, device=visible.device))
+
+
+class Atom:
+    """One indivisible term of a bias. Subclasses are frozen dataclasses in the family modules."""
+
+    family: ClassVar[str] = "AttentionBias"
+    kind: ClassVar[str] = ""
+    is_mask: ClassVar[bool] = True
+
+    def sizes(self) -> tuple[int | None, int | None, int | None, int | None]:
+        """``(B, H, Mq_full, Mk_full)`` this atom fixes; None where it broadcasts or is unsized."""
+        return (None, None, None, None)
+
+    @property
+    def needs_full_size(self) -> bool:
+        """True when the atom's meaning depends on the full (unsliced) Mq/Mk."""
+        return False
+
+    def dense(self, g: Geometry, dtype: torch.dtype, device) -> torch.Tensor:
+        """Additive tensor broadcastable to ``[B, H, Mq, Mk]`` in the call's coordinates."""
+        raise NotImplementedError
+
+    def lower(self, builder) -> None:
+        """Record this atom in a :class:`~biasattn.bias.spec.SpecBuilder`."""
+        raise NotImplementedError
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Tensors this atom holds, by field name."""
+        return {}
+
+    def combinable_with(self, other: Atom) -> bool:
+        """Whether an atom of the same kind can be composed with this one."""
+        return True
+
+    def incompatibility(self, other: Atom) -> str:
+        """One sentence saying why :meth:`combinable_with` is False."""
+        return ""
+
+    def to(self, device=None, dtype=None) -> Atom:
+        """Same atom with its tensors moved (and floating tensors cast)."""
+        changes = {}
+        for name, t in self.tensors().items():
+            cast = dtype if (dtype is not None and t.is_floating_point()) else None
+            changes[name] = t.to(device=device, dtype=cast)
+        return replace(self, **changes) if changes else self
+
+    def detach(self) -> Atom:
+        """Same atom with detached tensors."""
+        changes = {name: t.detach() for name, t in self.tensors().items()}
+        return replace(self, **changes) if changes else self
+
+    def clone(self) -> Atom:
+        """Same atom with cloned tensors."""
+        changes = {name: t.clone() for name, t in self.tensors().items()}
+        return replace(self, **changes) if changes else self
+
+
+def _merge_size(name: str, a: int | None, b: int | None, who: str) -> int | None:
+    if a is None:
+        return b
+    if b is None or a == b:
+        return a
+    raise InputError(f"cannot compose biases: {who} fix {name}={a} and {name}={b}")
+
+
+def _check_pairs(atoms: Sequence[Atom]) -> None:
+    """Reject compositions that have no lowering, naming the pair of families."""
+    seen: dict[str, Atom] = {}
+    for atom in atoms:
+        other = seen.get(atom.kind)
+        if other is not None and not other.combinable_with(atom):  # type: ignore[attr-defined]
+            raise BiasCompositionError(
+                f"cannot compose {other.family} with {atom.family}: {other.incompatibility(atom)}"  # type: ignore[attr-defined]
+            )
+        seen.setdefault(atom.kind, atom)
+    kinds = {a.kind for a in atoms}
+    if "segments" in kinds:
+        seg = seen["segments"]
+        b = seg.sizes()[0]
+        for a in atoms:
+            ab = a.sizes()[0]
+            if ab not in (None, 1) and a is not seg:
+                raise BiasCompositionError(
+                    f"cannot compose {seg.family} with {a.family}: a packed (block-diagonal) batch "
+                    f"has batch size 1, {a.family} has batch size {ab}"
+                )
+        del b
+
+
+class AttentionBias(torch.Tensor):
+    """Base class of every biasattn bias: a lazy, broadcastable ``[B, H, Mq, Mk]`` additive bias.
+
+    Shape dims that a bias does not fix are 1 (it broadcasts there); unsized masks take Mq and Mk
+    from q and k at call time. Compose with ``&`` (masks) and ``+`` (masks and additive terms);
+    slice lazily with ``bias[..., q0:q1, k0:k1]``; ``materialize(shape)`` gives the dense tensor.
+    """
+
+    _atoms: tuple[Atom, ...]
+    _offsets: tuple[int, int]
+    _lengths: tuple[int | None, int | None]
+    _full: tuple[int | None, int | None]
+
+    @staticmethod
+    def __new__(cls, *args, **kwargs):  # families define their own constructors
+        raise TypeError(f"{cls.__name__} cannot be constructed directly; use a bias family such as LowerTriangularMask()")
+
+    @classmethod
+    def _create(
+        cls,
+        atoms: Sequence[Atom],
+        offsets: tuple[int, int] = (0, 0),
+        lengths: tuple[int | None, int | None] | None = None,
+        device=None,
+    ) -> AttentionBias:
+        atoms = tuple(atoms)
+        _check_pairs(atoms)
+        B = H = Mq = Mk = None
+        who = " and ".join(sorted({a.family for a in atoms})) or "bias"
+        for a in atoms:
+            b, h, mq, mk = a.sizes()
+            B = _merge_size("B", B, b, who)
+            H = _merge_size("H", H, h, who)
+            Mq = _merge_size("Mq", Mq, mq, who)
+            Mk = _merge_size("Mk", Mk, mk, who)
+        if lengths is None:
+            lengths = (None if Mq is None else Mq - offsets[0], None if Mk is None else Mk - offsets[1])
+        dtype = torch.float32
+        for a in atoms:
+            for t in a.tensors().values():
+                if device is None:
+                    device = t.device
+                if t.is_floating_point() and not a.is_mask:
+                    dtype = t.dtype
+        shape = (B or 1, H or 1, lengths[0] if lengths[0] is not None else 1, lengths[1] if lengths[1] is not None else 1)
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=dtype, device=device if device is not None else "cpu", requires_grad=False
+        )
+        self._atoms = atoms
+        self._offsets = offsets
+        self._lengths = lengths
+        self._full = (Mq, Mk)
+        return self
+
+    def _derive(self, atoms=None, offsets=None, lengths=None, cls=None, device=None) -> AttentionBias:
+        return AttentionBias._create.__func__(  # type: ignore[attr-defined]
+            cls or type(self),
+            self._atoms if atoms is None else atoms,
+            self._offsets if offsets is None else offsets,
+            self._lengths if lengths is None else lengths,
+            device=device if device is not None else self.device,
+        )
+
+    # ----------------------------------------------------------------------------- metadata
+    @property
+    def atoms(self) -> tuple[Atom, ...]:
+        """The terms this bias is made of."""
+        return self._atoms
+
+    @property
+    def is_mask(self) -> bool:
+        """True when the bias only hides keys (values are 0 or -inf)."""
+        return all(a.is_mask for a in self._atoms)
+
+    @property
+    def sizes(self) -> tuple[int | None, int | None, int | None, int | None]:
+        """``(B, H, Mq, Mk)`` the bias fixes, None where it broadcasts or takes the size from q/k."""
+        return (self._batch(), self._heads(), self._lengths[0], self._lengths[1])
+
+    def _batch(self):
+        for a in self._atoms:
+            if a.sizes()[0] is not None:
+                return a.sizes()[0]
+        return None
+
+    def _heads(self):
+        for a in self._atoms:
+            if a.sizes()[1] is not None:
+                return a.sizes()[1]
+        return None
+
+    def geometry(self, B: int, H: int, Mq: int, Mk: int) -> Geometry:
+        """Resolve the bias' offsets and alignment sizes against a call of size ``[B, H, Mq, Mk]``."""
+        fq, fk = self._full
+        q_off, k_off = self._offsets
+        if fq is not None and q_off + Mq > fq:
+            raise InputError(f"attn_bias covers {fq - q_off} query rows, q has Mq={Mq}")
+        if fk is not None and k_off + Mk > fk:
+            raise InputError(f"attn_bias covers {fk - k_off} key columns, k has Mk={Mk}")
+        return Geometry(
+            B, H, Mq, Mk, q_off, k_off,
+            fq if fq is not None else q_off + Mq,
+            fk if fk is not None else k_off + Mk,
+        )
+
+    # ----------------------------------------------------------------------------- meaning
+    def materialize(self, shape: Sequence[int], dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+        """Dense additive tensor of ``shape = [B, H, Mq, Mk]``: 0 visible, -inf hidden, plus additive terms.
+
+        This is the single definition of what a bias means; every operator is tested against it.
+        """
+        shape = tuple(int(s) for s in shape)
+        if len(shape) != 4:
+            raise InputError(f"materialize shape must be [B, H, Mq, Mk], got {list(shape)}")
+        device = torch.device(device) if device is not None else self.device
+        g = self.geometry(*shape)
+        out = torch.zeros((1, 1, g.Mq, g.Mk), dtype=dtype, device=device)
+        for a in self._atoms:
+            out = out + a.dense(g, dtype, device)
+        return out.expand(shape).contiguous()
+
+    # ----------------------------------------------------------------------------- algebra
+    def __and__(self, other):
+        if not isinstance(other, AttentionBias):
+            return NotImplemented if not isinstance(other, torch.Tensor) else _foreign(torch.Tensor.__and__, (self, other), {})
+        for x in (self, other):
+            if not x.is_mask:
+                raise BiasCompositionError(
+                    f"cannot compose {self._family()} & {other._family()}: '&' intersects masks and "
+                    f"{x._family()} is additive; use '+' to add it"
+                )
+        return _compose(self, other)
+
+    def __rand__(self, other):
+        if isinstance(other, torch.Tensor) and not isinstance(other, AttentionBias):
+            return _foreign(torch.Tensor.__and__, (other, self), {})
+        return NotImplemented
+
+    def __add__(self, other):
+        if isinstance(other, AttentionBias):
+            return _compose(self, other)
+        if isinstance(other, (torch.Tensor, int, float)):
+            return _foreign(torch.Tensor.add, (self, other), {})
+        return NotImplemented
+
+    def __radd__(self, other):
+        if isinstance(other, (torch.Tensor, int, float)):
+            return _foreign(torch.Tensor.add, (other, self), {})
+        return NotImplemented
+
+    def __or__(self, other):
+        raise BiasCompositionError(
+            f"cannot compose {self._family()} | {getattr(other, '_family', lambda: type(other).__name__)()}: "
+            "the union of masks has no lazy form; use '&' to intersect, or build a bool tensor"
+        )
+
+    def _family(self) -> str:
+        return type(self).__name__
+
+    # ----------------------------------------------------------------------------- slicing
+    def __getitem__(self, index):
+        if not isinstance(index, tuple):
+            index = (index,)
+        if index and index[0] is Ellipsis:
+            index = index[1:]
+        while len(index) > 2 and index[0] == slice(None):
+            index = index[1:]
+        if len(index) == 1:
+            index = (index[0], slice(None))
+        if len(index) != 2 or not all(isinstance(s, slice) for s in index):
+            raise InputError(
+                f"a bias can be sliced only on its last two dims as bias[..., q0:q1, k0:k1], got {index!r}"
+            )
+        offsets = list(self._offsets)
+        lengths = list(self._lengths)
+        for d, s in enumerate(index):
+            if s.step not in (None, 1):
+                raise InputError(f"bias slices need step 1, got step {s.step} on dim {d - 2}")
+            n = lengths[d]
+            if n is not None:
+                start, stop, _ = s.indices(n)
+                stop = max(stop, start)
+            else:
+                start = s.start or 0
+                if start < 0 or (s.stop is not None and s.stop < 0):
+                    raise InputError(
+                        f"slicing an unsized bias needs non-negative bounds, got {s!r}; "
+                        "size it first with bias.bind(Mq, Mk)"
+                    )
+                stop = s.stop
+                if stop is not None and self._full[d] is None and any(a.needs_full_size for a in self._atoms):
+                    raise InputError(
+                        f"{self._family()} is aligned to the bottom-right corner, so a slice with an end "
+                        "needs the full size; call bias.bind(Mq, Mk) before slicing"
+                    )
+            offsets[d] += start
+            lengths[d] = None if stop is None else stop - start
+        return self._derive(offsets=tuple(offsets), lengths=tuple(lengths))
+
+    def bind(self, Mq: int, Mk: int) -> AttentionBias:
+        """Fix the full query and key sizes of an unsized bias (needed before slicing a bottom-right one)."""
+        for d, (name, n) in enumerate((("Mq", Mq), ("Mk", Mk))):
+            if self._full[d] is not None and self._full[d] != n:
+                raise InputError(f"bias is already sized {name}={self._full[d]}, cannot bind to {n}")
+        if self._offsets != (0, 0):
+            raise InputError("bind() a bias before slicing it, not after")
+        out = self._derive(lengths=(Mq, Mk))
+        out._full = (Mq, Mk)
+        return out
+
+    # ----------------------------------------------------------------------------- lazy tensor methods
+    def to(self, *args, **kwargs) -> AttentionBias:
+        """Move or cast the bias' small tensors; stays lazy."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        atoms = tuple(a.to(device=device, dtype=dtype) for a in self._atoms)
+        return self._derive(atoms=atoms, device=device or self.device)
+
+    def cuda(self, device=None, non_blocking=False) -> AttentionBias:
+        """The bias on a CUDA device; stays lazy."""
+        return self.to(torch.device("cuda") if device is None else torch.device("cuda", device) if isinstance(device, int) else device)
+
+    def cpu(self) -> AttentionBias:
+        """The bias on the CPU; stays lazy."""
+        return self.to("cpu")
+
+    def clone(self, *args, **kwargs) -> AttentionBias:
+        """A copy with cloned metadata; stays lazy."""
+        return self._derive(atoms=tuple(a.clone() for a in self._atoms))
+
+    def detach(self) -> AttentionBias:
+        """The bias with detached additive tensors; stays lazy."""
+        return self._derive(atoms=tuple(a.detach() for a in self._atoms))
+
+    def __repr__(self, *args, **kwargs) -> str:
+        parts = ", ".join(repr(a) for a in self._atoms)
+        extra = ""
+        if self._offsets != (0, 0) or self._lengths != self._full:
+            extra = f", offsets={self._offsets}, lengths={self._lengths}"
+        return f"{type(self).__name__}({parts}{extra})"
+
+    def show(self, Mq: int | None = None, Mk: int | None = None, *, batch: int = 0, head: int = 0, ax=None):
+        """Draw the visibility pattern (and additive values) with matplotlib; returns the Axes."""
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError as e:  # pragma: no cover - optional dependency
+            raise ImportError("bias.show() needs matplotlib: pip install matplotlib") from e
+        Mq = Mq or self._lengths[0]
+        Mk = Mk or self._lengths[1]
+        if Mq is None or Mk is None:
+            raise InputError(f"{self._family()} is unsized: pass Mq and Mk to show()")
+        B, H = self._batch() or 1, self._heads() or 1
+        dense = self.materialize((B, H, Mq, Mk)).to("cpu", torch.float32)[batch, head]
+        if ax is None:
+            _, ax = plt.subplots(figsize=(4, 4 * Mq / max(Mk, 1) + 0.5))
+        shown = torch.where(torch.isinf(dense), torch.full_like(dense, float("nan")), dense)
+        if self.is_mask:
+            shown = torch.where(torch.isinf(dense), 0.0, 1.0)
+        ax.imshow(shown.numpy(), cmap="viridis" if not self.is_mask else "Blues", interpolation="nearest", vmin=None)
+        ax.set_title(type(self).__name__, fontsize=9)
+        ax.set_xlabel("key j")
+        ax.set_ylabel("query i")
+        return ax
+
+    # ----------------------------------------------------------------------------- torch function
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            from ..api import _sdpa_from_torch
+
+            return _sdpa_from_torch(*args, **kwargs)
+        if func in _PASSTHROUGH or getattr(func, "__name__", "") in _PASSTHROUGH_NAMES:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        return _foreign(func, args, kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # Reached only below torch-function handling (autograd internals, tracing): same rule.
+        return _foreign(func, args, kwargs or {})
+
+
+_PASSTHROUGH = {
+    torch.Tensor.dim,
+    torch.Tensor.size,
+    torch.Tensor.numel,
+    torch.Tensor.__len__,
+}
+_PASSTHROUGH_NAMES = {"__get__", "dim", "size", "numel", "stride", "is_contiguous", "__len__"}
+
+
+def _compose(a: AttentionBias, b: AttentionBias) -> AttentionBias:
+    from .composed import ComposedBias
+
+    if a._offsets != (0, 0) or b._offsets != (0, 0) or a._lengths != a._full or b._lengths != b._full:
+        raise BiasCompositionError(
+            f"cannot compose sliced biases ({a._family()}, {b._family()}): compose first, then slice"
+        )
+    device = a.device if a.device == b.device else None
+    if device is None:
+        raise InputError(f"cannot compose biases on different devices: {a.device} and {b.device}")
+    return AttentionBias._create.__func__(ComposedBias, a._atoms + b._atoms, device=device)  # type: ignore[attr-defined]
+
+
+def _flatten(obj, out: list):
+    if isinstance(obj, (list, tuple)):
+        for x in obj:
+            _flatten(x, out)
+    elif isinstance(obj, torch.Tensor):
+        out.append(obj)
+
+
+def _foreign(func, args, kwargs) -> Any:
+    """Materialize every bias among ``args`` against the other tensors' shape, then call ``func``."""
+    others: list[torch.Tensor] = []
+    _flatten(list(args) + list(kwargs.values()), others)
+    plain = [t for t in others if not isinstance(t, AttentionBias)]
+    with torch._C.DisableTorchFunctionSubclass():
+        target = torch.broadcast_shapes(*[t.shape for t in plain]) if plain else torch.Size()
+    dtype = next((t.dtype for t in plain if t.is_floating_point()), torch.float32)
+
+    def dense(x):
+        if not isinstance(x, AttentionBias):
+            if isinstance(x, (list, tuple)):
+                return type(x)(dense(y) for y in x)
+            return x
+        B, H, Mq, Mk = x.sizes
+        tail = list(target)[-4:]
+        tail = [1] * (4 - len(tail)) + tail
+        if len(target) >= 2:
+            Mq, Mk = Mq or tail[2], Mk or tail[3]
+        if Mq is None or Mk is None:
+            raise InputError(
+                f"{x._family()} is unsized and {getattr(func, '__name__', func)} gives no other tensor to size it; "
+                "call bias.materialize((B, H, Mq, Mk)) explicitly"
+            )
+        B = B or (tail[0] if tail[0] != 1 else 1)
+        H = H or (tail[1] if tail[1] != 1 else 1)
+        nbytes = B * H * Mq * Mk * torch.finfo(dtype).bits // 8
+        global _warned_large_materialize
+        if nbytes > MATERIALIZE_WARN_BYTES and not _warned_large_materialize:
+            _warned_large_materialize = True
+            warnings.warn(
+                f"{getattr(func, '__name__', func)} received a {x._family()} and materializes it as a dense "
+                f"[{B}, {H}, {Mq}, {Mk}] tensor ({nbytes / 2**20:.0f} MiB); pass the bias to biasattn.attention "
+                "or F.scaled_dot_product_attention to keep it lazy",
+                stacklevel=3,
+            )
+        return x.materialize((B, H, Mq, Mk), dtype=dtype)
+
+    args = tuple(dense(a) for a in args)
+    kwargs = {k: dense(v) for k, v in kwargs.items()}
+    return func(*args, **kwargs)
+
+
+def as_lengths(name: str, values, *, allow_empty: bool = False) -> list[int]:
+    """Validate a 1-D sequence of non-negative integer lengths and return it as a Python list."""
+    if isinstance(values, torch.Tensor):
+        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            raise InputError(f"{name} must hold integers, got dtype {values.dtype}")
+        if values.dim() != 1:
+            raise InputError(f"{name} must be 1-D, got shape {list(values.shape)}")
+        values = values.tolist()
+    try:
+        out = [v if isinstance(v, int) else int(v) if float(v).is_integer() else None for v in values]
+    except TypeError:
+        raise InputError(f"{name} must be a sequence of ints, got {type(values).__name__}") from None
+    if any(v is None or isinstance(v, bool) for v in out):
+        raise InputError(f"{name} must hold integers, got {list(values)}")
+    if not out and not allow_empty:
+        raise InputError(f"{name} must not be empty")
+    for k, v in enumerate(out):
+        if v < 0:
+            raise InputError(f"{name}[{k}] must be >= 0, got {v}")
+    return out

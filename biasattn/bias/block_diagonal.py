@@ -1,0 +1,198 @@
+"""Block-diagonal masks for packed variable-length batches (B == 1, sequences concatenated along M).
+
+``BlockDiagonalMask.from_seqlens([2, 3])``        ``.make_causal()``
+    ■ ■ □ □ □                                        ■ □ □ □ □
+    ■ ■ □ □ □                                        ■ ■ □ □ □
+    □ □ ■ ■ ■                                        □ □ ■ □ □
+    □ □ ■ ■ ■                                        □ □ ■ ■ □
+    □ □ ■ ■ ■                                        □ □ ■ ■ ■
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from ..errors import InputError
+from .band import BOTTOM_RIGHT, TOP_LEFT
+from .base import Atom, AttentionBias, Geometry, as_lengths, visible_to_additive
+from .local import check_window
+
+
+@dataclass(frozen=True, eq=False)
+class SegmentsAtom(Atom):
+    """Query segment ``s`` sees key segment ``s`` only, optionally through a band local to the segment."""
+
+    q_seqstart: torch.Tensor  # [S+1] int32
+    k_seqstart: torch.Tensor  # [S+1] int32
+    k_seqlen: torch.Tensor  # [S] int32
+    q_host: tuple[int, ...]
+    k_host: tuple[int, ...]
+    band: tuple[str, int | None, int | None] | None = None  # (alignment, left, right) per segment
+    family: str = "BlockDiagonalMask"
+    kind = "segments"
+
+    def sizes(self):
+        return (None, None, self.q_host[-1], self.k_host[-1])
+
+    def tensors(self):
+        return {"q_seqstart": self.q_seqstart, "k_seqstart": self.k_seqstart, "k_seqlen": self.k_seqlen}
+
+    def combinable_with(self, other) -> bool:
+        return self.q_host == other.q_host and self.k_host == other.k_host
+
+    def incompatibility(self, other) -> str:
+        return "the two block-diagonal masks have different sequence lengths"
+
+    def segment_bounds(self) -> tuple[list[int], list[int]] | None:
+        """Per segment, bounds on ``d = j - i`` in global coordinates (band local to each segment)."""
+        if self.band is None:
+            return None
+        alignment, left, right = self.band
+        qs, ks = self.q_host, self.k_host
+        los, his = [], []
+        from .spec import BAND_UNBOUNDED
+
+        for s in range(len(qs) - 1):
+            shift = ks[s] - qs[s]
+            if alignment == BOTTOM_RIGHT:
+                shift += (ks[s + 1] - ks[s]) - (qs[s + 1] - qs[s])
+            los.append(-BAND_UNBOUNDED if left is None else shift - left)
+            his.append(BAND_UNBOUNDED if right is None else shift + right)
+        return los, his
+
+    def dense(self, g: Geometry, dtype, device) -> torch.Tensor:
+        qs = torch.tensor(self.q_host, device=device)
+        ks = torch.tensor(self.k_host, device=device)
+        i, j = g.rows(device), g.cols(device)
+        seg = torch.searchsorted(qs, i[:, 0], right=True) - 1  # [Mq]
+        nseg = len(self.q_host) - 1
+        inside = (seg >= 0) & (seg < nseg)
+        seg = seg.clamp(0, max(nseg - 1, 0))
+        visible = inside[:, None] & (j >= ks[seg][:, None]) & (j < ks[seg + 1][:, None])
+        bounds = self.segment_bounds()
+        if bounds is not None:
+            lo = torch.tensor(bounds[0], device=device)[seg][:, None]
+            hi = torch.tensor(bounds[1], device=device)[seg][:, None]
+            d = j - i
+            visible &= (d >= lo) & (d <= hi)
+        return visible_to_additive(visible, dtype)[None, None]
+
+    def lower(self, builder) -> None:
+        if builder.g.B != 1:
+            raise InputError(
+                f"{self.family} describes a packed batch: q must have batch size B=1, got B={builder.g.B}"
+            )
+        builder.add_segments(
+            self.q_host, self.k_host, [b - a for a, b in zip(self.k_host, self.k_host[1:])],
+            (self.q_seqstart.to(builder.device), self.k_seqstart.to(builder.device), self.k_seqlen.to(builder.device)),
+            band=self.segment_bounds(),
+        )
+
+    def __repr__(self) -> str:
+        q = [b - a for a, b in zip(self.q_host, self.q_host[1:])]
+        k = [b - a for a, b in zip(self.k_host, self.k_host[1:])]
+        band = "" if self.band is None else f", band={self.band}"
+        return f"q_seqlens={q}, kv_seqlens={k}{band}"
+
+
+class BlockDiagonalMask(AttentionBias):
+    """Packed variable-length sequences: query segment ``s`` attends to key segment ``s`` only.
+
+    Build with :meth:`from_seqlens` or :meth:`from_tensor_list`. q, k, v have batch size 1 and the
+    sequences concatenated along M (``q: [1, H, sum(q_seqlens), D]``).
+    """
+
+    def __new__(cls, *args, **kwargs):
+        raise TypeError("build a BlockDiagonalMask with BlockDiagonalMask.from_seqlens(q_seqlens, kv_seqlens)")
+
+    @classmethod
+    def from_seqlens(cls, q_seqlens, kv_seqlens=None, *, device=None) -> BlockDiagonalMask:
+        """From per-sequence query lengths and key lengths (defaults to the query lengths)."""
+        q = as_lengths("q_seqlens", q_seqlens)
+        k = q if kv_seqlens is None else as_lengths("kv_seqlens", kv_seqlens)
+        if len(k) != len(q):
+            raise InputError(f"kv_seqlens has {len(k)} sequences, q_seqlens has {len(q)}")
+        if device is None:
+            device = next((t.device for t in (q_seqlens, kv_seqlens) if isinstance(t, torch.Tensor)), None)
+        return cls._from_host(q, k, None, device)
+
+    @classmethod
+    def _from_host(cls, q, k, band, device) -> BlockDiagonalMask:
+        qh = tuple([0] + list(accumulate(q)))
+        kh = tuple([0] + list(accumulate(k)))
+        i32 = dict(dtype=torch.int32, device=device)
+        atom = SegmentsAtom(
+            torch.tensor(qh, **i32), torch.tensor(kh, **i32), torch.tensor(k, **i32), qh, kh, band, family=cls.__name__
+        )
+        return cls._create([atom], device=device)
+
+    @classmethod
+    def from_tensor_list(cls, tensors, kv_tensors=None) -> tuple[BlockDiagonalMask, torch.Tensor]:
+        """Pack ``[1, H, M_s, D]`` tensors along M; returns ``(bias, packed [1, H, sum M_s, D])``."""
+        tensors = list(tensors)
+        if not tensors:
+            raise InputError("tensors must hold at least one tensor")
+        for n, t in enumerate(tensors):
+            if t.dim() != 4 or t.shape[0] != 1:
+                raise InputError(f"tensors[{n}] must be [1, H, M, D], got shape {list(t.shape)}")
+        q = [t.shape[2] for t in tensors]
+        k = None if kv_tensors is None else [t.shape[2] for t in kv_tensors]
+        bias = cls.from_seqlens(q, k, device=tensors[0].device)
+        return bias, torch.cat(tensors, dim=2)
+
+    @property
+    def _segments(self) -> SegmentsAtom:
+        return next(a for a in self.atoms if isinstance(a, SegmentsAtom))
+
+    @property
+    def q_seqlens(self) -> list[int]:
+        """Query length of each sequence."""
+        h = self._segments.q_host
+        return [b - a for a, b in zip(h, h[1:])]
+
+    @property
+    def kv_seqlens(self) -> list[int]:
+        """Key length of each sequence."""
+        h = self._segments.k_host
+        return [b - a for a, b in zip(h, h[1:])]
+
+    def _with_band(self, band) -> BlockDiagonalMask:
+        if self._offsets != (0, 0):
+            raise InputError("make the mask causal/local before slicing it")
+        seg = self._segments
+        if seg.band is not None:
+            raise InputError(f"{type(self).__name__} already has a band {seg.band}; build it again from_seqlens")
+        return BlockDiagonalMask._from_host(self.q_seqlens, self.kv_seqlens, band, self.device)
+
+    def make_causal(self) -> BlockDiagonalMask:
+        """Causal within each sequence, aligned top-left: ``j_local <= i_local``."""
+        return self._with_band((TOP_LEFT, None, 0))
+
+    def make_causal_from_bottom_right(self) -> BlockDiagonalMask:
+        """Causal within each sequence, aligned bottom-right: ``j_local <= i_local + (k_len - q_len)``."""
+        return self._with_band((BOTTOM_RIGHT, None, 0))
+
+    def make_local_attention(self, window_left: int, window_right: int = 0) -> BlockDiagonalMask:
+        """Sliding window within each sequence, aligned bottom-right (as :class:`LocalAttentionMask`)."""
+        left = check_window("window_left", window_left)
+        right = check_window("window_right", window_right)
+        return self._with_band((BOTTOM_RIGHT, left, right))
+
+    def split(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Split a packed ``[1, H, sum(q_seqlens), ...]`` tensor (e.g. the output) into its sequences."""
+        if x.dim() < 3 or x.shape[0] != 1 or x.shape[2] != sum(self.q_seqlens):
+            raise InputError(
+                f"x must be [1, H, {sum(self.q_seqlens)}, ...] (the packed queries), got shape {list(x.shape)}"
+            )
+        return list(torch.split(x, self.q_seqlens, dim=2))
+
+    def split_kv(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Split a packed ``[1, H, sum(kv_seqlens), ...]`` tensor into its sequences."""
+        if x.dim() < 3 or x.shape[0] != 1 or x.shape[2] != sum(self.kv_seqlens):
+            raise InputError(
+                f"x must be [1, H, {sum(self.kv_seqlens)}, ...] (the packed keys), got shape {list(x.shape)}"
+            )
+        return list(torch.split(x, self.kv_seqlens, dim=2))

@@ -1,0 +1,80 @@
+"""Padded keys: per batch row, keys at or beyond the row's length are hidden.
+
+``PaddedKeysMask([3, 5])`` (Mq=2, Mk=6), batch row 0 and row 1
+    ■ ■ ■ □ □ □      ■ ■ ■ ■ ■ □
+    ■ ■ ■ □ □ □      ■ ■ ■ ■ ■ □
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InputError
+from .base import Atom, AttentionBias, Geometry, as_lengths, visible_to_additive
+
+
+@dataclass(frozen=True, eq=False)
+class PaddedKeysAtom(Atom):
+    """Key ``j`` of batch row ``b`` is visible iff ``j < kv_seqlens[b]``."""
+
+    kv_seqlens: torch.Tensor  # [B] int32
+    host: tuple[int, ...]
+    family: str = "PaddedKeysMask"
+    kind = "padded_keys"
+
+    def sizes(self):
+        return (len(self.host) if len(self.host) > 1 else None, None, None, None)
+
+    def tensors(self):
+        return {"kv_seqlens": self.kv_seqlens}
+
+    def dense(self, g: Geometry, dtype, device) -> torch.Tensor:
+        lens = self.kv_seqlens.to(device=device, dtype=torch.int64)[:, None, None, None]
+        return visible_to_additive(g.cols(device)[None, None] < lens, dtype)
+
+    def lower(self, builder) -> None:
+        g = builder.g
+        for b, n in enumerate(self.host):
+            if n > g.Mk_full:
+                raise InputError(f"kv_seqlens[{b}]={n} exceeds the key length Mk={g.Mk_full}")
+        builder.add_kv_seqlens(self.host, self.kv_seqlens.to(builder.device))
+
+    def __repr__(self) -> str:
+        return f"kv_seqlens={list(self.host)}"
+
+
+class PaddedKeysMask(AttentionBias):
+    """Per batch row ``b``, keys ``j >= kv_seqlens[b]`` are hidden (right-padded key batches).
+
+    ``kv_seqlens``: ``[B]`` ints (list or tensor). Lengths above Mk are an error at call time.
+    """
+
+    def __new__(cls, kv_seqlens, *, device=None):
+        host = as_lengths("kv_seqlens", kv_seqlens)
+        if device is None and isinstance(kv_seqlens, torch.Tensor):
+            device = kv_seqlens.device
+        t = torch.tensor(host, dtype=torch.int32, device=device)
+        return cls._create([PaddedKeysAtom(t, tuple(host))], device=device)
+
+    @classmethod
+    def from_bool(cls, mask: torch.Tensor) -> PaddedKeysMask:
+        """From a right-padding bool mask ``[B, Mk]`` (True = visible key)."""
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
+            got = f"{mask.dtype} tensor of shape {list(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise InputError(f"mask must be a bool tensor [B, Mk], got {got}")
+        lengths = mask.sum(-1)
+        prefix = torch.arange(mask.shape[-1], device=mask.device)[None, :] < lengths[:, None]
+        if not torch.equal(prefix, mask):
+            bad = int((prefix != mask).any(-1).nonzero()[0, 0])
+            raise InputError(
+                f"mask row {bad} is not a right-padding mask (True then False); "
+                "use AdditiveBias(mask) for arbitrary bool masks"
+            )
+        return cls(lengths, device=mask.device)
+
+    @property
+    def kv_seqlens(self) -> torch.Tensor:
+        """The ``[B]`` int32 key lengths."""
+        return self.atoms[0].kv_seqlens

@@ -1,0 +1,280 @@
+"""Lowering: every bias, composed or not, becomes one frozen :class:`BiasSpec` for given q/k sizes.
+
+Operators read only the spec. All coordinates in a spec are the call's own: query row ``i`` in
+``[0, Mq)``, key column ``j`` in ``[0, Mk)``; slicing offsets are already folded in. A key is visible
+to a query when every present field allows it:
+
+- segments: ``i`` lies in segment ``s`` (``q_seqstart[s] <= i < q_seqstart[s+1]``) and
+  ``k_seqstart[s] <= j < k_seqstart[s] + k_seqlen[s]``; rows outside every segment see nothing;
+- padded keys: ``j < kv_seqlens[b]``;
+- band: ``band_lo[s] <= j - i <= band_hi[s]`` (``s`` is the row's segment, or 0 when the band is
+  uniform: ``band_lo`` has one element);
+- block layout: ``layout[b, h, (i + layout_q_off) // block_q, (j + layout_k_off) // block_k]``.
+
+Visible scores then get ``additive[b, h, i, j]`` and ``-alibi_slopes[b, h] * |j - i - alibi_shift|``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import InputError
+
+BAND_UNBOUNDED = 2**30
+FEATURES = ("segments", "padded_keys", "band", "layout", "additive", "alibi")
+
+
+@dataclass(frozen=True)
+class SpecHost:
+    """Host (CPU, Python) copies of the small metadata, so no decision needs a device sync."""
+
+    q_seqstart: tuple[int, ...] | None = None
+    k_seqstart: tuple[int, ...] | None = None
+    k_seqlen: tuple[int, ...] | None = None
+    kv_seqlens: tuple[int, ...] | None = None
+    band_lo: tuple[int, ...] | None = None
+    band_hi: tuple[int, ...] | None = None
+    layout: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class BiasSpec:
+    """Kernel-facing description of a bias for a call of size ``[B, H, Mq, Mk]`` (see module doc)."""
+
+    B: int
+    H: int
+    Mq: int
+    Mk: int
+    q_seqstart: torch.Tensor | None = None
+    k_seqstart: torch.Tensor | None = None
+    k_seqlen: torch.Tensor | None = None
+    kv_seqlens: torch.Tensor | None = None
+    band_lo: torch.Tensor | None = None
+    band_hi: torch.Tensor | None = None
+    layout: torch.Tensor | None = None
+    block_q: int = 0
+    block_k: int = 0
+    layout_q_off: int = 0
+    layout_k_off: int = 0
+    additive: torch.Tensor | None = None
+    alibi_slopes: torch.Tensor | None = None
+    alibi_shift: int = 0
+    host: SpecHost = field(default_factory=SpecHost)
+
+    @property
+    def features(self) -> frozenset[str]:
+        """Names of the fields that are present (a subset of :data:`FEATURES`)."""
+        present = {
+            "segments": self.q_seqstart is not None,
+            "padded_keys": self.kv_seqlens is not None,
+            "band": self.band_lo is not None,
+            "layout": self.layout is not None,
+            "additive": self.additive is not None,
+            "alibi": self.alibi_slopes is not None,
+        }
+        return frozenset(k for k, v in present.items() if v)
+
+    @property
+    def num_segments(self) -> int:
+        """Number of packed segments (0 without segments)."""
+        return 0 if self.host.k_seqlen is None or self.q_seqstart is None else len(self.host.k_seqlen)
+
+    @property
+    def band_uniform(self) -> bool:
+        """True when one band applies to every row."""
+        return self.host.band_lo is not None and len(self.host.band_lo) == 1
+
+    def causal_kind(self) -> str | None:
+        """``"top_left"``/``"bottom_right"`` when the band is plain causal with that alignment, else None.
+
+        Alignment is relative to the call's Mq/Mk (or to each segment when segments are present).
+        """
+        if self.host.band_lo is None or any(lo > -BAND_UNBOUNDED for lo in self.host.band_lo):
+            return None
+        his = self.host.band_hi
+        if self.q_seqstart is None:
+            if len(his) != 1:
+                return None
+            if his[0] == 0:
+                return "top_left"
+            if his[0] == self.Mk - self.Mq:
+                return "bottom_right"
+            return None
+        qs, ks, kl = self.host.q_seqstart, self.host.k_seqstart, self.host.k_seqlen
+        hi = [his[0]] * len(kl) if len(his) == 1 else list(his)
+        if all(h == ks[s] - qs[s] for s, h in enumerate(hi)):
+            return "top_left"
+        if all(h == ks[s] + kl[s] - qs[s + 1] for s, h in enumerate(hi)):
+            return "bottom_right"
+        return None
+
+    def window(self) -> tuple[int | None, int | None]:
+        """``(left, right)`` of a uniform band relative to its diagonal, None where unbounded."""
+        if self.host.band_lo is None or len(self.host.band_lo) != 1:
+            return (None, None)
+        lo, hi = self.host.band_lo[0], self.host.band_hi[0]
+        return (None if lo <= -BAND_UNBOUNDED else lo, None if hi >= BAND_UNBOUNDED else hi)
+
+
+class SpecBuilder:
+    """Collects atoms' contributions in the bias' global coordinates; :meth:`build` folds offsets."""
+
+    def __init__(self, g, device):
+        self.g = g
+        self.device = device
+        self.segments: tuple[list[int], list[int], list[int]] | None = None
+        self.segment_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.segment_band: tuple[list[int], list[int]] | None = None
+        self.band = [-BAND_UNBOUNDED, BAND_UNBOUNDED]
+        self.has_band = False
+        self.kv_seqlens: list[int] | None = None
+        self.kv_tensor: torch.Tensor | None = None
+        self.layout = None
+        self.additive: torch.Tensor | None = None
+        self.alibi: torch.Tensor | None = None
+        self.alibi_shift = 0
+
+    # Contributions, in global coordinates (d = j - i on the bias' own full grid).
+    def add_band(self, lo: int | None, hi: int | None) -> None:
+        self.has_band = True
+        if lo is not None:
+            self.band[0] = max(self.band[0], lo)
+        if hi is not None:
+            self.band[1] = min(self.band[1], hi)
+
+    def add_segments(self, qs, ks, kl, tensors, band=None) -> None:
+        if self.segments is not None:  # equal segments (checked when composing): intersect the bands
+            if band is not None and self.segment_band is not None:
+                lo, hi = self.segment_band
+                band = ([max(a, b) for a, b in zip(lo, band[0])], [min(a, b) for a, b in zip(hi, band[1])])
+            if band is not None:
+                self.segment_band = (list(band[0]), list(band[1]))
+            return
+        self.segments = (list(qs), list(ks), list(kl))
+        self.segment_tensors = tensors
+        if band is not None:
+            self.segment_band = (list(band[0]), list(band[1]))
+
+    def add_kv_seqlens(self, lengths, tensor) -> None:
+        if self.kv_seqlens is None:
+            self.kv_seqlens, self.kv_tensor = list(lengths), tensor
+        else:
+            self.kv_seqlens = [min(a, b) for a, b in zip(self.kv_seqlens, lengths)]
+            self.kv_tensor = torch.minimum(self.kv_tensor, tensor)
+
+    def add_layout(self, layout: torch.Tensor, bq: int, bk: int) -> None:
+        if self.layout is None:
+            self.layout = (layout, bq, bk)
+        else:
+            self.layout = (self.layout[0] & layout, bq, bk)
+
+    def add_additive(self, tensor: torch.Tensor) -> None:
+        self.additive = tensor if self.additive is None else self.additive + tensor
+
+    def add_alibi(self, slopes: torch.Tensor, shift: int) -> None:
+        self.alibi = slopes if self.alibi is None else self.alibi + slopes
+        self.alibi_shift = shift
+
+    def build(self) -> BiasSpec:
+        g = self.g
+        dev = self.device
+        i32 = dict(dtype=torch.int32, device=dev)
+        shift = g.q_off - g.k_off  # local d = global d + shift
+        kw: dict = {}
+        host: dict = {}
+
+        def local(v: int, unbounded: int) -> int:
+            return v if abs(v) >= BAND_UNBOUNDED else v + shift
+
+        if self.segments is not None:
+            qs, ks, kl = self.segments
+            kl = list(kl)
+            if self.kv_seqlens is not None:
+                if len(self.kv_seqlens) != 1:
+                    raise InputError(f"packed (block-diagonal) biases need batch size 1, padded keys give {len(self.kv_seqlens)}")
+                L = self.kv_seqlens[0]
+                kl = [max(0, min(n, L - s)) for s, n in zip(ks, kl)]
+            lq = [min(max(s - g.q_off, 0), g.Mq) for s in qs]
+            lks = [min(max(s - g.k_off, 0), g.Mk) for s in ks]
+            kend = [min(max(s + n - g.k_off, 0), g.Mk) for s, n in zip(ks, kl)]
+            lkl = [max(e - s, 0) for s, e in zip(lks, kend)]
+            if lq == qs and lks == ks and lkl == list(self.segments[2]) and self.segment_tensors is not None:
+                kw["q_seqstart"], kw["k_seqstart"], kw["k_seqlen"] = self.segment_tensors
+            else:
+                kw["q_seqstart"] = torch.tensor(lq, **i32)
+                kw["k_seqstart"] = torch.tensor(lks, **i32)
+                kw["k_seqlen"] = torch.tensor(lkl, **i32)
+            host.update(q_seqstart=tuple(lq), k_seqstart=tuple(lks), k_seqlen=tuple(lkl))
+        elif self.kv_seqlens is not None:
+            kv = [min(max(n - g.k_off, 0), g.Mk) for n in self.kv_seqlens]
+            if len(kv) == 1 and g.B != 1:
+                kv = kv * g.B
+            if len(kv) != g.B:
+                raise InputError(f"PaddedKeysMask has {len(kv)} lengths, q has batch size B={g.B}")
+            same = kv == self.kv_seqlens and self.kv_tensor is not None
+            kw["kv_seqlens"] = self.kv_tensor if same else torch.tensor(kv, **i32)
+            host["kv_seqlens"] = tuple(kv)
+
+        if self.has_band or self.segment_band is not None:
+            lo_g, hi_g = self.band
+            if self.segment_band is not None:
+                los = [max(lo, lo_g) for lo in self.segment_band[0]]
+                his = [min(hi, hi_g) for hi in self.segment_band[1]]
+            else:
+                los, his = [lo_g], [hi_g]
+            los = [local(v, -BAND_UNBOUNDED) for v in los]
+            his = [local(v, BAND_UNBOUNDED) for v in his]
+            if len(set(los)) == 1 and len(set(his)) == 1:
+                los, his = los[:1], his[:1]
+            kw["band_lo"] = torch.tensor(los, **i32)
+            kw["band_hi"] = torch.tensor(his, **i32)
+            host.update(band_lo=tuple(los), band_hi=tuple(his))
+
+        if self.layout is not None:
+            layout, bq, bk = self.layout
+            kw.update(layout=layout, block_q=bq, block_k=bk, layout_q_off=g.q_off, layout_k_off=g.k_off)
+            host["layout"] = layout.to("cpu") if layout.device.type != "cpu" else layout
+
+        if self.additive is not None:
+            a = self.additive
+            a = a.reshape((1,) * (4 - a.dim()) + tuple(a.shape)) if a.dim() < 4 else a
+            if a.shape[2] != 1:
+                a = a[:, :, g.q_off : g.q_off + g.Mq]
+            if a.shape[3] != 1:
+                a = a[:, :, :, g.k_off : g.k_off + g.Mk]
+            try:
+                torch.broadcast_shapes(a.shape, (g.B, g.H, g.Mq, g.Mk))
+            except RuntimeError:
+                raise InputError(
+                    f"AdditiveBias of shape {list(self.additive.shape)} does not broadcast to "
+                    f"[B, H, Mq, Mk] = {[g.B, g.H, g.Mq, g.Mk]}"
+                ) from None
+            kw["additive"] = a
+
+        if self.alibi is not None:
+            kw["alibi_slopes"] = self.alibi
+            kw["alibi_shift"] = self.alibi_shift + shift
+
+        return BiasSpec(B=g.B, H=g.H, Mq=g.Mq, Mk=g.Mk, host=SpecHost(**host), **kw)
+
+
+def lower(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasSpec:
+    """Lower ``bias`` (an AttentionBias or None) for a call with q ``[B, H, Mq, D]`` and k ``[B, *, Mk, D]``."""
+    if bias is None:
+        return BiasSpec(B=B, H=H, Mq=Mq, Mk=Mk)
+    key = (B, H, Mq, Mk, str(device))
+    cacheable = not any(t.requires_grad for a in bias.atoms for t in a.tensors().values())
+    cache = bias.__dict__.setdefault("_spec_cache", {}) if cacheable else {}
+    spec = cache.get(key)
+    if spec is None:
+        g = bias.geometry(B, H, Mq, Mk)
+        builder = SpecBuilder(g, device if device is not None else bias.device)
+        for atom in bias.atoms:
+            atom.lower(builder)
+        spec = builder.build()
+        if len(cache) > 16:
+            cache.clear()
+        cache[key] = spec
+    return spec

@@ -1,0 +1,157 @@
+"""Validated attention inputs: every check of the design runs here, before any operator is touched."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from .bias import AdditiveBias, AttentionBias, BiasSpec, lower
+from .errors import InputError, InputTypeError
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """q ``[B, Hq, Mq, D]``, k ``[B, Hkv, Mk, D]``, v ``[B, Hkv, Mk, Dv]`` with their lowered bias."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    bias: AttentionBias | None
+    spec: BiasSpec
+    scale: float
+    dropout_p: float = 0.0
+    requires_grad: bool = False
+
+    @property
+    def B(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def Hq(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def Hkv(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def Mq(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def Mk(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def D(self) -> int:
+        return self.q.shape[3]
+
+    @property
+    def Dv(self) -> int:
+        return self.v.shape[3]
+
+    @property
+    def groups(self) -> int:
+        """Query heads per KV head (1 for multi-head attention)."""
+        return self.Hq // self.Hkv
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def additive(self) -> torch.Tensor | None:
+        """The spec's additive tensor (4-D, broadcastable to ``[B, Hq, Mq, Mk]``), or None."""
+        return self.spec.additive
+
+    def with_tensors(self, q, k, v, additive) -> AttentionInputs:
+        """Same inputs with the tensors replaced (inside autograd functions)."""
+        spec = self.spec if additive is self.spec.additive else replace(self.spec, additive=additive)
+        return replace(self, q=q, k=k, v=v, spec=spec)
+
+    def describe(self) -> str:
+        """One line describing the inputs (for errors and explain())."""
+        feats = ", ".join(sorted(self.spec.features)) or "none"
+        bias = type(self.bias).__name__ if self.bias is not None else "None"
+        grad = ", backward" if self.requires_grad else ""
+        drop = f", dropout_p={self.dropout_p}" if self.dropout_p else ""
+        return (
+            f"q [{self.B}, {self.Hq}, {self.Mq}, {self.D}], k [{self.B}, {self.Hkv}, {self.Mk}, {self.D}], "
+            f"v Dv={self.Dv}, {str(self.dtype).replace('torch.', '')} on {self.device}, "
+            f"attn_bias={bias} (features: {feats}){drop}{grad}"
+        )
+
+
+def _check_tensor(name: str, t, expected_rank_text: str) -> None:
+    if not isinstance(t, torch.Tensor) or isinstance(t, AttentionBias):
+        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise InputError(f"{name} must be 4-D {expected_rank_text}, got shape {list(t.shape)}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise InputTypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+
+
+def as_bias(attn_bias) -> AttentionBias | None:
+    """Wrap a plain float/bool tensor into an :class:`AdditiveBias`; pass biases and None through."""
+    if attn_bias is None or isinstance(attn_bias, AttentionBias):
+        return attn_bias
+    if isinstance(attn_bias, torch.Tensor):
+        return AdditiveBias(attn_bias)
+    raise InputTypeError(f"attn_bias must be a biasattn bias, a tensor or None, got {type(attn_bias).__name__}")
+
+
+def make_inputs(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, requires_grad=None) -> AttentionInputs:
+    """Validate everything and lower the bias; raises InputError / InputTypeError with a clear message."""
+    _check_tensor("q", q, "[B, Hq, Mq, D]")
+    _check_tensor("k", k, "[B, Hkv, Mk, D]")
+    _check_tensor("v", v, "[B, Hkv, Mk, Dv]")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise InputTypeError(f"{name} has dtype {t.dtype}, q has {q.dtype}; they must agree")
+        if t.device != q.device:
+            raise InputTypeError(f"{name} is on {t.device}, q is on {q.device}; they must agree")
+    B, Hq, Mq, D = q.shape
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[0] != B:
+            raise InputError(f"{name} has batch size {t.shape[0]}, q has {B}")
+    if k.shape[3] != D:
+        raise InputError(f"k has head dim {k.shape[3]}, q has {D}")
+    if v.shape[1] != k.shape[1]:
+        raise InputError(f"v has {v.shape[1]} heads, k has {k.shape[1]}")
+    if v.shape[2] != k.shape[2]:
+        raise InputError(f"v has Mk={v.shape[2]} keys, k has {k.shape[2]}")
+    if D == 0 or v.shape[3] == 0:
+        raise InputError(f"head dims must be positive, got D={D}, Dv={v.shape[3]}")
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise InputError(f"q has Hq={Hq} heads, which is not a multiple of k's Hkv={Hkv} heads")
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise InputError(f"scale must be a finite float, got {scale!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise InputError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+
+    bias = as_bias(attn_bias)
+    if bias is not None:
+        if bias.device != q.device:
+            raise InputTypeError(f"attn_bias is on {bias.device}, q is on {q.device}; move it with attn_bias.to(q.device)")
+        bB, bH, bMq, bMk = bias.sizes
+        for name, got, want, what in (("batch size", bB, B, "q"), ("heads", bH, Hq, "q"), ("Mq", bMq, Mq, "q"), ("Mk", bMk, k.shape[2], "k")):
+            if got is not None and got != want:
+                raise InputError(f"attn_bias ({type(bias).__name__}) has {name} {got}, {what} has {want}")
+    spec = lower(bias, B, Hq, Mq, k.shape[2], q.device)
+    if requires_grad is None:
+        requires_grad = torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad
+            or (spec.additive is not None and spec.additive.requires_grad)
+        )
+    return AttentionInputs(q, k, v, bias, spec, float(scale), float(dropout_p), bool(requires_grad))

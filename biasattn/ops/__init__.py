@@ -1,0 +1,55 @@
+"""Operator registry: ``available()`` names the registered operators, ``get(name)`` returns one."""
+
+from __future__ import annotations
+
+from ..errors import InputError
+from .base import Operator
+from .chunked import ChunkedOperator
+from .reference import ReferenceOperator
+
+_REGISTRY: dict[str, Operator] = {}
+
+
+def register(op: Operator) -> Operator:
+    """Add an operator to the registry (replacing one of the same name)."""
+    _REGISTRY[op.NAME] = op
+    return op
+
+
+def available() -> list[str]:
+    """Names of the registered operators, in registration order."""
+    return list(_REGISTRY)
+
+
+def get(name: str | Operator) -> Operator:
+    """The operator named ``name`` (an Operator passes through)."""
+    if isinstance(name, Operator):
+        return name
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise InputError(f"op must be one of {available()}, got {name!r}") from None
+
+
+def _register_builtin() -> None:
+    for module, cls in (
+        ("triton_flash", "TritonOperator"),
+        ("triton_splitk", "TritonSplitKOperator"),
+        ("cutlass", "CutlassOperator"),
+        ("flash2", "Flash2Operator"),
+        ("cudnn", "CudnnOperator"),
+    ):
+        try:
+            mod = __import__(f"{__name__}.{module}", fromlist=[cls])
+        except ModuleNotFoundError as e:
+            if e.name and e.name.startswith(__name__):
+                continue  # operator not part of this build
+            raise
+        register(getattr(mod, cls)())
+    register(ChunkedOperator())
+    register(ReferenceOperator())
+
+
+_register_builtin()
+
+__all__ = ["Operator", "available", "get", "register"]

@@ -1,0 +1,38 @@
+"""The autograd function joining a forward operator with a backward operator."""
+
+from __future__ import annotations
+
+import torch
+
+from ..inputs import AttentionInputs
+from .base import Operator
+
+
+class _AttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, additive, inp: AttentionInputs, fwd_op: Operator, bwd_op: Operator | None):
+        inp = inp.with_tensors(q, k, v, additive)
+        out, lse, saved = fwd_op.fwd(inp)
+        ctx.save_for_backward(q, k, v, additive, out, lse)
+        ctx.inp, ctx.saved, ctx.bwd_op = inp, saved, bwd_op
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, additive, out, lse = ctx.saved_tensors
+        if ctx.bwd_op is None:
+            raise RuntimeError("biasattn: this attention call was made without gradients in mind; call it again with requires_grad inputs")
+        inp = ctx.inp.with_tensors(q, k, v, additive)
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv, dadd = ctx.bwd_op.bwd(inp, out, lse, ctx.saved, dout.contiguous(), dlse)
+        return dq, dk, dv, dadd, None, None, None
+
+
+def run(inp: AttentionInputs, fwd_op: Operator, bwd_op: Operator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` through ``fwd_op``; gradients through ``bwd_op`` when ``inp.requires_grad``."""
+    if not inp.requires_grad:
+        with torch.no_grad():
+            out, lse, _ = fwd_op.fwd(inp)
+        return out, lse
+    return _AttentionFunction.apply(inp.q, inp.k, inp.v, inp.additive, inp, fwd_op, bwd_op)

@@ -1,0 +1,133 @@
+"""Operator declarations: what each operator supports, stated as data and checked in one place.
+
+An operator implements two raw (autograd-free) functions:
+
+- ``fwd(inp) -> (out [B, Hq, Mq, Dv] in q's dtype, lse [B, Hq, Mq] float32 (float64 for float64 inputs), ctx)``
+- ``bwd(inp, out, lse, ctx, dout, dlse) -> (dq, dk, dv, dadditive)``
+
+``ctx`` is whatever the operator needs to replay its forward (a dropout seed, say). The autograd
+function in :mod:`biasattn.ops.autograd` joins a forward operator with a backward operator.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from ..inputs import AttentionInputs
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+class Operator:
+    """Base class: subclasses fill in the declarations and ``fwd``/``bwd``."""
+
+    NAME: ClassVar[str] = ""
+    DESCRIPTION: ClassVar[str] = ""
+    DEVICES: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
+    MIN_CAPABILITY: ClassVar[tuple[int, int]] = (0, 0)
+    DTYPES: ClassVar[frozenset[torch.dtype]] = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+    MIN_HEAD_DIM: ClassVar[int] = 1
+    MAX_HEAD_DIM: ClassVar[int | None] = None
+    REQUIRES_EQUAL_V_DIM: ClassVar[bool] = False
+    FEATURES: ClassVar[frozenset[str]] = frozenset()
+    SUPPORTS_DROPOUT: ClassVar[bool] = False
+    SUPPORTS_BACKWARD: ClassVar[bool] = False
+    SUPPORTS_BIAS_GRAD: ClassVar[bool] = False
+    SUPPORTS_GQA: ClassVar[bool] = False
+    SUPPORTS_LSE: ClassVar[bool] = True
+    DETERMINISTIC: ClassVar[bool] = True
+    MAX_MQ: ClassVar[int | None] = None
+    SUPPORTS_EMPTY: ClassVar[bool] = False
+
+    @property
+    def name(self) -> str:
+        return self.NAME
+
+    # ----------------------------------------------------------------------------- checks
+    def environment_reasons(self, device: torch.device | None = None) -> list[str]:
+        """Reasons that do not depend on the inputs (missing entry point, interpreter off, ...)."""
+        return []
+
+    def not_supported_reasons(self, inp: AttentionInputs, *, need_lse: bool = False, backward: bool | None = None) -> list[str]:
+        """Every reason this operator cannot run ``inp``, one sentence each; empty when it can.
+
+        ``backward`` defaults to ``inp.requires_grad``.
+        """
+        backward = inp.requires_grad if backward is None else backward
+        reasons = list(self.environment_reasons(inp.device))
+        dev = inp.device
+        if dev.type not in self.DEVICES:
+            reasons.append(f"runs on {'/'.join(sorted(self.DEVICES))} tensors, the inputs are on {dev}")
+        elif dev.type == "cuda" and self.MIN_CAPABILITY > (0, 0):
+            cap = torch.cuda.get_device_capability(dev)
+            if cap < self.MIN_CAPABILITY:
+                reasons.append(f"needs compute capability {self.MIN_CAPABILITY[0]}.{self.MIN_CAPABILITY[1]}+, the device has {cap[0]}.{cap[1]}")
+        if inp.dtype not in self.DTYPES:
+            names = ", ".join(sorted(_dtype_name(d) for d in self.DTYPES))
+            reasons.append(f"supports dtypes {names}, got {_dtype_name(inp.dtype)}")
+        if inp.D < self.MIN_HEAD_DIM or (self.MAX_HEAD_DIM is not None and max(inp.D, inp.Dv) > self.MAX_HEAD_DIM):
+            reasons.append(f"supports head dims {self.MIN_HEAD_DIM}..{self.MAX_HEAD_DIM}, got D={inp.D}, Dv={inp.Dv}")
+        if self.REQUIRES_EQUAL_V_DIM and inp.Dv != inp.D:
+            reasons.append(f"needs Dv == D, got Dv={inp.Dv}, D={inp.D}")
+        missing = inp.spec.features - self.FEATURES
+        if missing:
+            reasons.append(f"does not support bias features {sorted(missing)} (from {type(inp.bias).__name__})")
+        if inp.dropout_p > 0 and not self.SUPPORTS_DROPOUT:
+            reasons.append(f"does not support dropout (dropout_p={inp.dropout_p})")
+        if backward and not self.SUPPORTS_BACKWARD:
+            reasons.append("has no backward pass and gradients are required")
+        if backward and inp.additive is not None and inp.additive.requires_grad and not self.SUPPORTS_BIAS_GRAD:
+            reasons.append("cannot compute the gradient of the additive bias, which requires grad")
+        if inp.groups > 1 and not self.SUPPORTS_GQA:
+            reasons.append(f"does not support grouped-query attention (Hq={inp.Hq}, Hkv={inp.Hkv})")
+        if need_lse and not self.SUPPORTS_LSE:
+            reasons.append("does not return the log-sum-exp")
+        if self.MAX_MQ is not None and inp.Mq > self.MAX_MQ:
+            reasons.append(f"handles at most Mq={self.MAX_MQ} queries, got Mq={inp.Mq}")
+        if backward and torch.are_deterministic_algorithms_enabled() and not self.DETERMINISTIC:
+            reasons.append("is not deterministic and torch.use_deterministic_algorithms(True) is set")
+        if min(inp.B, inp.Mq, inp.Mk) == 0 and not self.SUPPORTS_EMPTY:
+            reasons.append(f"does not handle empty inputs (B={inp.B}, Mq={inp.Mq}, Mk={inp.Mk})")
+        reasons.extend(self.extra_reasons(inp, backward=backward))
+        return reasons
+
+    def extra_reasons(self, inp: AttentionInputs, *, backward: bool) -> list[str]:
+        """Operator-specific limits beyond the declarations."""
+        return []
+
+    def supports(self, inp: AttentionInputs, **kwargs) -> bool:
+        """True when :meth:`not_supported_reasons` is empty."""
+        return not self.not_supported_reasons(inp, **kwargs)
+
+    # ----------------------------------------------------------------------------- compute
+    def fwd(self, inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        raise NotImplementedError
+
+    def bwd(self, inp, out, lse, ctx, dout, dlse):
+        raise NotImplementedError
+
+    def declarations(self) -> dict[str, Any]:
+        """The declarations as a plain dict (docs tables and `python -m biasattn info` read it)."""
+        return {
+            "name": self.NAME,
+            "description": self.DESCRIPTION,
+            "devices": sorted(self.DEVICES),
+            "min_capability": ".".join(map(str, self.MIN_CAPABILITY)),
+            "dtypes": sorted(_dtype_name(d) for d in self.DTYPES),
+            "head_dims": f"{self.MIN_HEAD_DIM}..{self.MAX_HEAD_DIM or 'any'}",
+            "features": sorted(self.FEATURES),
+            "dropout": self.SUPPORTS_DROPOUT,
+            "backward": self.SUPPORTS_BACKWARD,
+            "bias_grad": self.SUPPORTS_BIAS_GRAD,
+            "gqa": self.SUPPORTS_GQA,
+            "lse": self.SUPPORTS_LSE,
+            "deterministic": self.DETERMINISTIC,
+            "max_mq": self.MAX_MQ,
+        }
+
+    def __repr__(self) -> str:
+        return f"<biasattn operator {self.NAME!r}>"

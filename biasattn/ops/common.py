@@ -1,0 +1,37 @@
+"""Small helpers shared by the PyTorch operators."""
+
+from __future__ import annotations
+
+import torch
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def group_heads(t: torch.Tensor, Hkv: int) -> torch.Tensor:
+    """View ``[B, Hq, ...]`` (or a head-broadcast ``[B, 1, ...]``) as ``[B, Hkv, G, ...]``."""
+    b, h = t.shape[:2]
+    if h == 1:
+        return t.reshape(b, 1, 1, *t.shape[2:])
+    return t.reshape(b, Hkv, h // Hkv, *t.shape[2:])
+
+
+def reduce_to(t: torch.Tensor, shape) -> torch.Tensor:
+    """Sum ``t`` over the dims where ``shape`` broadcasts (size 1), keeping dims."""
+    dims = [d for d, (n, m) in enumerate(zip(t.shape, shape)) if m == 1 and n != 1]
+    return t.sum(dim=dims, keepdim=True) if dims else t
+
+
+def dropout_keep(seed: int, tile: tuple[int, int], shape, p: float, device) -> torch.Tensor:
+    """Deterministic keep-mask (float, 0 or 1/(1-p)) of one tile; the same tile gives the same mask."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + tile[0] * 92_821 + tile[1]) % (2**63 - 1))
+    keep = torch.rand(shape, generator=gen, device=device) >= p
+    return keep.to(torch.float32) / (1.0 - p)
+
+
+def new_seed() -> int:
+    """A dropout seed drawn from torch's default CPU generator (so torch.manual_seed reproduces it)."""
+    return int(torch.randint(0, 2**62, (1,)).item())

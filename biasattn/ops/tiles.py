@@ -1,0 +1,116 @@
+"""The spec's meaning on one tile, in plain PyTorch, and host-side ranges of visible keys.
+
+``tile_bias`` evaluates a :class:`~biasattn.bias.spec.BiasSpec` on rows ``[i0, i1)`` and columns
+``[j0, j1)``; ``key_range`` bounds the keys a block of query rows can see, from host metadata only
+(no device sync), so that operators skip hidden key blocks.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+
+import torch
+
+from ..bias.spec import BiasSpec
+
+
+def _segment_rows(spec: BiasSpec, i0: int, i1: int):
+    """Yield ``(s, r0, r1)``: segment ``s`` owns rows ``[r0, r1)`` of the row block ``[i0, i1)``."""
+    qs = spec.host.q_seqstart
+    s = max(bisect_right(qs, i0) - 1, 0)
+    while s < len(qs) - 1 and qs[s] < i1:
+        r0, r1 = max(qs[s], i0), min(qs[s + 1], i1)
+        if r0 < r1:
+            yield s, r0, r1
+        s += 1
+
+
+def key_range(spec: BiasSpec, i0: int, i1: int) -> tuple[int, int]:
+    """``[j_lo, j_hi)`` containing every key visible to some row in ``[i0, i1)`` (may be empty)."""
+    h = spec.host
+    lo_all, hi_all = spec.Mk, 0
+
+    def band(s: int) -> tuple[int, int]:
+        if h.band_lo is None:
+            return (-(2**31), 2**31)
+        k = 0 if len(h.band_lo) == 1 else s
+        return h.band_lo[k], h.band_hi[k]
+
+    if spec.q_seqstart is not None:
+        for s, r0, r1 in _segment_rows(spec, i0, i1):
+            lo_d, hi_d = band(s)
+            lo = max(h.k_seqstart[s], r0 + lo_d, 0)
+            hi = min(h.k_seqstart[s] + h.k_seqlen[s], r1 - 1 + hi_d + 1, spec.Mk)
+            if lo < hi:
+                lo_all, hi_all = min(lo_all, lo), max(hi_all, hi)
+    else:
+        lo_d, hi_d = band(0)
+        lo_all = max(0, i0 + lo_d)
+        hi_all = min(spec.Mk, i1 - 1 + hi_d + 1)
+        if h.kv_seqlens is not None:
+            hi_all = min(hi_all, max(h.kv_seqlens, default=0))
+    return (lo_all, hi_all) if lo_all < hi_all else (0, 0)
+
+
+def layout_allows(spec: BiasSpec, i0: int, i1: int, j0: int, j1: int) -> bool:
+    """False when the block layout hides the whole tile for every batch row and head."""
+    if spec.host.layout is None:
+        return True
+    qb0 = (i0 + spec.layout_q_off) // spec.block_q
+    qb1 = (i1 - 1 + spec.layout_q_off) // spec.block_q + 1
+    kb0 = (j0 + spec.layout_k_off) // spec.block_k
+    kb1 = (j1 - 1 + spec.layout_k_off) // spec.block_k + 1
+    return bool(spec.host.layout[:, :, qb0:qb1, kb0:kb1].any())
+
+
+def tile_bias(spec: BiasSpec, i0: int, i1: int, j0: int, j1: int, dtype: torch.dtype, device) -> torch.Tensor | None:
+    """Additive bias ``[B or 1, H or 1, i1-i0, j1-j0]`` of the tile (0 / -inf / values), or None if all zero."""
+    i = torch.arange(i0, i1, device=device)[:, None]
+    j = torch.arange(j0, j1, device=device)[None, :]
+    visible = None
+
+    def both(a, b):
+        return b if a is None else a & b
+
+    if spec.q_seqstart is not None:
+        qs = spec.q_seqstart.to(device=device, dtype=torch.int64)
+        seg = torch.searchsorted(qs, i[:, 0].contiguous(), right=True) - 1
+        nseg = qs.numel() - 1
+        inside = (seg >= 0) & (seg < nseg)
+        seg = seg.clamp(0, max(nseg - 1, 0))
+        ks = spec.k_seqstart.to(device=device, dtype=torch.int64)[seg][:, None]
+        kl = spec.k_seqlen.to(device=device, dtype=torch.int64)[seg][:, None]
+        visible = inside[:, None] & (j >= ks) & (j < ks + kl)
+    else:
+        seg = None
+    if spec.band_lo is not None:
+        lo = spec.band_lo.to(device=device, dtype=torch.int64)
+        hi = spec.band_hi.to(device=device, dtype=torch.int64)
+        if lo.numel() > 1:
+            lo, hi = lo[seg][:, None], hi[seg][:, None]
+        d = j - i
+        visible = both(visible, (d >= lo) & (d <= hi))
+    if visible is not None:
+        visible = visible[None, None]
+    if spec.kv_seqlens is not None:
+        lens = spec.kv_seqlens.to(device=device, dtype=torch.int64)[:, None, None, None]
+        visible = both(visible, j[None, None] < lens)
+    if spec.layout is not None:
+        rows = (i[:, 0] + spec.layout_q_off) // spec.block_q
+        cols = (j[0] + spec.layout_k_off) // spec.block_k
+        layout = spec.layout.to(device)
+        visible = both(visible, layout[:, :, rows][:, :, :, cols])
+    out = None
+    if visible is not None:
+        out = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+    if spec.additive is not None:
+        a = spec.additive
+        a = a[:, :, i0:i1] if a.shape[2] != 1 else a
+        a = a[:, :, :, j0:j1] if a.shape[3] != 1 else a
+        a = a.to(dtype)
+        out = a if out is None else out + a
+    if spec.alibi_slopes is not None:
+        dist = (j - i - spec.alibi_shift).abs().to(dtype)
+        al = -spec.alibi_slopes.to(device=device, dtype=dtype)[:, :, None, None] * dist
+        out = al if out is None else out + al
+    return out
