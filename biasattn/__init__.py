@@ -5,7 +5,7 @@
 >>> out = ba.attention(q, k, v, attn_bias=ba.LowerTriangularMask())
 """
 
-from . import ops
+from . import dispatch, errors, inputs, ops
 from .api import attention, attention_with_lse, explain, merge_attentions
 from .bias import (
     ALiBi,
