@@ -1,0 +1,1 @@
+"""Triton flash-attention kernels, their launchers and tile configurations."""

@@ -1,0 +1,223 @@
+"""Launchers of the split-KV kernels: ``splitk_attention_fwd``, ``merge_partials_triton``, and the split heuristic.
+
+Everything here is host-side and free of device syncs: the grid, the split count and the buffer
+sizes depend on shapes and on the spec's host metadata only, never on device values, so a call can
+be captured in a CUDA graph and replayed with new cache lengths written into the same tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ...inputs import AttentionInputs
+from .splitk_kernels import _merge_partials_kernel, _splitk_fwd_kernel
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 128
+SPLIT_SLACK = 0.05
+
+
+def choose_num_splits(
+    batch_heads: int, key_tiles: int, num_sms: int, *, programs_per_sm: int = 2,
+    split_overhead_tiles: float = 1.0, max_splits: int = MAX_SPLITS,
+) -> int:
+    """Number of programs sharing one (sequence, KV head, row block)'s key tiles; 1 means no split.
+
+    The grid has ``batch_heads · S`` programs and ``num_sms · programs_per_sm`` of them run at once
+    (a wave). When ``batch_heads`` alone fills a wave the grid is already full: no split. Otherwise
+    the modelled time of ``S`` splits is ``waves(S) · (ceil(key_tiles / S) + overhead)``, where
+    ``overhead`` is a program's fixed cost in tile loads (its start, and writing and merging its
+    partial output); the answer is the fewest splits within ``SPLIT_SLACK`` (5%) of the best time,
+    so that near-ties do not buy extra merge work. Never more splits than tiles.
+    """
+    if batch_heads <= 0 or key_tiles <= 1 or num_sms <= 0:
+        return 1
+    slots = num_sms * max(1, programs_per_sm)
+    if batch_heads >= slots:
+        return 1
+    candidates = range(1, min(max_splits, key_tiles) + 1)
+    costs = [math.ceil(batch_heads * s / slots) * (math.ceil(key_tiles / s) + split_overhead_tiles) for s in candidates]
+    best = min(costs)
+    return next(s for s, c in zip(candidates, costs) if c <= best * (1 + SPLIT_SLACK))
+
+
+@dataclass(frozen=True)
+class SplitKConfig:
+    """Tile sizes and launch parameters of one call."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(max(n, 1)))
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (4 for the CPU, where kernels run under the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.device) -> SplitKConfig:
+    """Tiles for ``rows`` packed query rows (group heads × queries); small key tiles under the interpreter."""
+    widest = max(head_dim, head_dim_v)
+    block_m = min(_pow2(rows), 128 if widest <= 128 else 64)
+    if device.type != "cuda":
+        return SplitKConfig(block_m, 16, 4, 1)
+    block_n = 64 if widest <= 128 else 32
+    return SplitKConfig(block_m, block_n, 4 if block_m <= 64 else 8, 3)
+
+
+def _keys_per_sequence(inp: AttentionInputs, mq_stride: int) -> int:
+    """Host bound on the keys one sequence's rows can see (sizes the split; never affects results)."""
+    spec, h = inp.spec, inp.spec.host
+    if spec.q_seqstart is not None:
+        keys = max(h.k_seqlen, default=0)
+    elif h.kv_seqlens is not None:
+        keys = min(inp.Mk, max(h.kv_seqlens, default=0))
+    else:
+        keys = inp.Mk
+    if h.band_lo is not None:
+        widths = [hi - lo + mq_stride for lo, hi in zip(h.band_lo, h.band_hi)]
+        keys = min(keys, max(max(widths), 0))
+    return keys
+
+
+def _strides4(t: torch.Tensor | None) -> tuple[int, int, int, int]:
+    """Strides of a broadcastable 4-D tensor, 0 on size-1 dims."""
+    if t is None:
+        return (0, 0, 0, 0)
+    return tuple(0 if n == 1 else s for n, s in zip(t.shape, t.stride()))
+
+
+def splitk_attention_fwd(
+    inp: AttentionInputs, *, num_splits: int | None = None, config: SplitKConfig | None = None,
+    out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV attention forward: ``(out [B, Hq, Mq, Dv] in q's dtype, lse [B, Hq, Mq] float32)``.
+
+    ``num_splits`` and ``config`` override the heuristic and the default tiles (tests, benchmarks).
+    ``out``/``lse`` receive the result; ``partials`` (``[S, B, Hq, Mq, Dv]`` and ``[S, B, Hq, Mq]``
+    float32) receive the per-split results when ``S > 1``. All are allocated when not given.
+    """
+    q, k, v, spec = inp.q, inp.k, inp.v, inp.spec
+    B, Hq, Mq, D = q.shape
+    Hkv, Mk, Dv, G = k.shape[1], k.shape[2], v.shape[3], inp.groups
+    dev = q.device
+    if out is None:
+        out = torch.empty((B, Hq, Mq, Dv), dtype=q.dtype, device=dev)
+    if lse is None:
+        lse = torch.empty((B, Hq, Mq), dtype=torch.float32, device=dev)
+    if B == 0 or Hq == 0 or Mq == 0:
+        return out, lse
+    segments = spec.q_seqstart is not None
+    qs = spec.host.q_seqstart if segments else (0, Mq)
+    Z = len(qs) - 1 if segments else B
+    if Mk == 0 or Z == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+
+    mq_stride = max([b - a for a, b in zip(qs, qs[1:])] + [1])
+    rows = G * mq_stride
+    head_dim, head_dim_v = _pow2(D), _pow2(Dv)
+    cfg = config or default_config(rows, head_dim, head_dim_v, dev)
+    row_blocks = triton.cdiv(rows, cfg.block_m)
+    key_tiles = triton.cdiv(_keys_per_sequence(inp, mq_stride), cfg.block_n) + 1
+    if num_splits is None:
+        tile_bytes = cfg.block_n * (head_dim + head_dim_v) * q.element_size()
+        smem = max(cfg.num_stages, 1) * tile_bytes
+        num_splits = choose_num_splits(
+            Z * Hkv * row_blocks, key_tiles, num_sms(dev),
+            programs_per_sm=max(1, min(4, (200 * 1024) // smem)),
+            split_overhead_tiles=1.0 + min(rows, cfg.block_m) * Dv * 8 / tile_bytes,
+        )
+
+    if num_splits == 1:
+        o_buf, l_buf = out, lse
+        so, sl = (0,) + tuple(out.stride()), (0,) + tuple(lse.stride())
+    else:
+        if partials is None:
+            partials = (
+                torch.empty((num_splits, B, Hq, Mq, Dv), dtype=torch.float32, device=dev),
+                torch.empty((num_splits, B, Hq, Mq), dtype=torch.float32, device=dev),
+            )
+        o_buf, l_buf = partials
+        so, sl = o_buf.stride(), l_buf.stride()
+
+    add = spec.additive
+    slopes = spec.alibi_slopes
+    sa = _strides4(add)
+    ss = (0, 0) if slopes is None else tuple(0 if n == 1 else s for n, s in zip(slopes.shape, slopes.stride()))
+    band_per_segment = spec.band_lo is not None and spec.band_lo.numel() > 1
+    placeholder = spec.kv_seqlens if spec.kv_seqlens is not None else q
+    grid = (Z * Hkv * row_blocks, num_splits)
+    _splitk_fwd_kernel[grid](
+        q, k, v, o_buf, l_buf,
+        placeholder, spec.q_seqstart if segments else q, spec.k_seqstart if segments else q,
+        spec.k_seqlen if segments else q,
+        spec.band_lo if spec.band_lo is not None else q, spec.band_hi if spec.band_hi is not None else q,
+        add if add is not None else q, slopes if slopes is not None else q,
+        inp.scale * LOG2E, spec.alibi_shift,
+        *q.stride(), *k.stride(), *v.stride(), *so, *sl, *sa, *ss,
+        Hkv, Mq, Mk, D, Dv, G, row_blocks, num_splits, mq_stride,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+        HAS_KV_LEN=spec.kv_seqlens is not None and not segments, HAS_SEGMENTS=segments,
+        HAS_BAND=spec.band_lo is not None, BAND_PER_SEGMENT=band_per_segment,
+        HAS_ADDITIVE=add is not None, HAS_ALIBI=slopes is not None,
+        EVEN_D=head_dim == D, EVEN_DV=head_dim_v == Dv,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if num_splits > 1:
+        merge_partials_triton(o_buf, l_buf, out=out, lse=lse)
+    if segments and (qs[0] > 0 or qs[-1] < Mq):  # rows outside every segment see nothing
+        for rows_ in (slice(0, qs[0]), slice(qs[-1], Mq)):
+            out[:, :, rows_] = 0
+            lse[:, :, rows_] = float("-inf")
+    return out, lse
+
+
+def merge_partials_triton(
+    outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype | None = None, *,
+    out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton path of :func:`biasattn.ops.merge.merge_partials` (forward only, no autograd).
+
+    ``outs [S, ..., M, Dv]``, ``lses [S, ..., M]`` → ``(out [..., M, Dv], lse [..., M] float32)``.
+    """
+    S, Dv = outs.shape[0], outs.shape[-1]
+    lead = tuple(outs.shape[1:-1])
+    if out is None:
+        out = torch.empty(lead + (Dv,), dtype=out_dtype or outs.dtype, device=outs.device)
+    if lse is None:
+        lse = torch.empty(lead, dtype=torch.float32, device=outs.device)
+    R = math.prod(lead)
+    if R == 0 or Dv == 0:
+        return out, lse
+    parts = outs.reshape(S, R, Dv)
+    part_lse = lses.reshape(S, R)
+    out2, lse1 = out.view(R, Dv), lse.view(R)
+    block_d = min(128, triton.next_power_of_2(Dv))
+    block_s = min(32, triton.next_power_of_2(S))
+    _merge_partials_kernel[(R, triton.cdiv(Dv, block_d))](
+        parts, part_lse, out2, lse1, S, Dv,
+        *parts.stride(), *part_lse.stride(), *out2.stride(), lse1.stride(0),
+        BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4 if block_s * block_d >= 2048 else 2,
+    )
+    return out, lse

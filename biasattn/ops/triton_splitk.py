@@ -1,0 +1,71 @@
+"""The ``triton_splitk`` operator: decoding attention with the key range split across programs.
+
+For a few queries per sequence (``Mq <= 16``) against a long KV cache, a flash kernel that
+parallelises over query tiles leaves most of the GPU idle at small batch. This operator packs the
+query heads of a GQA group and the sequence's queries into one tile (each K/V tile is read once per
+group), splits every sequence's visible keys across programs (:func:`~biasattn.ops.triton.splitk.choose_num_splits`),
+and merges the partial results by log-sum-exp with the kernel behind ``ba.merge_attentions``.
+
+Biases: padded keys (each sequence's own cache length; keys past it are never read), packed
+sequences (``Mq <= 16`` per sequence), bands (bottom-right causal, sliding windows), ALiBi, and
+additive tensors. Forward only. CUDA sm80+; on the CPU only under ``TRITON_INTERPRET=1`` (tests).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from ..inputs import AttentionInputs
+from .base import Operator
+
+
+class TritonSplitKOperator(Operator):
+    """Split-KV Triton forward for small query counts: ``q [B, Hq, Mq<=16, D]`` against long ``k``/``v``."""
+
+    NAME = "triton_splitk"
+    DESCRIPTION = "Triton split-KV decoding: keys split across programs, merged by log-sum-exp; Mq <= 16 per sequence"
+    DEVICES = frozenset({"cuda", "cpu"})
+    MIN_CAPABILITY = (8, 0)
+    DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+    MAX_HEAD_DIM = 256
+    FEATURES = frozenset({"segments", "padded_keys", "band", "additive", "alibi"})
+    SUPPORTS_GQA = True
+    SUPPORTS_EMPTY = True
+    MAX_MQ = 16
+
+    def environment_reasons(self, device: torch.device | None = None) -> list[str]:
+        """Triton must be installed; on the CPU the Triton interpreter must be on."""
+        if importlib.util.find_spec("triton") is None:
+            return ["needs the triton package, which is not installed"]
+        if device is not None and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            return ["runs on the CPU only under the Triton interpreter (TRITON_INTERPRET=1), which is not set"]
+        return []
+
+    def not_supported_reasons(self, inp: AttentionInputs, *, need_lse: bool = False, backward: bool | None = None) -> list[str]:
+        """The declared checks, with ``MAX_MQ`` applied per sequence when queries are packed (segments)."""
+        reasons = super().not_supported_reasons(inp, need_lse=need_lse, backward=backward)
+        if inp.spec.q_seqstart is not None:
+            reasons = [r for r in reasons if r != f"handles at most Mq={self.MAX_MQ} queries, got Mq={inp.Mq}"]
+        return reasons
+
+    def extra_reasons(self, inp: AttentionInputs, *, backward: bool) -> list[str]:
+        """Packed sequences of more than MAX_MQ queries; bfloat16 under the interpreter (its bf16 dot is inexact)."""
+        reasons = []
+        qs = inp.spec.host.q_seqstart
+        if inp.spec.q_seqstart is not None and qs is not None:
+            longest = max([b - a for a, b in zip(qs, qs[1:])], default=0)
+            if longest > self.MAX_MQ:
+                reasons.append(f"handles at most {self.MAX_MQ} queries per packed sequence, got a sequence of {longest}")
+        if inp.device.type == "cpu" and inp.dtype == torch.bfloat16:
+            reasons.append("does not run bfloat16 on the CPU: the Triton interpreter's bfloat16 matmul is inexact")
+        return reasons
+
+    def fwd(self, inp: AttentionInputs):
+        """``(out [B, Hq, Mq, Dv], lse [B, Hq, Mq] float32, None)``."""
+        from .triton.splitk import splitk_attention_fwd
+
+        out, lse = splitk_attention_fwd(inp)
+        return out, lse, None

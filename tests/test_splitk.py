@@ -1,0 +1,276 @@
+"""The ``triton_splitk`` operator on tiny decode cases (CPU under the Triton interpreter, or GPU).
+
+Every result is compared to a float64 reference; a result passes when its error is at most twice
+the error of the same attention computed with the reference math in the input's precision.
+Outputs and per-split buffers are poisoned with NaN first, so a row a kernel forgets to write fails.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import biasattn as ba
+from biasattn.inputs import make_inputs
+from biasattn.ops.merge import merge_partials, merge_partials_torch
+from biasattn.ops.reference import dense_bias, softmax_attention
+
+triton = pytest.importorskip("triton")
+from biasattn.ops.triton.splitk import (  # noqa: E402
+    choose_num_splits,
+    merge_partials_triton,
+    splitk_attention_fwd,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+OP = ba.ops.get("triton_splitk")
+
+
+def reference_pair(inp):
+    """``(out, lse)`` in float64 and ``(out, lse)`` with the reference math in the input's dtype."""
+    def run(dtype):
+        add = inp.additive
+        return softmax_attention(inp.q, inp.k, inp.v, dense_bias(inp, dtype, add), inp.scale, dtype)
+
+    return run(torch.float64), run(inp.dtype)
+
+
+def assert_close_to_reference(out, lse, inp):
+    """The error rule of the project: ``max|out - ref| <= 2 max|out_lowprec - ref| + 1e-5`` (and for lse)."""
+    (ref, ref_lse), (low, low_lse) = reference_pair(inp)
+    assert not out.isnan().any(), "output has NaN (an unwritten row?)"
+    assert out.dtype == inp.dtype and lse.dtype == torch.float32
+    err = (out.double() - ref).abs().max().item() if out.numel() else 0.0
+    bound = 2 * (low.double() - ref).abs().max().item() + 1e-5 if out.numel() else 0.0
+    assert err <= bound, f"out error {err:.3g} > bound {bound:.3g}"
+    dead = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), dead), "rows with no visible key must have lse = -inf"
+    assert not lse.isnan().any()
+    if (~dead).any():
+        lerr = (lse.double() - ref_lse)[~dead].abs().max().item()
+        lbound = 2 * (low_lse.double() - ref_lse)[~dead].abs().max().item() + 1e-5
+        assert lerr <= lbound, f"lse error {lerr:.3g} > bound {lbound:.3g}"
+    if dead.any():
+        assert (out[dead] == 0).all(), "rows with no visible key must be 0"
+
+
+def run_poisoned(inp, num_splits=None, config=None):
+    """Run the launcher into NaN-filled out, lse and per-split buffers."""
+    B, Hq, Mq, Dv = inp.B, inp.Hq, inp.Mq, inp.Dv
+    out = torch.full((B, Hq, Mq, Dv), float("nan"), dtype=inp.dtype, device=inp.device)
+    lse = torch.full((B, Hq, Mq), float("nan"), dtype=torch.float32, device=inp.device)
+    partials = None
+    if num_splits is not None and num_splits > 1:
+        partials = (
+            torch.full((num_splits, B, Hq, Mq, Dv), float("nan"), device=inp.device),
+            torch.full((num_splits, B, Hq, Mq), float("nan"), device=inp.device),
+        )
+    return splitk_attention_fwd(inp, num_splits=num_splits, config=config, out=out, lse=lse, partials=partials)
+
+
+def qkv(B, Hq, Hkv, Mq, Mk, D, dtype, Dv=None, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dtype)
+
+    return r(B, Hq, Mq, D), r(B, Hkv, Mk, D), r(B, Hkv, Mk, Dv or D)
+
+
+def check(q, k, v, bias=None, splits=(None, 1, 3, 8), scale=None):
+    for s in splits:
+        inp = make_inputs(q, k, v, bias, scale=scale)
+        assert not OP.not_supported_reasons(inp), OP.not_supported_reasons(inp)
+        out, lse = run_poisoned(inp, num_splits=s)
+        assert_close_to_reference(out, lse, inp)
+
+
+# ------------------------------------------------------------------------------------ heuristic
+def test_no_split_when_the_grid_is_full():
+    assert choose_num_splits(264, 1000, 132, programs_per_sm=2) == 1
+    assert choose_num_splits(5000, 10, 132) == 1
+
+
+def test_split_fills_one_wave_for_long_caches():
+    # 32 (sequence, head) pairs, 2048 key tiles, 264 slots: 8 splits make exactly one full wave
+    assert choose_num_splits(32, 2048, 132, programs_per_sm=2) == 8
+    assert choose_num_splits(1, 2048, 132, programs_per_sm=2) == 128  # capped at MAX_SPLITS
+
+
+def test_short_caches_split_less():
+    assert choose_num_splits(1, 1, 132) == 1
+    assert choose_num_splits(1, 3, 132) <= 3
+    assert choose_num_splits(32, 4, 132, split_overhead_tiles=4.0) < choose_num_splits(32, 4000, 132)
+
+
+@given(
+    bh=st.integers(1, 4096), tiles=st.integers(0, 5000), sms=st.integers(1, 160),
+    ppsm=st.integers(1, 4), overhead=st.floats(0.0, 8.0),
+)
+def test_split_count_properties(bh, tiles, sms, ppsm, overhead):
+    s = choose_num_splits(bh, tiles, sms, programs_per_sm=ppsm, split_overhead_tiles=overhead)
+    assert 1 <= s <= max(1, min(128, tiles))
+    slots = sms * ppsm
+    if bh >= slots:
+        assert s == 1
+    cost = lambda n: math.ceil(bh * n / slots) * (math.ceil(tiles / n) + overhead)  # noqa: E731
+    if 1 < tiles and bh < slots:
+        costs = [cost(n) for n in range(1, min(128, tiles) + 1)]
+        assert cost(s) <= min(costs) * 1.05  # near the best modelled time
+        assert all(c > min(costs) * 1.05 for c in costs[: s - 1])  # and the fewest splits that are
+
+
+# ------------------------------------------------------------------------------------ kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("heads", [(2, 2), (4, 2), (4, 1)])
+@pytest.mark.parametrize("Mq", [1, 3])
+def test_plain_decode(dtype, heads, Mq):
+    q, k, v = qkv(2, heads[0], heads[1], Mq, 41, 16, dtype)
+    check(q, k, v)
+
+
+@pytest.mark.parametrize("Mk", [1, 2, 16, 17])
+def test_short_caches(Mk):
+    q, k, v = qkv(1, 2, 1, 2, Mk, 16, torch.float32)
+    check(q, k, v, splits=(None, 1, 4))
+
+
+def test_sixteen_queries_and_odd_head_dims():
+    q, k, v = qkv(1, 4, 2, 16, 35, 24, torch.float16, Dv=40)
+    check(q, k, v, splits=(None, 3))
+
+
+def test_padded_keys_with_empty_and_single_key_sequences():
+    q, k, v = qkv(4, 4, 2, 2, 45, 16, torch.float16)
+    check(q, k, v, ba.PaddedKeysMask([0, 1, 45, 20]))
+
+
+def test_bottom_right_causal_and_padding():
+    q, k, v = qkv(3, 4, 2, 4, 38, 16, torch.float32)
+    check(q, k, v, ba.LowerTriangularFromBottomRightMask(), splits=(None, 2, 8))
+    check(q, k, v, ba.LowerTriangularFromBottomRightMask() & ba.PaddedKeysMask([38, 3, 0]), splits=(None, 5))
+
+
+def test_sliding_window_skips_to_the_visible_keys():
+    q, k, v = qkv(2, 2, 2, 3, 60, 16, torch.float16)
+    check(q, k, v, ba.LocalAttentionMask(window_left=9), splits=(None, 1, 4))
+    check(q, k, v, ba.LocalAttentionMask(window_left=5, window_right=2) & ba.PaddedKeysMask([60, 30]), splits=(2,))
+
+
+def test_top_left_causal_hides_whole_rows():
+    """Rows of a top-left causal mask with Mq > Mk see nothing: 0 out, -inf lse."""
+    q, k, v = qkv(1, 2, 1, 5, 3, 16, torch.float32)
+    check(q, k, v, ba.LowerTriangularMask(), splits=(None, 2))
+
+
+def test_alibi_and_additive():
+    q, k, v = qkv(2, 4, 2, 2, 33, 16, torch.float32)
+    slopes = ba.ALiBi.standard_slopes(4).to(DEVICE)
+    check(q, k, v, ba.PaddedKeysMask([33, 10]) + ba.ALiBi(slopes), splits=(None, 3))
+    add = torch.randn(1, 4, 1, 33, device=DEVICE)  # broadcast over batch and queries: stride 0
+    check(q, k, v, ba.AdditiveBias(add) + ba.LowerTriangularFromBottomRightMask(), splits=(2,))
+    full = torch.randn(2, 4, 2, 33, device=DEVICE, dtype=torch.float16)
+    check(q, k, v, full, splits=(None,))
+
+
+def test_packed_sequences_against_their_own_keys():
+    q_lens, kv_lens = [1, 0, 3, 2, 1], [5, 4, 1, 19, 0]
+    bias = ba.BlockDiagonalMask.from_seqlens(q_lens, kv_lens, device=DEVICE)
+    q, k, v = qkv(1, 4, 2, sum(q_lens), sum(kv_lens), 16, torch.float16)
+    check(q, k, v, bias, splits=(None, 1, 3))
+    check(q, k, v, bias.make_causal_from_bottom_right(), splits=(None, 4))
+    check(q, k, v, bias.make_local_attention(2), splits=(2,))
+
+
+def test_packed_decode_many_sequences():
+    """Packed decoding: 20 queries in total (more than MAX_MQ) but at most 2 per sequence."""
+    q_lens = [1, 2] * 10
+    kv_lens = [(7 * n) % 23 for n in range(20)]
+    bias = ba.BlockDiagonalMask.from_seqlens(q_lens, kv_lens, device=DEVICE).make_causal_from_bottom_right()
+    q, k, v = qkv(1, 2, 2, sum(q_lens), sum(kv_lens), 16, torch.float32)
+    check(q, k, v, bias, splits=(None,))
+
+
+def test_sliced_bias_offsets_are_folded_in():
+    q, k, v = qkv(1, 2, 2, 2, 30, 16, torch.float32)
+    big = (ba.LowerTriangularFromBottomRightMask() & ba.PaddedKeysMask([70])).bind(40, 70)
+    check(q, k, v, big[..., 38:40, 40:70], splits=(None, 3))
+
+
+def test_through_the_public_api():
+    q, k, v = qkv(2, 4, 1, 1, 40, 16, torch.float16)
+    bias = ba.PaddedKeysMask([40, 7])
+    out, lse = ba.attention_with_lse(q, k, v, bias, op="triton_splitk")
+    assert_close_to_reference(out, lse, make_inputs(q, k, v, bias))
+    out2 = ba.attention(q, k, v, bias, op="triton_splitk")
+    assert torch.equal(out, out2)
+
+
+def test_empty_inputs():
+    q, k, v = qkv(1, 2, 2, 0, 5, 16, torch.float32)
+    out, lse = ba.attention_with_lse(q, k, v, op="triton_splitk")
+    assert out.shape == (1, 2, 0, 16) and lse.shape == (1, 2, 0)
+    q, k, v = qkv(1, 2, 2, 2, 0, 16, torch.float32)
+    out, lse = ba.attention_with_lse(q, k, v, op="triton_splitk")
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+# ------------------------------------------------------------------------------------ declarations
+def test_reasons():
+    q, k, v = qkv(1, 2, 2, 17, 20, 16, torch.float32)
+    assert any("Mq=16" in r for r in OP.not_supported_reasons(make_inputs(q, k, v)))
+    bias = ba.BlockDiagonalMask.from_seqlens([17, 1], [10, 10], device=DEVICE)
+    q, k, v = qkv(1, 2, 2, 18, 20, 16, torch.float32)
+    why = OP.not_supported_reasons(make_inputs(q, k, v, bias))
+    assert why == ["handles at most 16 queries per packed sequence, got a sequence of 17"]
+    q, k, v = qkv(1, 2, 2, 2, 20, 16, torch.float32)
+    grad = OP.not_supported_reasons(make_inputs(q, k, v, requires_grad=True))
+    assert grad == ["has no backward pass and gradients are required"]
+    layout = torch.ones(1, 1, 1, 2, dtype=torch.bool, device=DEVICE)
+    assert any("layout" in r for r in OP.not_supported_reasons(make_inputs(q, k, v, ba.BlockSparseMask(layout, 16))))
+    with pytest.raises(ba.NotSupportedError, match="triton_splitk"):
+        ba.attention(q, k, v, op="triton_splitk", dropout_p=0.5)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter rules apply on the CPU")
+def test_cpu_needs_the_interpreter(monkeypatch):
+    q, k, v = qkv(1, 2, 2, 2, 20, 16, torch.float32)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert any("TRITON_INTERPRET=1" in r for r in OP.not_supported_reasons(make_inputs(q, k, v)))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
+    assert any("bfloat16" in r for r in OP.not_supported_reasons(make_inputs(qb, kb, vb)))
+
+
+# ------------------------------------------------------------------------------------ merge
+@pytest.mark.parametrize("S", [1, 3, 40])
+def test_merge_kernel_matches_the_torch_path(S):
+    g = torch.Generator().manual_seed(S)
+    outs = torch.randn(S, 2, 3, 5, 24, generator=g).to(DEVICE)
+    lses = (torch.randn(S, 2, 3, 5, generator=g) * 3).to(DEVICE)
+    lses[:, 0, 0, 0] = float("-inf")  # a row no split saw
+    lses[0, 1, 2] = float("-inf")  # one split saw nothing
+    outs[0, 1, 2] = float("nan")  # and its output is garbage: must be ignored
+    out = torch.full((2, 3, 5, 24), float("nan"), device=DEVICE, dtype=torch.float16)
+    lse = torch.full((2, 3, 5), float("nan"), device=DEVICE)
+    merge_partials_triton(outs, lses, out=out, lse=lse)
+    outs[0, 1, 2] = 0.0
+    ref_out, ref_lse = merge_partials_torch(outs.double(), lses.double())
+    assert torch.allclose(out.double(), ref_out, atol=2e-3, rtol=1e-3)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    fin = ~torch.isneginf(ref_lse)
+    assert torch.allclose(lse[fin].double(), ref_lse[fin].double(), atol=1e-5, rtol=1e-6)
+    assert (out[0, 0, 0] == 0).all()
+
+
+def test_merge_partials_keeps_gradients():
+    """The shared entry point stays differentiable (torch path) when inputs require grad."""
+    outs = torch.randn(3, 1, 2, 4, 8, device=DEVICE, requires_grad=True)
+    lses = torch.randn(3, 1, 2, 4, device=DEVICE, requires_grad=True)
+    out, lse = merge_partials(outs, lses)
+    (out.sum() + lse.sum()).backward()
+    assert outs.grad is not None and lses.grad is not None and not outs.grad.isnan().any()
