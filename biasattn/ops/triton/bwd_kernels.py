@@ -1,0 +1,394 @@
+"""Backward flash-attention kernels: ``delta`` preprocessing, dK/dV (and the bias gradient), and dQ.
+
+Deterministic: every output element is written by one program. The dK/dV program owns a key tile
+of one (batch, KV head) and loops over the query heads of its group and the query tiles that can
+see it (GQA reduction in registers). The dQ program owns a query tile and loops over key tiles,
+like the forward. The additive-bias gradient ``dS`` is written by the dK/dV program (full bias,
+or column sums for a bias broadcast over queries) or by the dQ program (row sums for a bias
+broadcast over keys); a full bias broadcast over batch or heads makes one dK/dV program loop over
+the batch rows / heads sharing it and accumulate its tile in place.
+"""
+
+import triton
+import triton.language as tl
+
+from .common_kernels import (
+    LOG2E,
+    _bias_tile,
+    _col_row_bounds,
+    _layout_visible,
+    _load_lines,
+    _row_key_bounds,
+    _span,
+    _tile_split,
+)
+
+
+@triton.jit
+def _attn_bwd_preprocess_kernel(
+    Out, DOut, DLse, Delta, stride_ob, stride_oh, stride_om, stride_od, stride_db, stride_dh, stride_dm, stride_dd,
+    H, Mq, Dv, BLOCK_M: tl.constexpr, HEAD_DIM_V: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    """``Delta [B, H, Mq] = rowsum(dOut * Out) - dLse`` in float32."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows64 = rows.to(tl.int64)
+    d = tl.arange(0, HEAD_DIM_V)
+    mask = (rows[:, None] < Mq) & (d[None, :] < Dv)
+    o = tl.load(Out + b * stride_ob + h * stride_oh + rows64[:, None] * stride_om + d[None, :] * stride_od, mask=mask, other=0.0)
+    do = tl.load(DOut + b * stride_db + h * stride_dh + rows64[:, None] * stride_dm + d[None, :] * stride_dd, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLse + pid_bh.to(tl.int64) * Mq + rows64, mask=rows < Mq, other=0.0)
+    tl.store(Delta + pid_bh.to(tl.int64) * Mq + rows64, delta, mask=rows < Mq)
+
+
+@triton.jit
+def _dkdv_tile(
+    dk, dv, dcol, k, v, cols, col_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
+    Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
+    Mq, Mk, D, Dv, qk_scale,
+    Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
+    Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+    MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr, COL_DBIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Query tile ``[m0, m0 + BLOCK_M)`` against the program's key tile, in transposed form ``[BLOCK_N, BLOCK_M]``."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    rows64 = rows.to(tl.int64)
+    dqd = tl.arange(0, HEAD_DIM)
+    dvd = tl.arange(0, HEAD_DIM_V)
+    q = _load_lines(Q_base + rows64[:, None] * stride_qm + dqd[None, :] * stride_qd, rows, Mq, dqd, D, MASKED, EVEN_D)
+    do = _load_lines(DO_base + rows64[:, None] * stride_dom + dvd[None, :] * stride_dod, rows, Mq, dvd, Dv, MASKED, EVEN_D)
+    if MASKED:
+        lse = tl.load(Lse + LD_off + rows64, mask=rows < Mq, other=float("-inf"))
+        delta = tl.load(Delta + LD_off + rows64, mask=rows < Mq, other=0.0)
+    else:
+        lse = tl.load(Lse + LD_off + rows64)
+        delta = tl.load(Delta + LD_off + rows64)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # rows that saw nothing get p = 0
+    sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+    if HAS_ADDITIVE or HAS_ALIBI:
+        sT += _bias_tile(
+            rows[None, :], cols[:, None], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
+            Slopes, stride_sb, stride_sh, alibi_shift, HAS_ADDITIVE, HAS_ALIBI,
+        )
+    if MASKED:
+        vis = (rows[None, :] >= ilo[:, None]) & (rows[None, :] < ihi[:, None])
+        if LAYOUT_MASK:
+            vis = vis & _layout_visible(
+                rows[None, :], cols[:, None], b, h, Layout, stride_lb, stride_lh, stride_lq, stride_lk,
+                layout_q_off, layout_k_off, block_q, block_k,
+            )
+        sT = tl.where(vis, sT, float("-inf"))
+    pT = tl.math.exp2(sT - lse2[None, :])
+    dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PRECISION)
+    dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    dsT = pT * (dpT - delta[None, :])
+    dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PRECISION)
+    if FULL_DBIAS:
+        g_ptrs = (DBias + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
+                  + rows64[None, :] * stride_gm + cols.to(tl.int64)[:, None] * stride_gn)
+        g_mask = (rows[None, :] < Mq) & (cols[:, None] < col_end)
+        if DBIAS_ACCUM:
+            tl.store(g_ptrs, tl.load(g_ptrs, mask=g_mask, other=0.0) + dsT, mask=g_mask)
+            tl.debug_barrier()  # the next (batch, head) of this program reads these elements back
+        else:
+            tl.store(g_ptrs, dsT, mask=g_mask)
+    if COL_DBIAS:
+        dcol += tl.sum(dsT, 1)
+    return dk, dv, dcol
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV, DBias, DCol,
+    Add, Slopes, Layout, QSeqStart, KvLens, BandLo, BandHi, Sched, TileCount, TileIdx,
+    qk_scale, sm_scale,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_gb, stride_gh, stride_gm, stride_gn,
+    stride_ab, stride_ah, stride_am, stride_an,
+    stride_sb, stride_sh,
+    stride_lb, stride_lh, stride_lq, stride_lk,
+    stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
+    H, G, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop,
+    layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
+    SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
+    BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr,
+    HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr,
+    COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(key tiles, (B / nb_loop) * (Hkv / nhk_loop))``. Writes ``DK``, ``DV`` ``[B, Hkv, Mk, D|Dv]``."""
+    pid_n = tl.program_id(0)
+    pid = tl.program_id(1)
+    n_hk_groups = Hkv // nhk_loop
+    bg = pid // n_hk_groups
+    hg = pid % n_hk_groups
+    if SCHEDULED:
+        n0 = tl.load(Sched + pid_n * 3)
+        n_end = tl.load(Sched + pid_n * 3 + 1)
+        seg = tl.load(Sched + pid_n * 3 + 2)
+    else:
+        n0 = pid_n * BLOCK_N
+        n_end = tl.minimum(n0 + BLOCK_N, Mk)
+        seg = 0
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cols64 = cols.to(tl.int64)
+    dkd = tl.arange(0, HEAD_DIM)
+    dvd = tl.arange(0, HEAD_DIM_V)
+    for bi in range(0, nb_loop):
+        b = bg * nb_loop + bi
+        b64 = b.to(tl.int64)
+        ilo, ihi, cvalid = _col_row_bounds(
+            cols, n_end, seg, b, Mq, QSeqStart, KvLens, BandLo, BandHi, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT
+        )
+        lo, hi, full_lo, full_hi = _span(ilo, ihi, cvalid)
+        n, a, e = _tile_split(lo, hi, full_lo, full_hi, BLOCK_M)
+        for hki in range(0, nhk_loop):
+            hk = hg * nhk_loop + hki
+            hk64 = hk.to(tl.int64)
+            k = _load_lines(K + b64 * stride_kb + hk64 * stride_kh + cols64[:, None] * stride_kn + dkd[None, :] * stride_kd,
+                            cols, n_end, dkd, D, True, EVEN_D)
+            v = _load_lines(V + b64 * stride_vb + hk64 * stride_vh + cols64[:, None] * stride_vn + dvd[None, :] * stride_vd,
+                            cols, n_end, dvd, Dv, True, EVEN_D)
+            dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+            dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
+            for g in range(0, G):
+                h = hk * G + g
+                h64 = h.to(tl.int64)
+                Q_base = Q + b64 * stride_qb + h64 * stride_qh
+                DO_base = DO + b64 * stride_dob + h64 * stride_doh
+                LD_off = (b64 * H + h64) * Mq
+                dcol = tl.zeros([BLOCK_N], dtype=tl.float32)
+                if HAS_LAYOUT:
+                    count = tl.load(TileCount + b * stride_cb + h * stride_ch + pid_n)
+                    tiles = TileIdx + b64 * stride_tb + h64 * stride_th + pid_n.to(tl.int64) * stride_tp
+                    for t in range(0, count):
+                        m0 = tl.load(tiles + t) * BLOCK_M
+                        if (m0 < hi) & (m0 + BLOCK_M > lo):
+                            if LAYOUT_EXACT:  # kernel tiles lie inside layout blocks: the list settles the layout
+                                if (m0 >= full_lo) & (m0 + BLOCK_M <= full_hi):
+                                    dk, dv, dcol = _dkdv_tile(
+                                        dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
+                                        Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
+                                        Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                                        alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                                        False, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                                        BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                                    )
+                                else:
+                                    dk, dv, dcol = _dkdv_tile(
+                                        dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
+                                        Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
+                                        Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                                        alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                                        True, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                                        BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                                    )
+                            else:
+                                dk, dv, dcol = _dkdv_tile(
+                                    dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
+                                    Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
+                                    Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                                    alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                                    True, True, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                                    BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                                )
+                else:
+                    for t in range(0, a):
+                        dk, dv, dcol = _dkdv_tile(
+                            dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo + t * BLOCK_M, b, h, Q_base, DO_base, LD_off,
+                            Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
+                            Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                            True, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                        )
+                    for t in range(a, e):
+                        dk, dv, dcol = _dkdv_tile(
+                            dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo + t * BLOCK_M, b, h, Q_base, DO_base, LD_off,
+                            Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
+                            Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                            False, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                        )
+                    for t in range(e, n):
+                        dk, dv, dcol = _dkdv_tile(
+                            dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo + t * BLOCK_M, b, h, Q_base, DO_base, LD_off,
+                            Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
+                            Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                            True, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                        )
+                if COL_DBIAS:
+                    tl.store(DCol + (b64 * H + h64) * Mk + cols64, dcol, mask=cvalid)
+            dk_ptrs = DK + b64 * stride_dkb + hk64 * stride_dkh + cols64[:, None] * stride_dkn + dkd[None, :] * stride_dkd
+            dv_ptrs = DV + b64 * stride_dvb + hk64 * stride_dvh + cols64[:, None] * stride_dvn + dvd[None, :] * stride_dvd
+            tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=cvalid[:, None] & (dkd[None, :] < D))
+            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=cvalid[:, None] & (dvd[None, :] < Dv))
+
+
+@triton.jit
+def _dq_tile(
+    dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base,
+    stride_kn, stride_kd, stride_vn, stride_vd, Mq, Mk, D, Dv, qk_scale,
+    Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
+    Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+    MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, ROW_DBIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Key tile ``[n0, n0 + BLOCK_N)`` of the program's query tile: accumulates ``dS @ K``."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cols64 = cols.to(tl.int64)
+    dkd = tl.arange(0, HEAD_DIM)
+    dvd = tl.arange(0, HEAD_DIM_V)
+    k = _load_lines(K_base + cols64[:, None] * stride_kn + dkd[None, :] * stride_kd, cols, Mk, dkd, D, MASKED, EVEN_D)
+    v = _load_lines(V_base + cols64[:, None] * stride_vn + dvd[None, :] * stride_vd, cols, Mk, dvd, Dv, MASKED, EVEN_D)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if HAS_ADDITIVE or HAS_ALIBI:
+        s += _bias_tile(
+            rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
+            Slopes, stride_sb, stride_sh, alibi_shift, HAS_ADDITIVE, HAS_ALIBI,
+        )
+    if MASKED:
+        vis = (cols[None, :] >= klo[:, None]) & (cols[None, :] < khi[:, None])
+        if LAYOUT_MASK:
+            vis = vis & _layout_visible(
+                rows[:, None], cols[None, :], b, h, Layout, stride_lb, stride_lh, stride_lq, stride_lk,
+                layout_q_off, layout_k_off, block_q, block_k,
+            )
+        s = tl.where(vis, s, float("-inf"))
+    p = tl.math.exp2(s - lse2[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    if ROW_DBIAS:
+        drow += tl.sum(ds, 1)
+    return dq, drow
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ, DRow,
+    Add, Slopes, Layout, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, Sched, TileCount, TileIdx,
+    qk_scale, sm_scale,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_ab, stride_ah, stride_am, stride_an,
+    stride_sb, stride_sh,
+    stride_lb, stride_lh, stride_lq, stride_lk,
+    stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
+    H, G, Mq, Mk, D, Dv, n_prog_m,
+    layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
+    SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
+    BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr,
+    HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, ROW_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(query tiles, B * Hq)``. Writes ``DQ [B, Hq, Mq, D]`` (and ``DRow [B, Hq, Mq]`` row sums of dS)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // G
+    if SCHEDULED:
+        prog = pid_m
+        m0 = tl.load(Sched + pid_m * 3)
+        m_end = tl.load(Sched + pid_m * 3 + 1)
+        seg = tl.load(Sched + pid_m * 3 + 2)
+    else:
+        prog = n_prog_m - 1 - pid_m
+        m0 = prog * BLOCK_M
+        m_end = tl.minimum(m0 + BLOCK_M, Mq)
+        seg = 0
+    rows = m0 + tl.arange(0, BLOCK_M)
+    klo, khi, valid = _row_key_bounds(
+        rows, m_end, seg, b, Mk, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT
+    )
+    lo, hi, full_lo, full_hi = _span(klo, khi, valid)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    rows64 = rows.to(tl.int64)
+    dqd = tl.arange(0, HEAD_DIM)
+    dvd = tl.arange(0, HEAD_DIM_V)
+    q = _load_lines(Q + b64 * stride_qb + h64 * stride_qh + rows64[:, None] * stride_qm + dqd[None, :] * stride_qd, rows, Mq, dqd, D, True, EVEN_D)
+    do = _load_lines(DO + b64 * stride_dob + h64 * stride_doh + rows64[:, None] * stride_dom + dvd[None, :] * stride_dod,
+                     rows, Mq, dvd, Dv, True, EVEN_D)
+    lse = tl.load(Lse + pid_bh.to(tl.int64) * Mq + rows64, mask=rows < Mq, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    delta = tl.load(Delta + pid_bh.to(tl.int64) * Mq + rows64, mask=rows < Mq, other=0.0)
+    K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
+    V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    drow = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_LAYOUT:
+        count = tl.load(TileCount + b * stride_cb + h * stride_ch + prog)
+        tiles = TileIdx + b64 * stride_tb + h64 * stride_th + prog.to(tl.int64) * stride_tp
+        for t in range(0, count):
+            n0 = tl.load(tiles + t) * BLOCK_N
+            if (n0 < hi) & (n0 + BLOCK_N > lo):
+                if LAYOUT_EXACT:  # kernel tiles lie inside layout blocks: the list settles the layout
+                    if (n0 >= full_lo) & (n0 + BLOCK_N <= full_hi):
+                        dq, drow = _dq_tile(
+                            dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                            Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                            False, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                        )
+                    else:
+                        dq, drow = _dq_tile(
+                            dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                            Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                            True, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                        )
+                else:
+                    dq, drow = _dq_tile(
+                        dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                        Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                        alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                        True, True, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                    )
+    else:
+        n, a, e = _tile_split(lo, hi, full_lo, full_hi, BLOCK_N)
+        for t in range(0, a):
+            dq, drow = _dq_tile(
+                dq, drow, q, do, lse2, delta, rows, klo, khi, lo + t * BLOCK_N, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                True, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+            )
+        for t in range(a, e):
+            dq, drow = _dq_tile(
+                dq, drow, q, do, lse2, delta, rows, klo, khi, lo + t * BLOCK_N, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                False, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+            )
+        for t in range(e, n):
+            dq, drow = _dq_tile(
+                dq, drow, q, do, lse2, delta, rows, klo, khi, lo + t * BLOCK_N, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                True, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+            )
+    keep = valid & (rows < Mq)
+    dq_ptrs = DQ + b64 * stride_dqb + h64 * stride_dqh + rows64[:, None] * stride_dqm + dqd[None, :] * stride_dqd
+    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=keep[:, None] & (dqd[None, :] < D))
+    if ROW_DBIAS:
+        tl.store(DRow + pid_bh.to(tl.int64) * Mq + rows64, drow, mask=keep)

@@ -1,0 +1,136 @@
+"""Triton helpers shared by the forward and backward kernels: visibility intervals, masks, bias tiles.
+
+Every mask of a :class:`~biasattn.bias.spec.BiasSpec` except the block layout is an interval per
+query row (``klo <= j < khi``) and, equally, per key column (``ilo <= i < ihi``): segments, padded
+keys and the band each cut an interval, and intervals intersect into an interval. The kernels reduce
+these intervals over a tile to find which neighbouring tiles can be visible at all (``lo``/``hi``)
+and which are visible in every element (``full_lo``/``full_hi``, no element mask needed).
+
+Scores are kept in base-2 units (``log2(e)`` folded into the scale and the biases) so the softmax
+uses ``exp2``.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634
+LN2: tl.constexpr = 0.6931471805599453
+BIG: tl.constexpr = 1073741824  # 2**30, "unbounded" in band terms
+
+
+@triton.jit
+def _row_key_bounds(
+    rows, row_end, seg, b, Mk, KSeqStart, KSeqLen, KvLens, BandLo, BandHi,
+    HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr, BAND_PER_SEGMENT: tl.constexpr,
+):
+    """Per query row ``rows [BM]``: visible keys ``[klo, khi)`` and whether the row is the program's."""
+    klo = tl.zeros_like(rows)
+    khi = tl.zeros_like(rows) + Mk
+    if HAS_SEGMENTS:
+        s = tl.maximum(seg, 0)
+        ks = tl.load(KSeqStart + s)
+        ke = ks + tl.load(KSeqLen + s)
+        ks = tl.where(seg >= 0, ks, 0)
+        ke = tl.where(seg >= 0, ke, 0)
+        klo = tl.maximum(klo, ks)
+        khi = tl.minimum(khi, ke)
+    if HAS_PADDED:
+        khi = tl.minimum(khi, tl.load(KvLens + b))
+    if HAS_BAND:
+        if BAND_PER_SEGMENT:
+            bi = tl.maximum(seg, 0)
+        else:
+            bi = 0
+        klo = tl.maximum(klo, rows + tl.load(BandLo + bi))
+        khi = tl.minimum(khi, rows + tl.load(BandHi + bi) + 1)
+    return klo, khi, rows < row_end
+
+
+@triton.jit
+def _col_row_bounds(
+    cols, col_end, seg, b, Mq, QSeqStart, KvLens, BandLo, BandHi,
+    HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr, BAND_PER_SEGMENT: tl.constexpr,
+):
+    """Per key column ``cols [BN]``: visible query rows ``[ilo, ihi)`` and whether the column is the program's."""
+    ilo = tl.zeros_like(cols)
+    ihi = tl.zeros_like(cols) + Mq
+    if HAS_SEGMENTS:
+        s = tl.maximum(seg, 0)
+        qs = tl.load(QSeqStart + s)
+        qe = tl.load(QSeqStart + s + 1)
+        qs = tl.where(seg >= 0, qs, 0)
+        qe = tl.where(seg >= 0, qe, 0)
+        ilo = tl.maximum(ilo, qs)
+        ihi = tl.minimum(ihi, qe)
+    if HAS_PADDED:
+        ihi = tl.where(cols < tl.load(KvLens + b), ihi, 0)
+    if HAS_BAND:
+        if BAND_PER_SEGMENT:
+            bi = tl.maximum(seg, 0)
+        else:
+            bi = 0
+        ilo = tl.maximum(ilo, cols - tl.load(BandHi + bi))
+        ihi = tl.minimum(ihi, cols - tl.load(BandLo + bi) + 1)
+    return ilo, ihi, cols < col_end
+
+
+@triton.jit
+def _span(lo_v, hi_v, valid):
+    """Reduce per-line intervals over a tile: ``(lo, hi)`` spans every visible element, ``[full_lo, full_hi)`` is seen by all lines."""
+    nonempty = valid & (lo_v < hi_v)
+    lo = tl.min(tl.where(nonempty, lo_v, BIG), 0)
+    hi = tl.max(tl.where(nonempty, hi_v, 0), 0)
+    full_lo = tl.max(tl.where(valid, lo_v, -BIG), 0)
+    full_hi = tl.min(tl.where(valid, hi_v, BIG), 0)
+    return lo, hi, full_lo, full_hi
+
+
+@triton.jit
+def _tile_split(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
+    """Tiles ``lo + t*BLOCK``: ``[0, a)`` and ``[e, n)`` need element masks, ``[a, e)`` are fully visible."""
+    n = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK)
+    a = tl.minimum(tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK), n)
+    e = tl.minimum(tl.maximum(tl.maximum(full_hi - lo, 0) // BLOCK, a), n)
+    return n, a, e
+
+
+@triton.jit
+def _bias_tile(
+    ii, jj, b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
+    HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
+):
+    """Additive tensor plus ALiBi at rows ``ii`` and columns ``jj`` (broadcastable 2-D), in base-2 units."""
+    bias = tl.zeros(ii.shape, dtype=tl.float32) + tl.zeros(jj.shape, dtype=tl.float32)
+    if HAS_ADDITIVE:
+        base = Add + b.to(tl.int64) * stride_ab + h.to(tl.int64) * stride_ah
+        ptrs = base + ii.to(tl.int64) * stride_am + jj.to(tl.int64) * stride_an
+        bias += tl.load(ptrs, mask=(ii < Mq) & (jj < Mk), other=0.0).to(tl.float32) * LOG2E
+    if HAS_ALIBI:
+        slope = tl.load(Slopes + b * stride_sb + h * stride_sh).to(tl.float32)
+        bias -= (slope * LOG2E) * tl.abs(jj - ii - alibi_shift).to(tl.float32)
+    return bias
+
+
+@triton.jit
+def _layout_visible(ii, jj, b, h, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k):
+    """Element visibility from the block layout at rows ``ii`` and columns ``jj`` (broadcastable 2-D)."""
+    base = Layout + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh
+    r = ((ii + layout_q_off) // block_q).to(tl.int64)
+    c = ((jj + layout_k_off) // block_k).to(tl.int64)
+    return tl.load(base + r * stride_lq + c * stride_lk) != 0
+
+
+@triton.jit
+def _load_lines(ptrs, lines, line_end, dims, dim_end, MASK_LINES: tl.constexpr, EVEN_D: tl.constexpr):
+    """Load a ``[lines, dims]`` tile; masks lines at or past ``line_end`` (when asked) and padded head dims."""
+    if MASK_LINES:
+        mask = lines[:, None] < line_end
+        if not EVEN_D:
+            mask = mask & (dims[None, :] < dim_end)
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        if EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=dims[None, :] < dim_end, other=0.0)
+    return x

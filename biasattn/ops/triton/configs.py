@@ -1,0 +1,96 @@
+"""Tile configurations for the Triton kernels, per kernel, head dim and device, with optional tuning.
+
+``choose`` returns the first candidate for a key ``(kernel, head dim, dtype, capability, features)``
+unless tuning is enabled (``BIASATTN_TRITON_TUNE=1``): then the first call for a key times every
+candidate once and keeps the fastest. Sequence lengths are not part of the key, so a new length
+never retunes. Under the Triton interpreter the tiles are small, so CPU tests cross many tiles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """``block_m`` query rows by ``block_n`` keys per tile, with Triton's ``num_warps``/``num_stages``."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+INTERPRETER_CONFIG = TileConfig(16, 16, 4, 1)
+
+# (kernel, largest padded head dim) -> candidates, best first (measured on an H200, see benchmarks/NOTES.md).
+_CANDIDATES: dict[tuple[str, int], tuple[TileConfig, ...]] = {
+    ("fwd", 64): (TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3), TileConfig(64, 64, 4, 4)),
+    ("fwd", 128): (TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3), TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3)),
+    ("fwd", 256): (TileConfig(64, 64, 4, 2), TileConfig(128, 64, 8, 2), TileConfig(64, 32, 4, 2)),
+    ("dkdv", 64): (TileConfig(64, 128, 8, 2), TileConfig(32, 128, 4, 3), TileConfig(64, 64, 4, 3)),
+    ("dkdv", 128): (TileConfig(64, 128, 8, 2), TileConfig(32, 128, 4, 3), TileConfig(64, 64, 4, 3)),
+    ("dkdv", 256): (TileConfig(32, 64, 4, 2), TileConfig(64, 64, 8, 1), TileConfig(16, 64, 4, 2)),
+    ("dq", 64): (TileConfig(128, 64, 8, 2), TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 3)),
+    ("dq", 128): (TileConfig(128, 64, 8, 2), TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 3)),
+    ("dq", 256): (TileConfig(64, 32, 4, 2), TileConfig(64, 64, 8, 1), TileConfig(32, 64, 4, 2)),
+}
+
+_overrides: dict[str, TileConfig] = {}
+_tuned: dict[tuple, TileConfig] = {}
+
+
+def interpreted() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def candidates(kernel: str, head_dim: int) -> tuple[TileConfig, ...]:
+    """Candidate configs of ``kernel`` (``"fwd"``, ``"dq"``, ``"dkdv"``) for a padded head dim."""
+    size = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    return _CANDIDATES[(kernel, size)]
+
+
+@contextlib.contextmanager
+def override(**configs: TileConfig) -> Iterator[None]:
+    """Force configs inside the block, e.g. ``override(fwd=TileConfig(32, 16))`` (tests, benchmarks)."""
+    saved = dict(_overrides)
+    _overrides.update(configs)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
+
+
+def choose(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.device, features: tuple,
+           run: Callable[[TileConfig], None] | None = None) -> TileConfig:
+    """The config for one launch; ``run(config)`` launches the kernel (used only when tuning)."""
+    if kernel in _overrides:
+        return _overrides[kernel]
+    if device.type != "cuda" or interpreted():
+        return INTERPRETER_CONFIG
+    cands = candidates(kernel, head_dim)
+    if dtype == torch.float32:  # fp32 tiles take twice the shared memory
+        cands = tuple(TileConfig(min(c.block_m, 64), min(c.block_n, 64), c.num_warps, min(c.num_stages, 2)) for c in cands)
+    key = (kernel, head_dim, dtype, torch.cuda.get_device_capability(device), features)
+    if key in _tuned:
+        return _tuned[key]
+    if run is None or os.environ.get("BIASATTN_TRITON_TUNE", "0") != "1":
+        return cands[0]
+    import triton.testing
+
+    times = {}
+    for cfg in cands:
+        try:
+            times[cfg] = triton.testing.do_bench(lambda cfg=cfg: run(cfg), warmup=5, rep=20)
+        except Exception:  # a config that does not fit (shared memory, registers) is skipped
+            continue
+    best = min(times, key=times.get) if times else cands[0]
+    _tuned[key] = best
+    return best

@@ -1,0 +1,252 @@
+"""Launchers of the Triton flash kernels: ``attn_fwd`` and ``attn_bwd`` (grids, strides, configs).
+
+Both take the tensors and a :class:`~biasattn.bias.spec.BiasSpec` and return plain tensors; no
+autograd here (see :mod:`biasattn.ops.triton_flash`). The Triton interpreter decides at decoration
+time, so :data:`INTERPRETED` records whether these kernels run on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from ...bias.spec import BiasSpec
+from . import configs, schedule
+from .bwd_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
+from .fwd_kernels import _attn_fwd_kernel
+
+INTERPRETED = configs.interpreted()
+LOG2E = 1.4426950408889634
+POISON_OUTPUTS = False  # tests set this: fresh outputs start as NaN, so a skipped write shows
+
+_dummies: dict = {}
+
+
+def _new(shape, dtype, device, zero: bool = False) -> torch.Tensor:
+    if zero:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if POISON_OUTPUTS and dtype.is_floating_point:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _dummy(device, dtype=torch.int32) -> torch.Tensor:
+    key = (str(device), dtype)
+    if key not in _dummies:
+        _dummies[key] = torch.zeros(2, dtype=dtype, device=device)
+    return _dummies[key]
+
+
+def _bcast_strides(t: torch.Tensor | None, shape) -> tuple[int, ...]:
+    """Strides of ``t`` expanded to ``shape`` (0 on broadcast dims), or zeros when ``t`` is None."""
+    if t is None:
+        return (0,) * len(shape)
+    return t.expand(*shape).stride()
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def _features(spec: BiasSpec) -> tuple:
+    return tuple(sorted(spec.features))
+
+
+class _SpecArgs:
+    """The spec's device tensors (dummies where absent) and constexpr switches, shared by every kernel."""
+
+    def __init__(self, spec: BiasSpec, B: int, H: int, device):
+        d32 = _dummy(device)
+        i32 = dict(device=device, dtype=torch.int32)
+        self.spec = spec
+        self.has_segments = spec.q_seqstart is not None
+        self.qs = spec.q_seqstart.to(**i32) if self.has_segments else d32
+        self.ks = spec.k_seqstart.to(**i32) if self.has_segments else d32
+        self.kl = spec.k_seqlen.to(**i32) if self.has_segments else d32
+        self.has_padded = spec.kv_seqlens is not None
+        self.kv = spec.kv_seqlens.to(**i32) if self.has_padded else d32
+        self.has_band = spec.band_lo is not None
+        self.band_lo = spec.band_lo.to(**i32) if self.has_band else d32
+        self.band_hi = spec.band_hi.to(**i32) if self.has_band else d32
+        self.band_per_segment = self.has_band and spec.band_lo.numel() > 1
+        self.has_layout = spec.layout is not None
+        if self.has_layout:
+            lay = spec.layout.to(device)
+            lay = lay.view(torch.uint8) if lay.dtype == torch.bool else (lay != 0).view(torch.uint8)
+            self.layout = lay
+            self.layout_strides = _bcast_strides(lay, (B, H, lay.shape[2], lay.shape[3]))
+        else:
+            self.layout = _dummy(device, torch.uint8)
+            self.layout_strides = (0, 0, 0, 0)
+        self.has_additive = spec.additive is not None
+        self.add = spec.additive if self.has_additive else _dummy(device, torch.float32)
+        self.add_strides = _bcast_strides(spec.additive, (B, H, spec.Mq, spec.Mk))
+        self.has_alibi = spec.alibi_slopes is not None
+        f32 = torch.float32
+        self.slopes = spec.alibi_slopes.to(device=device, dtype=f32) if self.has_alibi else _dummy(device, f32)
+        self.slope_strides = _bcast_strides(spec.alibi_slopes, (B, H)) if self.has_alibi else (0, 0)
+        self.block_q = spec.block_q or 1
+        self.block_k = spec.block_k or 1
+
+    def switches(self) -> dict:
+        return dict(
+            HAS_SEGMENTS=self.has_segments, HAS_PADDED=self.has_padded, HAS_BAND=self.has_band,
+            BAND_PER_SEGMENT=self.band_per_segment, HAS_LAYOUT=self.has_layout,
+            HAS_ADDITIVE=self.has_additive, HAS_ALIBI=self.has_alibi,
+        )
+
+    def tile_lists(self, sched, block_other: int, along_keys: bool, B: int, H: int, device):
+        """``(count, index, count strides (b, h), index strides (b, h, program), exact)`` for the layout."""
+        if not self.has_layout:
+            d = _dummy(device)
+            return d, d, (0, 0), (0, 0, 0), True
+        count, index = schedule.layout_tile_lists(self.spec, sched, block_other, along_keys, device)
+        cs = _bcast_strides(count, (B, H, count.shape[2]))[:2]
+        ts = _bcast_strides(index, (B, H, index.shape[2], index.shape[3]))[:3]
+        exact = schedule.layout_exact(self.spec, sched, block_other, along_keys)
+        return count, index, cs, ts, exact
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, scale: float):
+    """``(out [B, Hq, Mq, Dv] in q's dtype, lse [B, Hq, Mq] float32)`` of attention with ``spec``."""
+    B, H, Mq, D = q.shape
+    Hkv, Mk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    out = _new((B, H, Mq, Dv), q.dtype, q.device)
+    lse = _new((B, H, Mq), torch.float32, q.device)
+    if B * H * Mq == 0:
+        return out, lse
+    if Mk == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    args = _SpecArgs(spec, B, H, q.device)
+    hd, hdv = _pow2(D), _pow2(Dv)
+
+    def run(cfg: configs.TileConfig) -> None:
+        sched = schedule.query_schedule(spec, cfg.block_m, q.device)
+        count, index, cs, ts, exact = args.tile_lists(sched, cfg.block_n, True, B, H, q.device)
+        _attn_fwd_kernel[(sched.n, B * H)](
+            q, k, v, out, lse,
+            args.add, args.slopes, args.layout, args.qs, args.ks, args.kl, args.kv, args.band_lo, args.band_hi,
+            sched.table if sched.table is not None else _dummy(q.device), count, index,
+            scale * LOG2E,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *args.add_strides, *args.slope_strides,
+            *args.layout_strides, *cs, *ts,
+            H, H // Hkv, Mq, Mk, D, Dv, sched.n,
+            spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=(D == hd and Dv == hdv),
+            SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, DOT_PRECISION=_dot_precision(q.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches(),
+        )
+
+    cfg = configs.choose("fwd", max(hd, hdv), q.dtype, q.device, _features(spec), run)
+    run(cfg)
+    return out, lse
+
+
+def _dbias_plan(add: torch.Tensor, B: int, H: int, Mq: int, Mk: int) -> str:
+    """Where dS is reduced: ``"full"`` (dK/dV kernel, tile by tile), ``"col"`` (dK/dV kernel, sums over
+    queries) or ``"row"`` (dQ kernel, sums over keys)."""
+    am, an = add.shape[2], add.shape[3]
+    if an == Mk or Mk == 1:
+        return "full" if (am == Mq or Mq == 1) else "col"
+    return "row"
+
+
+def _reduce_to(t: torch.Tensor, shape) -> torch.Tensor:
+    dims = [d for d, (n, m) in enumerate(zip(t.shape, shape)) if m == 1 and n != 1]
+    return t.sum(dim=dims, keepdim=True) if dims else t
+
+
+def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_dbias: bool):
+    """``(dq, dk, dv, dadditive or None)``; ``dlse`` (or None) enters as ``delta = rowsum(dout * out) - dlse``."""
+    B, H, Mq, D = q.shape
+    Hkv, Mk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    dev = q.device
+    add = spec.additive
+    need_dbias = need_dbias and add is not None
+    dq = _new(q.shape, q.dtype, dev)
+    dk = _new(k.shape, k.dtype, dev)
+    dv = _new(v.shape, v.dtype, dev)
+    if B * H * Mq == 0 or Mk == 0:
+        dq.zero_(), dk.zero_(), dv.zero_()
+        return dq, dk, dv, (torch.zeros_like(add) if need_dbias else None)
+    args = _SpecArgs(spec, B, H, dev)
+    hd, hdv = _pow2(D), _pow2(Dv)
+    even = D == hd and Dv == hdv
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    delta = torch.empty((B, H, Mq), dtype=torch.float32, device=dev)
+    dlse_t = dlse.to(torch.float32).contiguous() if dlse is not None else _dummy(dev, torch.float32)
+    pre_bm = 16 if INTERPRETED else 64
+    _attn_bwd_preprocess_kernel[(triton.cdiv(Mq, pre_bm), B * H)](
+        out, dout, dlse_t, delta, *out.stride(), *dout.stride(), H, Mq, Dv,
+        BLOCK_M=pre_bm, HEAD_DIM_V=hdv, HAS_DLSE=dlse is not None,
+    )
+    plan = _dbias_plan(add, B, H, Mq, Mk) if need_dbias else None
+    d32 = _dummy(dev, torch.float32)
+    dbias = torch.zeros(add.shape, dtype=torch.float32, device=dev) if plan == "full" else d32
+    dcol = torch.zeros((B, H, Mk), dtype=torch.float32, device=dev) if plan == "col" else d32
+    drow = torch.zeros((B, H, Mq), dtype=torch.float32, device=dev) if plan == "row" else d32
+    g_strides = _bcast_strides(dbias, (B, H, Mq, Mk)) if plan == "full" else (0, 0, 0, 0)
+    nb_loop = B if plan == "full" and add.shape[0] == 1 and B > 1 else 1
+    h_bcast = plan == "full" and add.shape[1] == 1 and H > 1
+    nhk_loop = Hkv if h_bcast else 1
+    common = (
+        *args.add_strides, *args.slope_strides, *args.layout_strides,
+    )
+    feats = _features(spec) + ((plan,) if plan else ())
+
+    def run_dkdv(cfg: configs.TileConfig) -> None:
+        if plan == "full" and nb_loop * nhk_loop > 1:
+            dbias.zero_()
+        sched = schedule.key_schedule(spec, cfg.block_n, dev)
+        count, index, cs, ts, exact = args.tile_lists(sched, cfg.block_m, False, B, H, dev)
+        grid = (sched.n, (B // nb_loop) * (Hkv // nhk_loop))
+        _attn_bwd_dkdv_kernel[grid](
+            q, k, v, dout, lse, delta, dk, dv, dbias, dcol,
+            args.add, args.slopes, args.layout, args.qs, args.kv, args.band_lo, args.band_hi,
+            sched.table if sched.table is not None else _dummy(dev), count, index,
+            scale * LOG2E, scale,
+            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(), *g_strides, *common, *cs, *ts,
+            H, H // Hkv, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop,
+            spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
+            SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, FULL_DBIAS=plan == "full",
+            DBIAS_ACCUM=nb_loop > 1 or h_bcast, COL_DBIAS=plan == "col", DOT_PRECISION=_dot_precision(q.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches(),
+        )
+
+    def run_dq(cfg: configs.TileConfig) -> None:
+        sched = schedule.query_schedule(spec, cfg.block_m, dev)
+        count, index, cs, ts, exact = args.tile_lists(sched, cfg.block_n, True, B, H, dev)
+        _attn_bwd_dq_kernel[(sched.n, B * H)](
+            q, k, v, dout, lse, delta, dq, drow,
+            args.add, args.slopes, args.layout, args.ks, args.kl, args.kv, args.band_lo, args.band_hi,
+            sched.table if sched.table is not None else _dummy(dev), count, index,
+            scale * LOG2E, scale,
+            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *common, *cs, *ts,
+            H, H // Hkv, Mq, Mk, D, Dv, sched.n,
+            spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
+            SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, ROW_DBIAS=plan == "row",
+            DOT_PRECISION=_dot_precision(q.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches(),
+        )
+
+    hmax = max(hd, hdv)
+    run_dkdv(configs.choose("dkdv", hmax, q.dtype, dev, feats, run_dkdv))
+    run_dq(configs.choose("dq", hmax, q.dtype, dev, feats, run_dq))
+    dadd = None
+    if plan == "full":
+        dadd = dbias
+    elif plan == "col":
+        dadd = _reduce_to(dcol[:, :, None, :], add.shape)
+    elif plan == "row":
+        dadd = _reduce_to(drow[:, :, :, None], add.shape)
+    if dadd is not None:
+        dadd = dadd.to(add.dtype)
+    return dq, dk, dv, dadd

@@ -1,0 +1,171 @@
+"""The forward flash-attention kernel: online softmax over the key tiles a query tile can see.
+
+One program computes ``out [BLOCK_M, Dv]`` and ``lse [BLOCK_M]`` of one query tile of one
+(batch, head). Each :class:`~biasattn.bias.spec.BiasSpec` field is a compile-time switch. Key tiles
+outside the tile's visible span are never visited; tiles that every row sees entirely run without
+an element mask; with a block layout the program walks a precomputed list of visible key tiles.
+"""
+
+import triton
+import triton.language as tl
+
+from .common_kernels import LN2, _bias_tile, _layout_visible, _load_lines, _row_key_bounds, _span, _tile_split
+
+
+@triton.jit
+def _fwd_tile(
+    acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base,
+    stride_kn, stride_kd, stride_vn, stride_vd, Mq, Mk, D, Dv, qk_scale,
+    Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
+    Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+    MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One key tile ``[n0, n0 + BLOCK_N)`` of the online softmax."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cols64 = cols.to(tl.int64)
+    dk = tl.arange(0, HEAD_DIM)
+    dv = tl.arange(0, HEAD_DIM_V)
+    k = _load_lines(K_base + cols64[:, None] * stride_kn + dk[None, :] * stride_kd, cols, Mk, dk, D, MASKED, EVEN_D)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if HAS_ADDITIVE or HAS_ALIBI:
+        s += _bias_tile(
+            rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
+            Slopes, stride_sb, stride_sh, alibi_shift, HAS_ADDITIVE, HAS_ALIBI,
+        )
+    if MASKED:
+        vis = (cols[None, :] >= klo[:, None]) & (cols[None, :] < khi[:, None])
+        if LAYOUT_MASK:
+            vis = vis & _layout_visible(
+                rows[:, None], cols[None, :], b, h, Layout, stride_lb, stride_lh, stride_lq, stride_lk,
+                layout_q_off, layout_k_off, block_q, block_k,
+            )
+        s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED or HAS_ADDITIVE:  # a row may have seen nothing yet: keep exp2 away from inf - inf
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_lines(V_base + cols64[:, None] * stride_vn + dv[None, :] * stride_vd, cols, Mk, dv, Dv, MASKED, EVEN_D)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, Out, Lse,
+    Add, Slopes, Layout, QSeqStart, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, Sched, TileCount, TileIdx,
+    qk_scale,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_ab, stride_ah, stride_am, stride_an,
+    stride_sb, stride_sh,
+    stride_lb, stride_lh, stride_lq, stride_lk,
+    stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
+    H, G, Mq, Mk, D, Dv, n_prog_m,
+    layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
+    SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
+    BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr,
+    HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(query tiles, B * Hq)``. Writes ``Out [B, Hq, Mq, Dv]`` and ``Lse [B, Hq, Mq]`` (natural log)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // G
+    if SCHEDULED:  # packed segments: the host table gives (first row, end row, segment)
+        prog = pid_m
+        m0 = tl.load(Sched + pid_m * 3)
+        m_end = tl.load(Sched + pid_m * 3 + 1)
+        seg = tl.load(Sched + pid_m * 3 + 2)
+    else:  # heaviest (last) tiles first
+        prog = n_prog_m - 1 - pid_m
+        m0 = prog * BLOCK_M
+        m_end = tl.minimum(m0 + BLOCK_M, Mq)
+        seg = 0
+    rows = m0 + tl.arange(0, BLOCK_M)
+    klo, khi, valid = _row_key_bounds(
+        rows, m_end, seg, b, Mk, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT
+    )
+    lo, hi, full_lo, full_hi = _span(klo, khi, valid)
+
+    b64 = b.to(tl.int64)
+    rows64 = rows.to(tl.int64)
+    dq = tl.arange(0, HEAD_DIM)
+    q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh
+    q = _load_lines(q_base + rows64[:, None] * stride_qm + dq[None, :] * stride_qd, rows, Mq, dq, D, True, EVEN_D)
+    K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
+    V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
+    if HAS_LAYOUT:  # walk the precomputed list of key tiles the layout leaves visible
+        count = tl.load(TileCount + b * stride_cb + h * stride_ch + prog)
+        tiles = TileIdx + b64 * stride_tb + h.to(tl.int64) * stride_th + prog.to(tl.int64) * stride_tp
+        for t in range(0, count):
+            n0 = tl.load(tiles + t) * BLOCK_N
+            if (n0 < hi) & (n0 + BLOCK_N > lo):
+                if LAYOUT_EXACT:  # kernel tiles lie inside layout blocks: the list settles the layout
+                    if (n0 >= full_lo) & (n0 + BLOCK_N <= full_hi):
+                        acc, m_i, l_i = _fwd_tile(
+                            acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                            Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                            False, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                        )
+                    else:
+                        acc, m_i, l_i = _fwd_tile(
+                            acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                            Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                            True, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                        )
+                else:
+                    acc, m_i, l_i = _fwd_tile(
+                        acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                        Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                        alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                        True, True, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                    )
+    else:  # masked tiles at the span's left edge, unmasked middle, masked right edge
+        n, a, e = _tile_split(lo, hi, full_lo, full_hi, BLOCK_N)
+        for t in range(0, a):
+            acc, m_i, l_i = _fwd_tile(
+                acc, m_i, l_i, q, rows, klo, khi, lo + t * BLOCK_N, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                True, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+            )
+        for t in range(a, e):
+            acc, m_i, l_i = _fwd_tile(
+                acc, m_i, l_i, q, rows, klo, khi, lo + t * BLOCK_N, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                False, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+            )
+        for t in range(e, n):
+            acc, m_i, l_i = _fwd_tile(
+                acc, m_i, l_i, q, rows, klo, khi, lo + t * BLOCK_N, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                True, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+            )
+
+    # rows that saw no key: out 0, lse -inf
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+    keep = valid & (rows < Mq)
+    dv = tl.arange(0, HEAD_DIM_V)
+    o_ptrs = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + rows64[:, None] * stride_om + dv[None, :] * stride_od
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=keep[:, None] & (dv[None, :] < Dv))
+    tl.store(Lse + pid_bh.to(tl.int64) * Mq + rows64, lse, mask=keep)

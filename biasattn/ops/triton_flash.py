@@ -1,0 +1,166 @@
+"""The ``triton`` operator: our flash-attention kernels, forward and backward, for every BiasSpec feature.
+
+The kernels live in :mod:`biasattn.ops.triton` (imported on first use, so biasattn imports without
+Triton). They are reached through two ``torch.library`` custom ops, ``biasattn::triton_flash_fwd``
+and ``biasattn::triton_flash_bwd``, each with a fake implementation so ``torch.compile`` can trace
+calls without running them.
+
+On CUDA it needs compute capability 8.0+. On the CPU it runs only under the Triton interpreter
+(``TRITON_INTERPRET=1`` set before the kernels are first imported), which is how the CPU tests run.
+float32 inputs are computed in full float32 (no tf32). Dropout is not supported.
+"""
+
+# ruff: noqa: UP045  (torch.library infers custom-op schemas from typing.Optional)
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from typing import Optional
+
+import torch
+
+from ..bias.spec import FEATURES, BiasSpec, SpecHost
+from ..inputs import AttentionInputs
+from .base import Operator
+
+_FLASH = "biasattn.ops.triton.flash"
+
+
+def _launchers():
+    from .triton import flash
+
+    return flash
+
+
+def _spec_from_args(q, k, additive, qs, ks, kl, kv, band_lo, band_hi, layout, slopes,
+                    host_qs, host_ks, host_kl, ints) -> BiasSpec:
+    block_q, block_k, layout_q_off, layout_k_off, alibi_shift = ints
+    host = SpecHost(
+        q_seqstart=tuple(host_qs) if qs is not None else None,
+        k_seqstart=tuple(host_ks) if qs is not None else None,
+        k_seqlen=tuple(host_kl) if qs is not None else None,
+    )
+    return BiasSpec(
+        B=q.shape[0], H=q.shape[1], Mq=q.shape[2], Mk=k.shape[2], q_seqstart=qs, k_seqstart=ks, k_seqlen=kl,
+        kv_seqlens=kv, band_lo=band_lo, band_hi=band_hi, layout=layout, block_q=block_q, block_k=block_k,
+        layout_q_off=layout_q_off, layout_k_off=layout_k_off, additive=additive, alibi_slopes=slopes,
+        alibi_shift=alibi_shift, host=host,
+    )
+
+
+def _spec_to_args(spec: BiasSpec) -> tuple:
+    h = spec.host
+    segs = spec.q_seqstart is not None
+    return (
+        spec.additive, spec.q_seqstart, spec.k_seqstart, spec.k_seqlen, spec.kv_seqlens, spec.band_lo, spec.band_hi,
+        spec.layout, spec.alibi_slopes,
+        list(h.q_seqstart) if segs else [], list(h.k_seqstart) if segs else [], list(h.k_seqlen) if segs else [],
+        [spec.block_q, spec.block_k, spec.layout_q_off, spec.layout_k_off, spec.alibi_shift],
+    )
+
+
+@torch.library.custom_op("biasattn::triton_flash_fwd", mutates_args=())
+def triton_flash_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive: Optional[torch.Tensor], q_seqstart: Optional[torch.Tensor],
+    k_seqstart: Optional[torch.Tensor], k_seqlen: Optional[torch.Tensor], kv_seqlens: Optional[torch.Tensor],
+    band_lo: Optional[torch.Tensor], band_hi: Optional[torch.Tensor], layout: Optional[torch.Tensor],
+    alibi_slopes: Optional[torch.Tensor], host_q_seqstart: list[int], host_k_seqstart: list[int], host_k_seqlen: list[int],
+    ints: list[int], scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, Hq, Mq, Dv], lse [B, Hq, Mq] float32)``.
+
+    q ``[B, Hq, Mq, D]``, k/v ``[B, Hkv, Mk, D|Dv]``, then the fields of a BiasSpec.
+    """
+    spec = _spec_from_args(q, k, additive, q_seqstart, k_seqstart, k_seqlen, kv_seqlens, band_lo, band_hi, layout,
+                           alibi_slopes, host_q_seqstart, host_k_seqstart, host_k_seqlen, ints)
+    return _launchers().attn_fwd(q, k, v, spec, scale)
+
+
+@triton_flash_fwd.register_fake
+def _(q, k, v, *args):
+    B, H, Mq, _ = q.shape
+    return q.new_empty((B, H, Mq, v.shape[3])), q.new_empty((B, H, Mq), dtype=torch.float32)
+
+
+@torch.library.custom_op("biasattn::triton_flash_bwd", mutates_args=())
+def triton_flash_bwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+    dlse: Optional[torch.Tensor], additive: Optional[torch.Tensor], q_seqstart: Optional[torch.Tensor],
+    k_seqstart: Optional[torch.Tensor], k_seqlen: Optional[torch.Tensor], kv_seqlens: Optional[torch.Tensor],
+    band_lo: Optional[torch.Tensor], band_hi: Optional[torch.Tensor], layout: Optional[torch.Tensor],
+    alibi_slopes: Optional[torch.Tensor], host_q_seqstart: list[int], host_k_seqstart: list[int], host_k_seqlen: list[int],
+    ints: list[int], scale: float, need_dbias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dadditive)``; ``dadditive`` is empty (shape ``[0]``) when not requested."""
+    spec = _spec_from_args(q, k, additive, q_seqstart, k_seqstart, k_seqlen, kv_seqlens, band_lo, band_hi, layout,
+                           alibi_slopes, host_q_seqstart, host_k_seqstart, host_k_seqlen, ints)
+    dq, dk, dv, dadd = _launchers().attn_bwd(q, k, v, out, lse, dout, dlse, spec, scale, need_dbias)
+    return dq, dk, dv, (dadd if dadd is not None else q.new_empty((0,)))
+
+
+@triton_flash_bwd.register_fake
+def _(q, k, v, out, lse, dout, dlse, additive, *args):
+    need = args[-1] and additive is not None
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(additive) if need else q.new_empty((0,)))
+
+
+def _interpreted() -> bool:
+    mod = sys.modules.get(_FLASH)
+    if mod is not None:
+        return mod.INTERPRETED
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class TritonOperator(Operator):
+    """Flash attention in Triton: every bias feature, forward and backward, GQA, head dims up to 256."""
+
+    NAME = "triton"
+    DESCRIPTION = "Triton flash kernels: every spec feature with tile skipping, GQA, backward with bias gradient"
+    DEVICES = frozenset({"cuda", "cpu"})
+    MIN_CAPABILITY = (8, 0)
+    DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+    MIN_HEAD_DIM = 1
+    MAX_HEAD_DIM = 256
+    FEATURES = frozenset(FEATURES)
+    SUPPORTS_DROPOUT = False
+    SUPPORTS_BACKWARD = True
+    SUPPORTS_BIAS_GRAD = True
+    SUPPORTS_GQA = True
+    SUPPORTS_LSE = True
+    DETERMINISTIC = True
+    SUPPORTS_EMPTY = True
+
+    def environment_reasons(self, device: torch.device | None = None) -> list[str]:
+        """Triton must be installed; on the CPU the Triton interpreter must be on."""
+        if importlib.util.find_spec("triton") is None:
+            return ["needs the triton package, which is not installed"]
+        if device is not None and device.type == "cpu" and not _interpreted():
+            return [
+                "runs on the CPU only under the Triton interpreter "
+                "(TRITON_INTERPRET=1 set before biasattn's kernels load), which is off"
+            ]
+        return []
+
+    def extra_reasons(self, inp: AttentionInputs, *, backward: bool) -> list[str]:
+        """Key segments must be ordered and disjoint (always true for BlockDiagonalMask)."""
+        from .triton.schedule import segments_disjoint
+
+        if inp.spec.q_seqstart is not None and not segments_disjoint(inp.spec):
+            return ["needs ordered, non-overlapping key segments, got overlapping ones"]
+        return []
+
+    def fwd(self, inp: AttentionInputs):
+        """Raw forward: ``(out, lse float32, None)``."""
+        out, lse = triton_flash_fwd(inp.q, inp.k, inp.v, *_spec_to_args(inp.spec), inp.scale)
+        return out, lse, None
+
+    def bwd(self, inp: AttentionInputs, out, lse, ctx, dout, dlse):
+        """Raw backward: ``(dq, dk, dv, dadditive or None)``."""
+        add = inp.additive
+        need = add is not None and add.requires_grad
+        dq, dk, dv, dadd = triton_flash_bwd(
+            inp.q, inp.k, inp.v, out, lse.to(torch.float32).contiguous(), dout, dlse, *_spec_to_args(inp.spec), inp.scale, need
+        )
+        return dq, dk, dv, (dadd if need else None)
