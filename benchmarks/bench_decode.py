@@ -1,0 +1,254 @@
+"""Decode benchmark: ``triton_splitk`` against PyTorch SDPA flash and cuDNN, in GB/s of K+V read.
+
+Each point times one decoding step (q ``[B, Hq, Mq, 128]`` against a cache of Mk keys, bf16) with
+``triton.testing.do_bench`` (median). Calls are captured in a CUDA graph, several per graph over
+distinct buffers when one set of K/V would fit in L2, so that launch overhead and cache hits stay
+out of the numbers. The device-copy bandwidth is measured in the same process; the target is 90%
+of it. Writes ``decode.csv`` (long format), ``decode.md`` and ``decode.png`` into ``--out``.
+
+    PYTHONPATH=. python benchmarks/bench_decode.py --out benchmarks/results/h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import datetime
+import math
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import biasattn as ba
+from biasattn.inputs import make_inputs
+from biasattn.ops.triton.splitk import SplitKConfig, splitk_attention_fwd
+
+D = 128
+DTYPE = torch.bfloat16
+L2_BYTES = 512 * 2**20  # rotate buffers until one graph touches this much
+MAX_KV_BYTES = 40 * 2**30
+GRID = dict(B=(1, 4, 16, 64), heads=((32, 32), (32, 8), (32, 1)), Mk=(1024, 8192, 32768, 131072), Mq=(1, 4))
+PEERS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, GB/s counting bytes read plus bytes written."""
+    x = torch.randn(2**30 // 2, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=20, rep=200, return_mode="median")
+    return 2 * x.numel() * x.element_size() / ms / 1e6
+
+
+def graph_time(fn, sets) -> float:
+    """Median ms of one call: ``fn`` on every buffer set, captured in one CUDA graph, divided by the sets."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for s in sets[:2]:
+            fn(*s)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for s in sets:
+            fn(*s)
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
+    del graph
+    return ms / len(sets)
+
+
+def make_sets(B, Hq, Hkv, Mq, Mk):
+    """Random q/k/v sets, enough of them that one graph over all touches more memory than L2 holds."""
+    kv_bytes = 2 * B * Hkv * Mk * D * 2
+    n = max(1, min(16, math.ceil(L2_BYTES / kv_bytes)))
+    sets = []
+    for _ in range(n):
+        q = torch.randn(B, Hq, Mq, D, device="cuda", dtype=DTYPE)
+        k = torch.randn(B, Hkv, Mk, D, device="cuda", dtype=DTYPE)
+        v = torch.randn(B, Hkv, Mk, D, device="cuda", dtype=DTYPE)
+        sets.append((q, k, v))
+    return sets
+
+
+def provider_fn(name, Hq, Hkv, bias=None):
+    """One decoding call of provider ``name`` as ``fn(q, k, v)``."""
+    if name == "triton_splitk":
+        return lambda q, k, v: ba.attention(q, k, v, bias, op="triton_splitk")
+    backend = PEERS[name]
+
+    def run(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=Hq != Hkv)
+
+    return run
+
+
+def bench_point(B, Hq, Hkv, Mq, Mk, providers):
+    """``[(provider, ms, GB/s, note)]`` for one shape."""
+    sets = make_sets(B, Hq, Hkv, Mq, Mk)
+    kv_bytes = 2 * B * Hkv * Mk * D * 2
+    rows = []
+    for name in providers:
+        try:
+            ms = graph_time(provider_fn(name, Hq, Hkv), sets)
+            rows.append((name, ms, kv_bytes / ms / 1e6, ""))
+        except Exception as e:  # a backend refusing these inputs is a result too
+            rows.append((name, float("nan"), float("nan"), type(e).__name__ + ": " + str(e).split("\n")[0][:120]))
+            torch.cuda.synchronize()
+    del sets
+    return rows
+
+
+def padded_experiment(out_rows, meta):
+    """Mixed cache lengths: time should follow the keys present, not the padded maximum."""
+    B, Hq, Hkv, Mk = 16, 32, 8, 32768
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(Mk // 8, Mk + 1, (B,), generator=gen).tolist()
+    sets = make_sets(B, Hq, Hkv, 1, Mk)
+    full = graph_time(provider_fn("triton_splitk", Hq, Hkv), sets)
+    bias = ba.PaddedKeysMask(lens, device="cuda")
+    mixed = graph_time(provider_fn("triton_splitk", Hq, Hkv, bias), sets)
+    present = sum(lens) / (B * Mk)
+    for name, ms, frac in (("triton_splitk", full, 1.0), ("triton_splitk_padded", mixed, present)):
+        gbps = 2 * Hkv * sum(lens if frac < 1 else [Mk] * B) * D * 2 / ms / 1e6
+        note = f"keys present {frac:.3f}"
+        out_rows.append(dict(meta, provider=name, B=B, Hq=Hq, Hkv=Hkv, Mq=1, Mk=Mk, ms=ms, GBps=gbps, note=note))
+    print(f"padded keys: {present:.3f} of the keys present; time ratio {mixed / full:.3f}")
+
+
+def sweep(meta):
+    """Tile-config variants on a few shapes (launcher called directly, graph-timed)."""
+    shapes = [(1, 32, 8, 1, 32768), (1, 32, 32, 1, 131072), (16, 32, 32, 1, 8192), (4, 32, 1, 4, 32768)]
+    configs = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 4, 2)]
+    for B, Hq, Hkv, Mq, Mk in shapes:
+        sets = make_sets(B, Hq, Hkv, Mq, Mk)
+        kv_bytes = 2 * B * Hkv * Mk * D * 2
+        line = []
+        for bn, w, st in configs:
+            rows = Hq // Hkv * Mq
+            bm = min(max(16, triton.next_power_of_2(rows)), 128)
+            cfg = SplitKConfig(bm, bn, 8 if bm > 64 else w, st)
+
+            def fn(q, k, v, cfg=cfg):
+                return splitk_attention_fwd(make_inputs(q, k, v), config=cfg)
+
+            try:
+                ms = graph_time(fn, sets)
+                line.append(f"N{bn}w{w}s{st}={kv_bytes / ms / 1e6:.0f}")
+            except Exception as e:
+                line.append(f"N{bn}w{w}s{st}=ERR({type(e).__name__})")
+        print(f"sweep B={B} {Hq}/{Hkv} Mq={Mq} Mk={Mk}: " + " ".join(line), flush=True)
+        del sets
+
+
+def write_markdown(rows, path, copy_gbps):
+    target = 0.9 * copy_gbps
+    lines = [
+        f"# Decode, {rows[0]['device']}, bf16, D=128 (GB/s of K+V read; CUDA-graph timed, median)",
+        "",
+        f"Device copy: {copy_gbps:.0f} GB/s (read+write); target = 90% = {target:.0f} GB/s.",
+        f"torch {rows[0]['torch']}, triton {rows[0]['triton']}, commit {rows[0]['commit']}, {rows[0]['date']}.",
+        "",
+        "| B | Hq/Hkv | Mq | Mk | triton_splitk | sdpa_flash | sdpa_cudnn | vs best SDPA | % of copy |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    keyed = {}
+    for r in rows:
+        keyed.setdefault((r["B"], r["Hq"], r["Hkv"], r["Mq"], r["Mk"]), {})[r["provider"]] = r
+    for (B, Hq, Hkv, Mq, Mk), p in keyed.items():
+        if "sdpa_flash" not in p:
+            continue
+        ours = p["triton_splitk"]["GBps"]
+        peers = [p[n]["GBps"] for n in PEERS if n in p and not math.isnan(p[n]["GBps"])]
+        best = max(peers) if peers else float("nan")
+        cells = [f"{p[n]['GBps']:.0f}" if n in p and not math.isnan(p[n]["GBps"]) else "n/a" for n in ("triton_splitk", *PEERS)]
+        tail = f" | {ours / best:.2f}x | {100 * ours / copy_gbps:.0f}% |"
+        lines.append(f"| {B} | {Hq}/{Hkv} | {Mq} | {Mk} | " + " | ".join(cells) + tail)
+    notes = [r for r in rows if r.get("note")]
+    if notes:
+        lines += ["", "Notes:"] + [f"- {r['provider']} B={r['B']} {r['Hq']}/{r['Hkv']} Mq={r['Mq']} Mk={r['Mk']}: {r['note']} "
+                                   f"({r['ms']:.4f} ms)" for r in notes]
+    open(path, "w").write("\n".join(lines) + "\n")
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(GRID["Mq"]), len(GRID["heads"]), figsize=(15, 8), sharey=True)
+    for a, Mq in enumerate(GRID["Mq"]):
+        for c, (Hq, Hkv) in enumerate(GRID["heads"]):
+            ax = axes[a][c]
+            for prov in ("triton_splitk", *PEERS):
+                for B, style in zip(GRID["B"], ("-", "--", ":", "-.")):
+                    key = (prov, B, Hq, Hkv, Mq)
+                    pts = [(r["Mk"], r["GBps"]) for r in rows if (r["provider"], r["B"], r["Hq"], r["Hkv"], r["Mq"]) == key]
+                    pts = [p for p in pts if not math.isnan(p[1])]
+                    if pts:
+                        color = {"triton_splitk": "C0", "sdpa_flash": "C1", "sdpa_cudnn": "C2"}[prov]
+                        ax.plot(*zip(*pts), style, color=color, label=f"{prov} B={B}")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"Hq/Hkv={Hq}/{Hkv}, Mq={Mq}")
+            ax.set_xlabel("Mk")
+            if c == 0:
+                ax.set_ylabel("GB/s of K+V")
+    axes[0][-1].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/h200")
+    ap.add_argument("--sweep", action="store_true", help="also time tile-config variants")
+    ap.add_argument("--quick", action="store_true", help="B in {1, 16}, Mk in {8k, 128k} only")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    meta = dict(
+        device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, commit=commit,
+        date=datetime.date.today().isoformat(), D=D, dtype="bf16", note="",
+    )
+    copy_gbps = copy_bandwidth()
+    print(f"copy bandwidth {copy_gbps:.0f} GB/s; target {0.9 * copy_gbps:.0f} GB/s", flush=True)
+    if args.sweep:
+        sweep(meta)
+    grid = dict(GRID)
+    if args.quick:
+        grid.update(B=(1, 16), Mk=(8192, 131072))
+    rows = []
+    t0 = time.time()
+    for Mq in grid["Mq"]:
+        for Hq, Hkv in grid["heads"]:
+            for B in grid["B"]:
+                for Mk in grid["Mk"]:
+                    if 2 * B * Hkv * Mk * D * 2 > MAX_KV_BYTES:
+                        continue
+                    for name, ms, gbps, note in bench_point(B, Hq, Hkv, Mq, Mk, ["triton_splitk", *PEERS]):
+                        rows.append(dict(meta, provider=name, B=B, Hq=Hq, Hkv=Hkv, Mq=Mq, Mk=Mk, ms=ms, GBps=gbps, note=note))
+                    r = {x["provider"]: x["GBps"] for x in rows[-3:]}
+                    print(f"B={B:<3} {Hq}/{Hkv:<3} Mq={Mq} Mk={Mk:<7} ours {r['triton_splitk']:7.0f}  "
+                          f"flash {r['sdpa_flash']:7.0f}  cudnn {r['sdpa_cudnn']:7.0f}  [{time.time() - t0:.0f}s]", flush=True)
+    padded_experiment(rows, meta)
+    for r in rows:
+        r["copy_GBps"] = round(copy_gbps, 1)
+    with open(os.path.join(args.out, "decode.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    write_markdown(rows, os.path.join(args.out, "decode.md"), copy_gbps)
+    with contextlib.suppress(Exception):
+        plot(rows, os.path.join(args.out, "decode.png"))
+    print(open(os.path.join(args.out, "decode.md")).read())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
