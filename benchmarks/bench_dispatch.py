@@ -1,0 +1,210 @@
+"""Dispatch benchmark: every operator of ours, automatic dispatch and torch SDPA's backends, per case.
+
+For each case of :mod:`benchmarks.cases` (and each mode, forward or forward+backward) it times, in
+one process, with the median of ``triton.testing.do_bench``:
+
+- ``op:<name>``: ``ba.attention(..., op=name)`` for every registered operator that accepts the case
+  (``chunked`` only where no compiled operator does; ``reference`` never);
+- ``auto``: ``ba.attention`` with automatic dispatch (the chosen forward/backward operators are recorded);
+- ``sdpa:<backend>``: ``F.scaled_dot_product_attention`` restricted to one backend (flash, efficient,
+  cudnn), given ``is_causal`` or the dense mask a user would build; backends that refuse are skipped.
+
+Results go to a long-format CSV (device, versions, commit, date) and a markdown table with the two
+ratios of the dispatch criterion: auto vs the fastest of our operators (>= 0.95) and auto vs the
+fastest SDPA backend (>= 1.0 within 3% noise).
+
+    PYTHONPATH=. python benchmarks/bench_dispatch.py --sizes 2048 --out benchmarks/results/h200/dispatch
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import biasattn as ba  # noqa: E402
+from benchmarks.cases import CASE_NAMES, make_case  # noqa: E402
+from biasattn import dispatch  # noqa: E402
+from biasattn.inputs import make_inputs  # noqa: E402
+
+MODES = ("fwd", "fwd+bwd")
+COMPILED = ("triton", "triton_splitk", "cutlass", "flash2", "cudnn")
+
+
+def _bench(fn, grads) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grads, return_mode="median"))
+
+
+def _runner(call, case, mode):
+    """A zero-argument callable running ``call()`` (and its backward in fwd+bwd mode)."""
+    if mode == "fwd":
+        return call
+    dout = torch.randn_like(case.q)
+
+    def run():
+        call().backward(dout)
+
+    return run
+
+
+def _our_providers(case, mode):
+    backward = mode == "fwd+bwd"
+    inp = make_inputs(case.q, case.k, case.v, case.bias, requires_grad=backward)
+    ok = [n for n in ba.ops.available() if n != "reference" and not ba.ops.get(n).not_supported_reasons(inp, backward=backward)]
+    if any(n in COMPILED for n in ok):
+        ok = [n for n in ok if n != "chunked"]
+    fwd, bwd = dispatch.choose(inp)
+    chosen = fwd.NAME + ("" if bwd is None or bwd is fwd else f"/{bwd.NAME}")
+    return ok, chosen
+
+
+def _sdpa_providers(case):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mask = case.dense_mask()
+    backends = {
+        "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+    }
+
+    def make(backend):
+        def call():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(case.q, case.k, case.v, attn_mask=mask, is_causal=case.is_causal)
+
+        return call
+
+    return {name: make(b) for name, b in backends.items()}
+
+
+def _grads(case):
+    out = [t for t in (case.q, case.k, case.v) if t.requires_grad]
+    if case.name == "additive" and case.dense_mask().requires_grad:
+        out.append(case.dense_mask())
+    return out
+
+
+def _time_case(S, B, H, D, name, mode, meta, log):
+    case = make_case(name, B=B, H=H, M=S, D=D, requires_grad=mode == "fwd+bwd")
+    ours, chosen = _our_providers(case, mode)
+    calls = {f"op:{n}": (lambda n=n: ba.attention(case.q, case.k, case.v, case.bias, op=n)) for n in ours}
+    calls["auto"] = lambda: ba.attention(case.q, case.k, case.v, case.bias)
+    calls.update({f"sdpa:{n}": c for n, c in _sdpa_providers(case).items()})
+    rows = []
+    for provider, call in calls.items():
+        t0 = time.time()
+        try:
+            fn = _runner(call, case, mode)
+            fn()
+            torch.cuda.synchronize()
+            ms = _bench(fn, _grads(case))
+        except (RuntimeError, ba.NotSupportedError) as e:
+            if not provider.startswith("sdpa:"):
+                log(f"  {provider} failed on {name} {mode}: {str(e).splitlines()[0][:200]}")
+            continue
+        tflops = case.flops(mode) / (ms * 1e-3) / 1e12
+        rows.append(dict(meta, S=S, B=B, H=H, D=D, case=name, mode=mode, provider=provider,
+                         chosen=chosen if provider == "auto" else "", ms=f"{ms:.4f}", tflops=f"{tflops:.1f}"))
+        log(f"S={S} {name:<12} {mode:<8} {provider:<16} {ms:8.3f} ms {tflops:7.1f} TFLOP/s"
+            f"{'  chosen ' + chosen if provider == 'auto' else ''}  ({time.time() - t0:.1f}s)")
+    return rows
+
+
+def run(sizes, modes, cases, H=16, D=128, tokens=16384, budget_s=1e9, log=print):
+    """Time everything (no new case starts after ``budget_s`` seconds); returns the long-format rows."""
+    start = time.time()
+    meta = dict(
+        device=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
+        commit=_commit(), date=datetime.date.today().isoformat(),
+    )
+    rows = []
+    for S in sizes:
+        B = max(tokens // S, 1)
+        for name in cases:
+            for mode in modes:
+                if time.time() - start > budget_s:
+                    log(f"time budget of {budget_s:.0f}s spent: skipping S={S} {name} {mode}")
+                    continue
+                rows += _time_case(S, B, H, D, name, mode, meta, log)
+                torch.cuda.empty_cache()
+    return rows
+
+
+def summarize(rows) -> str:
+    """Markdown table: per case and mode, the fastest of ours, auto, the fastest SDPA backend, and the ratios."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((int(r["S"]), r["case"], r["mode"]), []).append(r)
+    meta = rows[0] if rows else {}
+    lines = [
+        f"Device {meta.get('device')}, torch {meta.get('torch')}, triton {meta.get('triton')}, commit {meta.get('commit')}, "
+        f"{meta.get('date')}. bf16, H={meta.get('H')}, D={meta.get('D')}, B·S = 16384 tokens. Median ms of "
+        "triton.testing.do_bench; TFLOP/s count only visible pairs. auto/ours = fastest of our operators' time / auto's time "
+        "(>= 0.95 passes); auto/SDPA = fastest SDPA backend's time / auto's time (>= 0.97 passes).",
+        "",
+        "| S | case | mode | our operators (ms) | auto: chosen | auto ms | best SDPA (ms) | auto/ours | auto/SDPA | pass |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (S, case, mode), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], CASE_NAMES.index(kv[0][1]), kv[0][2])):
+        ours = {r["provider"][3:]: float(r["ms"]) for r in rs if r["provider"].startswith("op:")}
+        sdpa = {r["provider"][5:]: float(r["ms"]) for r in rs if r["provider"].startswith("sdpa:")}
+        auto = next((r for r in rs if r["provider"] == "auto"), None)
+        if auto is None:
+            continue
+        a = float(auto["ms"])
+        best_ours = min(ours.values()) if ours else float("nan")
+        best_sdpa_name = min(sdpa, key=sdpa.get) if sdpa else None
+        r1 = best_ours / a if ours else float("nan")
+        r2 = sdpa[best_sdpa_name] / a if sdpa else float("nan")
+        ok = (not ours or r1 >= 0.95) and (not sdpa or r2 >= 0.97)
+        ours_txt = ", ".join(f"{n} {t:.3f}" for n, t in sorted(ours.items(), key=lambda kv: kv[1]))
+        sdpa_txt = f"{best_sdpa_name} {sdpa[best_sdpa_name]:.3f}" if sdpa else "none runs it"
+        lines.append(
+            f"| {S} | {case} | {mode} | {ours_txt} | {auto['chosen']} | {a:.3f} | {sdpa_txt} | {r1:.2f} | "
+            f"{'' if not sdpa else f'{r2:.2f}'} | {'yes' if ok else 'NO'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def main(argv=None) -> None:
+    """Command line: ``--sizes``, ``--modes``, ``--cases``, ``--out`` (path prefix for .csv and .md)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="2048")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--cases", default=",".join(CASE_NAMES))
+    p.add_argument("--out", default="benchmarks/results/h200/dispatch")
+    p.add_argument("--budget", type=float, default=1e9, help="stop starting new cases after this many seconds")
+    a = p.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    rows = run([int(s) for s in a.sizes.split(",")], a.modes.split(","), a.cases.split(","), budget_s=a.budget)
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    md = summarize(rows)
+    with open(a.out + ".md", "w") as f:
+        f.write("# Dispatch benchmark\n\n" + md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

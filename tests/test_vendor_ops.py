@@ -1,0 +1,231 @@
+"""CPU tests of the vendor operators: declarations, reasons, and the spec-to-kernel-argument mapping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import biasattn as ba
+from biasattn.bias.spec import lower
+from biasattn.inputs import make_inputs
+from biasattn.ops import vendor_mapping as vm
+
+VENDOR = ("cutlass", "flash2", "cudnn")
+
+
+def _plan(bias, B, H, Mq, Mk):
+    spec = lower(bias, B, H, Mq, Mk)
+    return spec, vm.plan_sequences(spec)
+
+
+# ------------------------------------------------------------------------------------- declarations
+@pytest.mark.parametrize("name", VENDOR)
+def test_registered_with_declarations(name):
+    """Each vendor operator is registered, runs on CUDA only and declares what it supports."""
+    op = ba.ops.get(name)
+    d = op.declarations()
+    assert name in ba.ops.available() and d["devices"] == ["cuda"]
+    assert d["backward"] and d["dropout"] and op.DESCRIPTION and type(op).__doc__
+    assert {"segments", "band"} <= set(d["features"])
+
+
+@pytest.mark.parametrize("name", VENDOR)
+def test_cpu_tensors_refused_naming_the_device(name):
+    """On CPU tensors each vendor operator gives a reason naming the device; forcing it raises."""
+    q = k = v = torch.randn(1, 2, 5, 16, dtype=torch.float16)
+    reasons = ba.ops.get(name).not_supported_reasons(make_inputs(q, k, v))
+    assert any("cpu" in r and "cuda" in r for r in reasons), reasons
+    with pytest.raises(ba.NotSupportedError, match=name):
+        ba.attention(q, k, v, op=name)
+
+
+def test_declared_limits_give_reasons():
+    """Features a kernel cannot express are refused with one sentence each."""
+    q = k = v = torch.randn(2, 4, 9, 16, dtype=torch.float16)
+    layout = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    inp = make_inputs(q, k, v, ba.BlockSparseMask(layout, 16))
+    for name in VENDOR:
+        assert any("layout" in r for r in ba.ops.get(name).not_supported_reasons(inp))
+    alibi = make_inputs(q.requires_grad_(), k, v, ba.ALiBi(ba.ALiBi.standard_slopes(4)))
+    assert any("ALiBi" in r for r in ba.ops.get("flash2").not_supported_reasons(alibi, backward=True))
+    assert not any("ALiBi" in r for r in ba.ops.get("flash2").not_supported_reasons(alibi, backward=False))
+    window = make_inputs(q, k, v, ba.LocalAttentionMask(3))
+    assert any("band" in r for r in ba.ops.get("cutlass").not_supported_reasons(window))
+    assert any("band" in r for r in ba.ops.get("cudnn").not_supported_reasons(window))
+    assert not any("band" in r for r in ba.ops.get("flash2").not_supported_reasons(window))
+    lse = ba.ops.get("flash2").not_supported_reasons(make_inputs(q, k, v), need_lse=True, backward=True)
+    assert any("log-sum-exp" in r for r in lse)
+
+
+def test_cudnn_refuses_bias_backward_at_the_nan_lengths():
+    """cuDNN's NaN grad_q with a bias at seq_len % 128 == 64 (PyTorch issue 196678) is refused."""
+    q = k = v = torch.randn(1, 2, 192, 16, dtype=torch.float16)
+    inp = make_inputs(q, k, v, torch.randn(192, 192, dtype=torch.float16))
+    op = ba.ops.get("cudnn")
+    assert any("196678" in r for r in op.not_supported_reasons(inp, backward=True))
+    assert not any("196678" in r for r in op.not_supported_reasons(inp, backward=False))
+
+
+def test_missing_entry_point_is_a_reason(monkeypatch):
+    """A torch without the kernel's entry point gives a reason naming it."""
+    monkeypatch.setattr(vm, "aten_entry", lambda name: None)
+    reasons = ba.ops.get("cutlass").environment_reasons()
+    assert reasons and "_efficient_attention_forward" in reasons[0]
+
+
+# ------------------------------------------------------------------------------------- mapping
+def test_plan_batched_and_bands():
+    _, p = _plan(None, 2, 4, 7, 9)
+    assert p.layout == "batched" and p.seqs[0].lo is None and p.seqs[0].hi is None
+    assert vm.cutlass_mask_type(p) == vm.NO_MASK and vm.flash_window(p) == (-1, -1) and vm.cudnn_causal(p) is False
+    _, p = _plan(ba.LowerTriangularMask(), 2, 4, 7, 9)
+    assert vm.cutlass_mask_type(p) == vm.CAUSAL_TOP_LEFT and vm.flash_window(p) is None  # right = -2
+    assert vm.cudnn_causal(p) is True
+    _, p = _plan(ba.LowerTriangularFromBottomRightMask(), 2, 4, 7, 9)
+    assert vm.cutlass_mask_type(p) == vm.CAUSAL_BOTTOM_RIGHT and vm.flash_window(p) == (-1, 0)
+    assert vm.cudnn_causal(p) is None
+    _, p = _plan(ba.LocalAttentionMask(3, 1), 2, 4, 7, 9)
+    assert vm.cutlass_mask_type(p) is None and vm.flash_window(p) == (3, 1) and vm.cudnn_causal(p) is None
+
+
+def test_flash_window_top_left_is_a_right_window():
+    """Top-left causal is FlashAttention's right window Mq - Mk, which must not be negative."""
+    _, p = _plan(ba.LowerTriangularMask(), 1, 1, 7, 9)
+    assert vm.flash_window(p) is None  # would need right = -2
+    _, p = _plan(ba.LowerTriangularMask(), 1, 1, 9, 7)
+    assert vm.flash_window(p) == (-1, 2)
+    _, p = _plan(ba.LowerTriangularMask(), 1, 1, 8, 8)
+    assert vm.flash_window(p) == (-1, 0)
+
+
+def test_plan_segments():
+    bias = ba.BlockDiagonalMask.from_seqlens([3, 5, 7], [4, 1, 6]).make_causal_from_bottom_right()
+    spec, p = _plan(bias, 1, 2, 15, 11)
+    assert p.layout == "segments" and p.cu_q == (0, 3, 8, 15) and p.cu_k == (0, 4, 5, 11) and p.gather is None
+    assert [(s.Lq, s.Lk) for s in p.seqs] == [(3, 4), (5, 1), (7, 6)]
+    assert vm.cutlass_mask_type(p) == vm.CAUSAL_BOTTOM_RIGHT and vm.flash_window(p) == (-1, 0)
+    assert vm.cudnn_causal(p) is None
+    assert vm.rows_may_be_empty(spec, p)  # segment 1: 5 queries, 1 key, bottom-right
+    spec, p = _plan(ba.BlockDiagonalMask.from_seqlens([3, 5, 7]).make_causal(), 1, 2, 15, 15)
+    assert vm.cutlass_mask_type(p) == vm.CAUSAL_TOP_LEFT and vm.cudnn_causal(p) is True
+    assert vm.flash_window(p) == (-1, 0) and not vm.rows_may_be_empty(spec, p)
+
+
+def test_plan_segments_with_padded_keys_gathers():
+    bias = ba.BlockDiagonalMask.from_seqlens([3, 5], [4, 6]) & ba.PaddedKeysMask([2])
+    spec, p = _plan(bias, 1, 2, 8, 10)
+    assert p.gather == ((0, 0, 2), (0, 4, 0)) and p.cu_k == (0, 2, 2)
+    assert vm.rows_may_be_empty(spec, p)  # segment 1 keeps no key
+    bias = ba.BlockDiagonalMask.from_seqlens([3, 5], [4, 6]) & ba.PaddedKeysMask([7])
+    _, p = _plan(bias, 1, 2, 8, 10)
+    assert p.gather is None and p.cu_k == (0, 4, 7)  # only the last segment shrinks: keys stay in place
+
+
+def test_plan_padded_keys():
+    spec, p = _plan(ba.PaddedKeysMask([5, 9, 0]), 3, 2, 6, 9)
+    assert p.layout == "padded" and p.cu_q == (0, 6, 12, 18) and p.cu_k == (0, 5, 14, 14)
+    assert p.gather == ((0, 0, 5), (1, 0, 9), (2, 0, 0))
+    assert vm.rows_may_be_empty(spec, p)  # a batch row with no key
+    _, p = _plan(ba.PaddedKeysMask([5, 9]) & ba.LowerTriangularMask(), 2, 2, 9, 9)
+    assert vm.cutlass_mask_type(p) == vm.CAUSAL_TOP_LEFT
+    assert vm.flash_window(p) is None  # top-left with per-row key lengths is not a bottom-right window
+
+
+def test_plan_refuses_rows_outside_segments():
+    bias = ba.BlockDiagonalMask.from_seqlens([3, 5])[:, :, 2:6, :]
+    spec = lower(bias, 1, 2, 4, 8)
+    p = vm.plan_sequences(spec)
+    assert p.reason is None or "segments cover" in p.reason
+
+
+def test_effective_band_and_empty_rows():
+    assert vm.effective_band(-100, 100, 5, 7) == (None, None)
+    assert vm.effective_band(-4, 6, 5, 7) == (None, None)
+    assert vm.effective_band(-3, 5, 5, 7) == (-3, 5)
+    spec, p = _plan(ba.LowerTriangularFromBottomRightMask(), 1, 1, 9, 4)
+    assert vm.rows_may_be_empty(spec, p)
+    spec, p = _plan(ba.LowerTriangularMask(), 1, 1, 9, 4)
+    assert not vm.rows_may_be_empty(spec, p)
+    spec, p = _plan(ba.LocalAttentionMask(2), 1, 1, 9, 9)
+    assert not vm.rows_may_be_empty(spec, p)
+
+
+def test_alibi_alignment():
+    slopes = ba.ALiBi.standard_slopes(2)
+    _, p = _plan(ba.ALiBi(slopes), 1, 2, 5, 9)
+    assert vm.alibi_matches(p)
+    _, p = _plan(ba.ALiBi(slopes) + ba.PaddedKeysMask([4]), 1, 2, 5, 9)
+    assert not vm.alibi_matches(p)  # FlashAttention would align ALiBi to 4 keys, ours to 9
+
+
+# ------------------------------------------------------------------------------------- tensors
+def test_aligned_bias_keeps_aligned_tensors():
+    t = torch.randn(1, 3, 5, 16, dtype=torch.float16)
+    out = vm.aligned_bias(t, (2, 3, 5, 16), torch.float16)
+    assert out.data_ptr() == t.data_ptr() and out.stride(0) == 0 and tuple(out.shape) == (2, 3, 5, 16)
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 5, 13), (2, 1, 1, 13), (1, 1, 5, 1)])
+def test_aligned_bias_pads_a_copy(shape):
+    """Last dim 13 (not a multiple of 8) or broadcast: a copy padded to 16, broadcast dims stay stride 0."""
+    t = torch.randn(shape, dtype=torch.float32)
+    out = vm.aligned_bias(t, (2, 3, 5, 13), torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and tuple(out.shape) == (2, 3, 5, 13) and out.stride(-1) == 1
+    assert vm.bias_is_aligned(out, 13, torch.bfloat16)
+    for d in range(3):
+        assert shape[d] > 1 or out.stride(d) == 0
+    assert torch.equal(out.float(), t.to(torch.bfloat16).float().expand(2, 3, 5, 13))
+
+
+def test_bias_alignment_rule():
+    t = torch.randn(2, 3, 5, 16)
+    assert vm.bias_is_aligned(t, 16, torch.float32)
+    assert not vm.bias_is_aligned(t[..., 1:], 15, torch.float32)
+    assert not vm.bias_is_aligned(t, 16, torch.float16)
+
+
+@pytest.mark.parametrize("layout", ["bhm", "bhm1", "h_total", "total_h1"])
+def test_lse_layouts_round_trip(layout):
+    spec, p = _plan(ba.PaddedKeysMask([3, 0]), 2, 3, 5, 4)
+    lse = torch.randn(2, 3, 5)
+    lse[1] = float("-inf")
+    raw = vm.lse_to_kernel(lse, p, layout, pad=8)
+    assert bool(torch.isposinf(raw).any())
+    assert torch.equal(vm.lse_from_kernel(raw, p, 2, 3, 5, layout), lse)
+    detected = vm.lse_layout(raw, p, 2, 3, 5)  # [B, H, M] and per-sequence coincide for padded keys
+    assert torch.equal(vm.lse_from_kernel(raw, p, 2, 3, 5, detected), lse)
+
+
+def test_lse_per_sequence_layout_round_trip():
+    spec, p = _plan(ba.BlockDiagonalMask.from_seqlens([3, 5, 2]), 1, 2, 10, 10)
+    lse = torch.randn(1, 2, 10)
+    raw = vm.lse_to_kernel(lse, p, "seq_h_m", pad=32)
+    assert tuple(raw.shape) == (3, 2, 32) and torch.equal(raw[1, :, :5], lse[0, :, 3:8])
+    assert vm.lse_layout(raw, p, 1, 2, 10) == "seq_h_m"
+    assert torch.equal(vm.lse_from_kernel(raw, p, 1, 2, 10, "seq_h_m"), lse)
+
+
+def test_lse_from_kernel_turns_empty_rows_to_minus_inf():
+    _, p = _plan(None, 1, 1, 3, 3)
+    raw = torch.tensor([[[1.0, float("inf"), float("nan")]]])
+    assert vm.lse_from_kernel(raw, p, 1, 1, 3, "bhm").tolist() == [[[1.0, float("-inf"), float("-inf")]]]
+
+
+def test_pack_and_unpack_keys():
+    spec, p = _plan(ba.PaddedKeysMask([2, 4]), 2, 3, 5, 4)
+    k = torch.randn(2, 3, 4, 8)
+    packed = vm.pack_keys(k, spec, p)
+    assert tuple(packed.shape) == (6, 3, 8)
+    assert torch.equal(packed[:2], k[0, :, :2].transpose(0, 1)) and torch.equal(packed[2:], k[1].transpose(0, 1))
+    back = vm.unpack_keys(packed, spec, p, 2, 4)
+    assert torch.equal(back[0, :, :2], k[0, :, :2]) and bool((back[0, :, 2:] == 0).all()) and torch.equal(back[1], k[1])
+    q = torch.randn(2, 3, 5, 8)
+    assert torch.equal(vm.unpack_queries(vm.pack_queries(q, p), p, 2), q)
+
+
+def test_unpack_zeroes_keys_after_the_last_segment():
+    spec, p = _plan(ba.BlockDiagonalMask.from_seqlens([3, 2], [2, 4]) & ba.PaddedKeysMask([4]), 1, 1, 5, 6)
+    assert p.gather is None and p.cu_k == (0, 2, 4)
+    g = torch.ones(6, 1, 4)
+    out = vm.unpack_keys(g, spec, p, 1, 6)
+    assert bool((out[0, :, 4:] == 0).all()) and bool((out[0, :, :4] == 1).all())
