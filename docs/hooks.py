@@ -33,6 +33,9 @@ import traceback
 from pathlib import Path
 
 os.environ.setdefault("MPLBACKEND", "Agg")
+# The pages describe a plain CPU build: with the Triton interpreter on, the generated tables would
+# run the Triton kernels interpreted (slowly) and show a different dispatch.
+os.environ.pop("TRITON_INTERPRET", None)
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # document the checkout, installed or not
