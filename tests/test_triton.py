@@ -1,0 +1,341 @@
+"""The ``triton`` operator against the float64 reference, every BiasSpec feature, forward and backward.
+
+On the CPU the kernels run under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
+with 16×16 tiles, so tiny shapes still cross tile boundaries. Criterion: ``max|out - ref| <=
+factor · max|out_lowprec - ref| + 1e-5`` with ``out_lowprec`` the same attention done by the
+reference math in the inputs' precision (factor 2; 3 for dq). Fresh outputs are poisoned with NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import biasattn as ba
+from biasattn.inputs import make_inputs
+from biasattn.ops.reference import dense_bias, softmax_attention
+
+OP = ba.ops.get("triton") if "triton" in ba.ops.available() else None
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    OP is None or bool(OP.environment_reasons(torch.device(DEVICE))),
+    reason="the triton operator cannot run here" + (f": {OP.environment_reasons(torch.device(DEVICE))}" if OP else ""),
+)
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    from biasattn.ops.triton import flash
+
+    monkeypatch.setattr(flash, "POISON_OUTPUTS", True)
+
+
+# ----------------------------------------------------------------------------------------- checking
+def assert_close(name: str, got, ref, low, factor: float = 2.0, atol: float = 1e-5) -> None:
+    """``max|got - ref| <= factor · max|low - ref| + atol``; infinities must agree exactly, no NaN."""
+    g, r, lo = (t.detach().double().cpu() for t in (got, ref, low))
+    assert not torch.isnan(g).any(), f"{name}: NaN in the result"
+    inf = torch.isinf(r)
+    assert torch.equal(torch.isinf(g), inf), f"{name}: infinities differ from the reference"
+    assert torch.equal(g[inf], r[inf]), f"{name}: infinities of the wrong sign"
+    fin = ~inf
+    if not fin.any():
+        return
+    err = float((g - r)[fin].abs().max())
+    ok = fin & torch.isfinite(lo)
+    low_err = float((lo - r)[ok].abs().max()) if ok.any() else 0.0
+    bound = factor * low_err + atol
+    assert err <= bound, f"{name}: max error {err:.3g} > {factor}·{low_err:.3g} + {atol} (low-precision reference error)"
+
+
+def _leaf(t, dtype=None, grad=True):
+    if t is None:
+        return None
+    t = t.detach().clone() if dtype is None else t.detach().to(dtype)
+    return t.requires_grad_(grad and t.is_floating_point())
+
+
+def check(q, k, v, make_bias, add=None, *, scale=None, grads=True, add_grad=True, use_dlse=True, seed=0):
+    """Run the triton operator and compare out, lse (and dq, dk, dv, dadditive) with the references.
+
+    ``make_bias(additive tensor or None)`` builds the bias, so each reference gets its own copy of the
+    additive tensor in its own precision.
+    """
+    dtype = q.dtype
+    ours = [_leaf(t, grad=grads) for t in (q, k, v)]
+    ref_in = [_leaf(t, torch.float64, grads) for t in (q, k, v)]
+    low_in = [_leaf(t, grad=grads) for t in (q, k, v)]
+    ag = grads and add_grad and add is not None
+    a_ours, a_ref, a_low = _leaf(add, grad=ag), _leaf(add, torch.float64, ag), _leaf(add, grad=ag)
+
+    out, lse = ba.attention_with_lse(*ours, make_bias(a_ours), scale=scale, op="triton")
+    r_out, r_lse = ba.attention_with_lse(*ref_in, make_bias(a_ref), scale=scale, op="reference")
+    inp = make_inputs(*low_in, make_bias(a_low), scale=scale)
+    lo_dtype = dtype
+    l_out, l_lse = softmax_attention(*low_in, dense_bias(inp, lo_dtype, inp.additive), inp.scale, lo_dtype)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_close("out", out, r_out, l_out)
+    assert_close("lse", lse, r_lse, l_lse)
+    if not grads:
+        return out, lse
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    dout = torch.randn(out.shape, generator=gen).to(out.device)
+    dlse = torch.randn(lse.shape, generator=gen).to(out.device) if use_dlse else None
+
+    def grads_of(o, l, inputs, extra):
+        wrt = list(inputs) + ([extra] if extra is not None else [])
+        outs, gs = [o], [dout.to(o.dtype)]
+        if dlse is not None:
+            outs.append(l)
+            gs.append(dlse.to(l.dtype))
+        return torch.autograd.grad(outs, wrt, gs)
+
+    got = grads_of(out, lse, ours, a_ours if ag else None)
+    ref = grads_of(r_out, r_lse, ref_in, a_ref if ag else None)
+    low = grads_of(l_out, l_lse, low_in, a_low if ag else None)
+    for name, g, r, lo, f in zip(("dq", "dk", "dv", "dadditive"), got, ref, low, (3.0, 2.0, 2.0, 2.0)):
+        assert g.shape == r.shape and g.dtype == lo.dtype, f"{name}: shape/dtype {g.shape}/{g.dtype}"
+        assert_close(name, g, r, lo, factor=f)
+    return out, lse
+
+
+def qkv(B=1, Hq=2, Hkv=1, Mq=37, Mk=45, D=16, Dv=None, dtype=torch.float32, seed=0):
+    """Random ``q [B, Hq, Mq, D]``, ``k [B, Hkv, Mk, D]``, ``v [B, Hkv, Mk, Dv]`` on the test device."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
+
+    return r(B, Hq, Mq, D), r(B, Hkv, Mk, D), r(B, Hkv, Mk, Dv or D)
+
+
+def const(bias):
+    """A ``make_bias`` for a bias without additive tensor."""
+    return lambda add: bias
+
+
+# ----------------------------------------------------------------------------------------- features
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_no_bias_gqa_and_dv(dtype):
+    check(*qkv(B=2, Hq=4, Hkv=2, Mq=33, Mk=47, D=24, Dv=16, dtype=dtype), const(None))
+
+
+@pytest.mark.parametrize(
+    "bias",
+    [
+        ba.LowerTriangularMask(),
+        ba.LowerTriangularFromBottomRightMask(),
+        ba.LocalAttentionMask(7, 3),
+        ba.LocalAttentionMask(0, 0),
+    ],
+    ids=["causal", "causal_bottom_right", "window", "diagonal"],
+)
+@pytest.mark.parametrize("sizes", [(40, 29), (29, 40)], ids=["Mq>Mk", "Mq<Mk"])
+def test_band(bias, sizes):
+    check(*qkv(Mq=sizes[0], Mk=sizes[1]), const(bias.to(DEVICE)))
+
+
+def test_padded_keys_with_empty_rows():
+    """A batch row with kv_seqlen 0 sees nothing: out 0, lse -inf, zero gradients."""
+    check(*qkv(B=3, Mq=21, Mk=40), const(ba.PaddedKeysMask([40, 0, 17]).to(DEVICE)))
+
+
+@pytest.mark.parametrize("variant", ["plain", "causal", "causal_br", "local"])
+def test_block_diagonal(variant):
+    bias = ba.BlockDiagonalMask.from_seqlens([10, 0, 19, 7, 1], [12, 5, 3, 25, 0], device=DEVICE)
+    bias = {"plain": bias, "causal": bias.make_causal(), "causal_br": bias.make_causal_from_bottom_right(),
+            "local": bias.make_local_attention(4, 2)}[variant]
+    check(*qkv(Hq=2, Hkv=1, Mq=37, Mk=45), const(bias))
+
+
+@pytest.mark.parametrize(
+    "layout_shape,block",
+    [((2, 2, 5, 6), 8), ((1, 1, 3, 3), 16), ((1, 2, 2, 2), 32), ((2, 1, 10, 3), (4, 16))],
+    ids=["inexact", "exact", "exact_large", "rect_blocks"],
+)
+def test_block_sparse(layout_shape, block):
+    gen = torch.Generator().manual_seed(1)
+    layout = (torch.rand(layout_shape, generator=gen) < 0.45).to(DEVICE)
+    layout[..., 0, 0] = False  # a query block that sees nothing in some heads
+    bq, bk = (block, block) if isinstance(block, int) else block
+    Mq, Mk = min(37, layout_shape[2] * bq), min(45, layout_shape[3] * bk)
+    Mq, Mk = max(Mq, (layout_shape[2] - 1) * bq + 1), max(Mk, (layout_shape[3] - 1) * bk + 1)
+    check(*qkv(B=2, Hq=2, Hkv=1, Mq=Mq, Mk=Mk), const(ba.BlockSparseMask(layout, block)))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 2, 37, 45), (1, 2, 37, 45), (2, 1, 37, 45), (1, 1, 37, 45), (2, 2, 1, 45), (1, 2, 37, 1), (1, 1, 1, 1)],
+    ids=["full", "bcast_B", "bcast_H", "bcast_BH", "bcast_q", "bcast_k", "scalar"],
+)
+def test_additive_gradient(shape):
+    gen = torch.Generator().manual_seed(2)
+    add = torch.randn(shape, generator=gen).to(DEVICE)
+    check(*qkv(B=2, Hq=2, Hkv=1, Mq=37, Mk=45), lambda a: ba.AdditiveBias(a), add)
+
+
+def test_additive_broadcast_stays_strided():
+    """An expanded (stride-0) additive tensor is read through its strides; its gradient keeps its shape."""
+    base = torch.randn(1, 2, 1, 45).to(DEVICE)
+    add = base.expand(2, 2, 37, 45)
+    assert add.stride()[0] == 0
+    check(*qkv(B=2, Hq=2, Hkv=1, Mq=37, Mk=45), lambda a: ba.AdditiveBias(a), add, add_grad=False)
+
+
+def test_additive_minus_inf_rows():
+    """Rows masked only through -inf in the additive tensor: out 0, lse -inf, no NaN."""
+    add = torch.randn(1, 1, 37, 45)
+    add[:, :, 5] = float("-inf")
+    add[:, :, 20, 3:] = float("-inf")
+    check(*qkv(Mq=37, Mk=45), lambda a: ba.AdditiveBias(a), add.to(DEVICE), add_grad=False)
+
+
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_alibi(per_batch):
+    slopes = ba.ALiBi.standard_slopes(4)
+    slopes = torch.stack([slopes, slopes * 0.5]) if per_batch else slopes
+    check(*qkv(B=2, Hq=4, Hkv=2, Mq=29, Mk=40), const(ba.ALiBi(slopes.to(DEVICE))))
+
+
+def test_composition_sliced():
+    """Segments & layout & band + additive + ALiBi, sliced so every offset is non-zero."""
+    Mq_full, Mk_full = 50, 58
+    segs = ba.BlockDiagonalMask.from_seqlens([20, 30], [25, 33], device=DEVICE).make_local_attention(9, 4)
+    layout = (torch.rand(1, 2, 7, 8, generator=torch.Generator().manual_seed(3)) < 0.7).to(DEVICE)
+    alibi = ba.ALiBi(ba.ALiBi.standard_slopes(2).to(DEVICE))
+    add = torch.randn(1, 2, Mq_full, Mk_full, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+
+    def make(a):
+        bias = segs & ba.BlockSparseMask(layout, 8)
+        return (bias + ba.AdditiveBias(a) + alibi)[..., 3:44, 5:50]
+
+    check(*qkv(B=1, Hq=2, Hkv=1, Mq=41, Mk=45), make, add)
+
+
+def test_head_dim_padding_and_scale():
+    check(*qkv(Mq=20, Mk=33, D=12, Dv=20), const(ba.LowerTriangularMask()), scale=0.37)
+
+
+def test_empty_inputs():
+    for Mq, Mk in ((0, 5), (5, 0)):
+        q, k, v = qkv(Mq=Mq, Mk=Mk)
+        out, lse = ba.attention_with_lse(q, k, v, op="triton")
+        assert out.shape == (1, 2, Mq, 16) and not torch.isnan(out).any() and (out == 0).all()
+        assert (lse == float("-inf")).all()
+
+
+# ----------------------------------------------------------------------------------------- properties
+@st.composite
+def cases(draw):
+    """Random shapes, dtype and a composition of every bias family (possibly sliced)."""
+    dtype = draw(st.sampled_from([torch.float32, torch.float16]))
+    families = ["causal", "causal_br", "local", "padded", "segments", "layout"]
+    fams = draw(st.lists(st.sampled_from(families), max_size=3, unique=True))
+    extra = draw(st.lists(st.sampled_from(["additive", "alibi"]), max_size=2, unique=True))
+    Hkv, G = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
+    B = 1 if "segments" in fams else draw(st.sampled_from([1, 2]))
+    Mq, Mk = draw(st.integers(1, 48)), draw(st.integers(1, 48))
+    D = draw(st.sampled_from([8, 16, 32]))
+    Dv = draw(st.sampled_from([D, 16]))
+    sliced = draw(st.booleans())
+    q_off, k_off = (draw(st.integers(0, 6)), draw(st.integers(0, 6))) if sliced else (0, 0)
+    Fq, Fk = Mq + q_off + (draw(st.integers(0, 6)) if sliced else 0), Mk + k_off + (draw(st.integers(0, 6)) if sliced else 0)
+    seed = draw(st.integers(0, 2**16))
+    gen = torch.Generator().manual_seed(seed)
+    masks = []
+    for f in fams:
+        if f == "causal":
+            masks.append(ba.LowerTriangularMask())
+        elif f == "causal_br":
+            masks.append(ba.LowerTriangularFromBottomRightMask())
+        elif f == "local":
+            masks.append(ba.LocalAttentionMask(draw(st.integers(0, 20)), draw(st.integers(0, 5))))
+        elif f == "padded":
+            masks.append(ba.PaddedKeysMask([draw(st.integers(0, Fk)) for _ in range(B)], device=DEVICE))
+        elif f == "segments":
+            n = draw(st.integers(1, 4))
+            cq = sorted(draw(st.lists(st.integers(0, Fq), min_size=n - 1, max_size=n - 1)))
+            ck = sorted(draw(st.lists(st.integers(0, Fk), min_size=n - 1, max_size=n - 1)))
+            lq = [b - a for a, b in zip([0, *cq], [*cq, Fq])]
+            lk = [b - a for a, b in zip([0, *ck], [*ck, Fk])]
+            seg = ba.BlockDiagonalMask.from_seqlens(lq, lk, device=DEVICE)
+            kind = draw(st.sampled_from(["plain", "causal", "causal_br", "local"]))
+            if kind == "causal":
+                seg = seg.make_causal()
+            elif kind == "causal_br":
+                seg = seg.make_causal_from_bottom_right()
+            elif kind == "local":
+                seg = seg.make_local_attention(draw(st.integers(0, 12)), draw(st.integers(0, 3)))
+            masks.append(seg)
+        else:
+            bq, bk = draw(st.sampled_from([4, 8, 16, 32])), draw(st.sampled_from([4, 8, 16, 32]))
+            lb, lh = draw(st.sampled_from([1, B])), draw(st.sampled_from([1, Hkv * G]))
+            layout = torch.rand(lb, lh, math.ceil(Fq / bq), math.ceil(Fk / bk), generator=gen) < 0.5
+            masks.append(ba.BlockSparseMask(layout.to(DEVICE), (bq, bk)))
+    add = None
+    if "additive" in extra:
+        shape = [draw(st.sampled_from([1, n])) for n in (B, Hkv * G, Fq, Fk)]
+        add = torch.randn(shape, generator=gen).to(DEVICE)
+    alibi = None
+    if "alibi" in extra:
+        alibi = ba.ALiBi((torch.rand(B, Hkv * G, generator=gen) * 0.5).to(DEVICE))
+
+    def make(a):
+        bias = None
+        for m in masks:
+            bias = m if bias is None else bias & m
+        for term in ([ba.AdditiveBias(a)] if a is not None else []) + ([alibi] if alibi is not None else []):
+            bias = term if bias is None else bias + term
+        if bias is not None and sliced:
+            bias = bias.bind(Fq, Fk)[..., q_off : q_off + Mq, k_off : k_off + Mk]
+        return bias
+
+    q, k, v = qkv(B, Hkv * G, Hkv, Mq, Mk, D, Dv, dtype, seed)
+    return dict(q=q, k=k, v=v, make=make, add=add, desc=f"{fams}+{extra} B={B} Hq={Hkv * G} Hkv={Hkv} "
+                f"Mq={Mq} Mk={Mk} D={D} Dv={Dv} {dtype} slice=({q_off},{k_off},{Fq},{Fk})")
+
+
+@settings(max_examples=30)
+@given(case=cases())
+def test_random_compositions(case):
+    try:
+        bias = case["make"](case["add"])
+    except ba.BiasCompositionError:
+        return  # a pair the algebra refuses (tested with the biases)
+    del bias
+    check(case["q"], case["k"], case["v"], case["make"], case["add"])
+
+
+# ----------------------------------------------------------------------------------------- operator
+def test_declarations_and_reasons():
+    decl = OP.declarations()
+    assert decl["backward"] and decl["bias_grad"] and decl["gqa"] and not decl["dropout"]
+    q, k, v = qkv(D=16)
+    inp = make_inputs(q, k, v, dropout_p=0.1)
+    assert any("dropout" in r for r in OP.not_supported_reasons(inp))
+    big = make_inputs(torch.randn(1, 1, 4, 300), torch.randn(1, 1, 4, 300), torch.randn(1, 1, 4, 300))
+    assert any("head dims" in r for r in OP.not_supported_reasons(big))
+
+
+def test_cpu_needs_interpreter(monkeypatch):
+    """On the CPU the operator names the interpreter as the reason when it is off."""
+    import biasattn.ops.triton_flash as tf
+    from biasattn.ops.triton import flash
+
+    monkeypatch.setattr(flash, "INTERPRETED", False)
+    reasons = tf.TritonOperator().environment_reasons(torch.device("cpu"))
+    assert reasons and "TRITON_INTERPRET=1" in reasons[0]
+
+
+def test_fake_implementations_trace():
+    """The custom ops' fake implementations agree with the real ones (shapes, dtypes) for torch.compile."""
+    from biasattn.ops.triton_flash import _spec_to_args, triton_flash_fwd
+
+    q, k, v = qkv(Mq=20, Mk=24, D=16, Dv=8)
+    inp = make_inputs(q, k, v, ba.LowerTriangularMask())
+    torch.library.opcheck(triton_flash_fwd, (q, k, v, *_spec_to_args(inp.spec), 0.25),
+                          test_utils=("test_schema", "test_faketensor"))
