@@ -10,7 +10,7 @@ from . import dispatch
 from .bias import AttentionBias, LowerTriangularMask
 from .errors import InputError
 from .inputs import as_bias, make_inputs
-from .ops import autograd
+from .ops import autograd, custom_ops
 from .ops.merge import merge_partials
 
 
@@ -29,6 +29,8 @@ def attention(q, k, v, attn_bias=None, *, scale: float | None = None, dropout_p:
     Returns:
         ``[B, Hq, Mq, Dv]`` in q's dtype. Query rows that see no key give 0.
     """
+    if torch.compiler.is_compiling():  # torch.compile / export: through the custom ops
+        return custom_ops.attention(q, k, v, attn_bias, scale=scale, dropout_p=dropout_p, op=op)[0]
     inp = make_inputs(q, k, v, attn_bias, scale=scale, dropout_p=dropout_p)
     fwd, bwd = dispatch.choose(inp, op=op)
     return autograd.run(inp, fwd, bwd)[0]
@@ -39,6 +41,8 @@ def attention_with_lse(q, k, v, attn_bias=None, *, scale: float | None = None, o
 
     ``lse`` is ``-inf`` on rows that see no key; gradients flow through both outputs.
     """
+    if torch.compiler.is_compiling():
+        return custom_ops.attention(q, k, v, attn_bias, scale=scale, op=op, need_lse=True)
     inp = make_inputs(q, k, v, attn_bias, scale=scale)
     fwd, bwd = dispatch.choose(inp, need_lse=True, op=op)
     return autograd.run(inp, fwd, bwd)

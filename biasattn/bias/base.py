@@ -10,6 +10,10 @@ records offsets. All ``__torch_function__`` handling lives here, so ``torch.comp
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import importlib
+import math
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Sequence
@@ -187,6 +191,11 @@ class AttentionBias(torch.Tensor):
                 if t.is_floating_point() and not a.is_mask:
                     dtype = t.dtype
         shape = (B or 1, H or 1, lengths[0] if lengths[0] is not None else 1, lengths[1] if lengths[1] is not None else 1)
+        if torch.compiler.is_dynamo_compiling():
+            # Dynamo cannot trace _make_wrapper_subclass; a constructor call is placed in the graph instead.
+            ctx = _flatten_ctx(cls, torch.device(device if device is not None else "cpu"), dtype, atoms, offsets, lengths, (Mq, Mk))
+            tensors = [t for a in atoms for t in a.tensors().values()]
+            return _BiasConstructor(_ctx_by_name(ctx), shape, *tensors)
         self = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=dtype, device=device if device is not None else "cpu", requires_grad=False
         )
@@ -194,6 +203,7 @@ class AttentionBias(torch.Tensor):
         self._offsets = offsets
         self._lengths = lengths
         self._full = (Mq, Mk)
+        self._set_inner_tensors()
         return self
 
     def _derive(self, atoms=None, offsets=None, lengths=None, cls=None, device=None) -> AttentionBias:
@@ -405,6 +415,61 @@ class AttentionBias(torch.Tensor):
         ax.set_ylabel("query i")
         return ax
 
+    # ----------------------------------------------------------------------------- torch.compile
+    # The flatten protocol of traceable wrapper subclasses: the atoms' small tensors are the inner
+    # tensors (attributes ``_t0``, ``_t1``, ...); everything else is hashable metadata that
+    # torch.compile guards on. Sizes that follow from the wrapper's shape are stored as "outer", so
+    # a bias whose Mq/Mk change (an AdditiveBias under ``dynamic=True``) keeps the same metadata.
+    def _set_inner_tensors(self) -> None:
+        n = 0
+        for a in self._atoms:
+            for t in a.tensors().values():
+                setattr(self, f"_t{n}", t)
+                n += 1
+        if n == 0:  # fake-tensor conversion needs at least one inner tensor: an empty anchor
+            with torch._C.DisableTorchFunctionSubclass():
+                self._t0 = torch.empty(0, dtype=torch.int32, device=self.device)
+
+    def __tensor_flatten__(self):
+        with torch._C.DisableTorchFunctionSubclass():
+            device, dtype = self.device, self.dtype
+        ctx = _flatten_ctx(type(self), device, dtype, self._atoms, self._offsets, self._lengths, self._full)
+        n = sum(len(names) for _, _, names in ctx[3])
+        return [f"_t{i}" for i in range(max(n, 1))], ctx
+
+    def _stable_hash_for_caching(self) -> str:
+        """Deterministic key of the metadata and inner-tensor layout (torch.compile's graph caches)."""
+        names, ctx = self.__tensor_flatten__()
+        with torch._C.DisableTorchFunctionSubclass():
+            shape = tuple(self.shape)
+        inner = [(tuple(t.shape), tuple(t.stride()), str(t.dtype), str(t.device)) for t in (getattr(self, n) for n in names)]
+        return hashlib.blake2b(repr((_ctx_by_name(ctx), shape, inner)).encode(), digest_size=16).hexdigest()
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, ctx, outer_size, outer_stride) -> AttentionBias:
+        cls, device, dtype, atom_ctx, offsets, sized, full = ctx
+        inner_list = [inner[f"_t{n}"] for n in range(len(inner))]
+        anchor = inner_list[0] if not any(names for _, _, names in atom_ctx) else None
+        atoms = []
+        for atom_cls, fields, tensor_names in atom_ctx:
+            kwargs = dict(fields)
+            for name in tensor_names:
+                kwargs[name] = inner_list.pop(0)
+            atoms.append(atom_cls(**kwargs))
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, outer_size, strides=outer_stride, dtype=dtype, device=device, requires_grad=False
+        )
+        lengths = tuple(outer_size[2 + d] if sized[d] else None for d in range(2))
+        self._atoms = tuple(atoms)
+        self._offsets = offsets
+        self._lengths = lengths
+        self._full = tuple(offsets[d] + lengths[d] if full[d] == "outer" else full[d] for d in range(2))
+        if anchor is not None:
+            self._t0 = anchor
+        else:
+            self._set_inner_tensors()
+        return self
+
     # ----------------------------------------------------------------------------- torch function
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -413,13 +478,24 @@ class AttentionBias(torch.Tensor):
             from ..api import _sdpa_from_torch
 
             return _sdpa_from_torch(*args, **kwargs)
-        if func in _PASSTHROUGH or getattr(func, "__name__", "") in _PASSTHROUGH_NAMES:
+        if (
+            func in _PASSTHROUGH
+            or getattr(func, "__name__", "") in _PASSTHROUGH_NAMES
+            or getattr(func, "namespace", None) == "biasattn"  # our custom ops take biases as they are
+        ):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if func in _LAZY_FUNCTIONS and isinstance(args[0], AttentionBias):
+            # torch.clone(bias) / torch.detach(bias) (torch.compile clones its inputs) stay lazy.
+            return getattr(args[0], _LAZY_FUNCTIONS[func])()
         return _foreign(func, args, kwargs)
+
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        handler = DISPATCH_HANDLERS.get(func)
+        if handler is not None:  # our own custom ops (torch.compile path): the handler unwraps the bias
+            return handler(*args, **(kwargs or {}))
         # Reached only below torch-function handling (autograd internals, tracing): same rule.
         return _foreign(func, args, kwargs or {})
 
@@ -430,7 +506,70 @@ _PASSTHROUGH = {
     torch.Tensor.numel,
     torch.Tensor.__len__,
 }
-_PASSTHROUGH_NAMES = {"__get__", "dim", "size", "numel", "stride", "is_contiguous", "__len__"}
+_PASSTHROUGH_NAMES = {
+    "__get__", "dim", "size", "numel", "stride", "is_contiguous", "__len__",
+    # metadata queries torch.compile makes on its inputs
+    "requires_grad_", "storage_offset", "nelement", "element_size", "is_floating_point", "is_complex", "get_device",
+    "_is_view", "untyped_storage", "_typed_storage", "storage", "data_ptr", "is_pinned", "is_shared",
+    "is_inference", "is_conj", "is_neg", "_is_zerotensor", "dense_dim", "sparse_dim", "is_coalesced", "__format__",
+}
+# Custom ops (OpOverload -> handler) that take a bias argument and unwrap it in __torch_dispatch__;
+# filled by biasattn.ops.custom_ops.
+DISPATCH_HANDLERS: dict[Any, Any] = {}
+_LAZY_FUNCTIONS = {torch.clone: "clone", torch.detach: "detach", torch.Tensor.clone: "clone", torch.Tensor.detach: "detach"}
+
+
+def _flatten_ctx(cls, device, dtype, atoms, offsets, lengths, full) -> tuple:
+    """The hashable metadata of :meth:`AttentionBias.__tensor_flatten__` (see there)."""
+    atom_ctx = []
+    for a in atoms:
+        tensors = a.tensors()
+        fields = tuple((f.name, getattr(a, f.name)) for f in dataclasses.fields(a) if f.name not in tensors)
+        atom_ctx.append((type(a), fields, tuple(tensors)))
+    sized = tuple(n is not None for n in lengths)
+    full = tuple("outer" if sized[d] and full[d] == offsets[d] + lengths[d] else full[d] for d in range(2))
+    return (cls, device, dtype, tuple(atom_ctx), tuple(offsets), sized, full)
+
+
+def _ctx_by_name(ctx) -> tuple:
+    """``ctx`` with classes replaced by ``"module:qualname"`` strings (graphs hold no classes)."""
+    cls, device, dtype, atom_ctx, offsets, sized, full = ctx
+    atom_ctx = tuple((f"{a.__module__}:{a.__qualname__}", fields, names) for a, fields, names in atom_ctx)
+    return (f"{cls.__module__}:{cls.__qualname__}", device, dtype, atom_ctx, offsets, sized, full)
+
+
+def _ctx_by_class(ctx) -> tuple:
+    """Inverse of :func:`_ctx_by_name`."""
+    cls, device, dtype, atom_ctx, offsets, sized, full = ctx
+    atom_ctx = tuple((_class(a), fields, names) for a, fields, names in atom_ctx)
+    return (_class(cls), device, dtype, atom_ctx, offsets, sized, full)
+
+
+def _class(name: str) -> type:
+    module, _, qualname = name.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _BiasConstructor(AttentionBias):
+    """``_BiasConstructor(ctx, shape, *tensors)`` builds the bias that ``ctx`` describes.
+
+    Dynamo places calls of tensor-subclass constructors in the graph as they are; bias factories
+    traced by ``torch.compile`` (``BlockDiagonalMask.from_seqlens``, slicing, ``&``) end here.
+    """
+
+    @staticmethod
+    def __new__(cls, ctx, shape, *tensors):
+        ctx = _ctx_by_class(ctx)
+        shape = tuple(shape)
+        stride = tuple(math.prod(shape[d + 1 :]) for d in range(4))
+        inner = {f"_t{i}": t for i, t in enumerate(tensors)}
+        if not inner:
+            with torch._C.DisableTorchFunctionSubclass():
+                inner["_t0"] = torch.empty(0, dtype=torch.int32, device=ctx[1])
+        return AttentionBias.__tensor_unflatten__(inner, ctx, shape, stride)
 
 
 def _compose(a: AttentionBias, b: AttentionBias) -> AttentionBias:

@@ -1,0 +1,353 @@
+"""``torch.library`` custom ops: how attention runs under ``torch.compile`` and ``torch.export``.
+
+Under compilation, :func:`biasattn.attention` (and ``attention_with_lse``, and SDPA with a bias) call
+:func:`attention`, which issues two layers of ops:
+
+- ``biasattn::attention_fwd(q, k, v, bias, bias_tensors, ...)`` with a registered autograd formula
+  whose backward is ``biasattn::attention_bwd``. ``bias`` is the lazy bias itself (a tensor
+  subclass) and ``bias_tensors`` its inner tensors, passed again so that gradients reach an
+  additive tensor.
+- ``biasattn::attention_fwd_flat`` / ``attention_bwd_flat``: the same on plain tensors, the bias
+  given by its inner tensors, its flatten metadata as a string and its shape. When a bias reaches
+  ``attention_fwd``, ``AttentionBias.__torch_dispatch__`` sends it here; so the compiled graph holds
+  only plain tensors, and the metadata string is computed outside Dynamo.
+
+The flat ops run the ordinary eager path (validation, :mod:`biasattn.dispatch`, an operator's raw
+``fwd``/``bwd``) at run time, so ``use_ops`` and ``op=`` work inside compiled code. Their fake
+implementations give the output shapes without touching the bias, which keeps ``dynamic=True``
+graphs free of per-length guards. The operator chosen in the forward (and the dropout seed) travel
+to the backward in a small int64 ``state`` tensor.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import functools
+import itertools
+import math
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import dispatch
+from ..bias import base as bias_base
+from ..bias.base import AttentionBias
+from ..inputs import as_bias, make_inputs
+from . import available, get
+from .common import compute_dtype
+
+# ------------------------------------------------------------------------------- bias <-> strings
+
+
+def bias_metadata(bias: AttentionBias) -> tuple[str, list]:
+    """``(metadata string, shape)`` of ``bias``: with its inner tensors, enough to rebuild it."""
+    _, ctx = bias.__tensor_flatten__()
+    cls, device, dtype, atom_ctx, offsets, sized, full = bias_base._ctx_by_name(ctx)
+    text = repr((cls, str(device), str(dtype).replace("torch.", ""), atom_ctx, offsets, sized, full))
+    return text, list(bias.shape)
+
+
+@functools.lru_cache(maxsize=512)
+def _parse_metadata(text: str) -> tuple:
+    cls, device, dtype, atom_ctx, offsets, sized, full = ast.literal_eval(text)
+    ctx = (cls, torch.device(device), getattr(torch, dtype), atom_ctx, offsets, sized, full)
+    return bias_base._ctx_by_class(ctx)
+
+
+def rebuild_bias(tensors: list[Tensor], text: str, shape: list[int]) -> AttentionBias | None:
+    """Inverse of :func:`bias_metadata` (``text == ""`` means no bias)."""
+    if not text:
+        return None
+    ctx = _parse_metadata(text)
+    n = sum(len(names) for _, _, names in ctx[3])
+    inner = {f"_t{i}": t for i, t in enumerate(tensors[:n])}
+    if not inner:
+        inner["_t0"] = tensors[0] if tensors else torch.empty(0, dtype=torch.int32, device=ctx[1])
+    shape = tuple(int(s) for s in shape)
+    stride = tuple(math.prod(shape[d + 1 :]) for d in range(4))
+    return AttentionBias.__tensor_unflatten__(inner, ctx, shape, stride)
+
+
+def inner_tensors(bias: AttentionBias | None) -> list[Tensor]:
+    """The bias' inner tensors ``_t0, _t1, ...`` (traceable by Dynamo: plain attribute reads)."""
+    if bias is None:
+        return []
+    out = []
+    for n in itertools.count():
+        if not hasattr(bias, f"_t{n}"):
+            return out
+        out.append(getattr(bias, f"_t{n}"))
+    return out  # pragma: no cover
+
+
+# ------------------------------------------------------------------------------- forward state
+# state = [fwd operator index, bwd operator index (-1: none), kind of ctx, value]; kind 0: no ctx,
+# 1: an int (a dropout seed), 2: a key into _SAVED (any other object an operator keeps, e.g. the
+# vendor kernels' raw lse and RNG state). An entry lives until the backward takes it or the state
+# tensor is freed (a forward whose graph is dropped without a backward).
+_SAVED: dict[int, Any] = {}
+_saved_keys = itertools.count(1)
+
+
+def _state(fwd_op, bwd_op, saved) -> Tensor:
+    names = available()
+    kind, value = 0, 0
+    if isinstance(saved, int) and not isinstance(saved, bool):
+        kind, value = 1, saved
+    elif saved is not None:
+        kind, value = 2, next(_saved_keys)
+        _SAVED[value] = saved
+    bwd_index = names.index(bwd_op.NAME) if bwd_op is not None else -1
+    state = torch.tensor([names.index(fwd_op.NAME), bwd_index, kind, value], dtype=torch.int64, device="cpu")
+    if kind == 2:
+        weakref.finalize(state, _SAVED.pop, value, None)
+    return state
+
+
+def _from_state(state: Tensor):
+    fwd_index, bwd_index, kind, value = state.tolist()
+    names = available()
+    saved = None if kind == 0 else value if kind == 1 else _SAVED.pop(value, None)
+    if kind == 2 and saved is None:
+        raise RuntimeError("biasattn: the forward's saved state is gone; a compiled backward can run only once")
+    return get(names[fwd_index]), (get(names[bwd_index]) if bwd_index >= 0 else None), saved
+
+
+# ------------------------------------------------------------------------------- flat ops
+
+
+@contextlib.contextmanager
+def _autograd_available():
+    """Undo the exclusion of the autograd dispatch keys that custom-op kernels run under."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
+        yield
+
+
+_AUTOGRAD_KEYS = [k for name, k in torch._C.DispatchKey.__members__.items() if name.startswith("Autograd")]
+
+
+
+def _fake_outputs(q: Tensor, k: Tensor, v: Tensor, scale, dropout_p) -> tuple[Tensor, Tensor, Tensor]:
+    make_inputs(q, k, v, None, scale=scale, dropout_p=dropout_p, requires_grad=False)  # shape/dtype checks
+    B, H, M = q.shape[0], q.shape[1], q.shape[2]
+    out = q.new_empty((B, H, M, v.shape[3]))
+    lse = q.new_empty((B, H, M), dtype=compute_dtype(q.dtype))
+    return out, lse, torch.empty(4, dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("biasattn::attention_fwd_flat", mutates_args=())
+def attention_fwd_flat(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias_tensors: list[Tensor],
+    bias_metadata: str,
+    bias_shape: list[int],
+    scale: float | None,
+    dropout_p: float,
+    requires_grad: bool,
+    need_lse: bool,
+    op: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention forward on plain tensors: ``(out [B, Hq, Mq, Dv], lse [B, Hq, Mq], state int64 [4])``."""
+    bias = rebuild_bias(bias_tensors, bias_metadata, bias_shape)
+    inp = make_inputs(q, k, v, bias, scale=scale, dropout_p=dropout_p, requires_grad=requires_grad)
+    fwd_op, bwd_op = dispatch.choose(inp, need_lse=need_lse, op=op or None)
+    with torch.no_grad():
+        out, lse, saved = fwd_op.fwd(inp)
+    return out.contiguous(), lse.to(compute_dtype(q.dtype)).contiguous(), _state(fwd_op, bwd_op, saved)
+
+
+@attention_fwd_flat.register_fake
+def _(q, k, v, bias_tensors, bias_metadata, bias_shape, scale, dropout_p, requires_grad, need_lse, op):
+    return _fake_outputs(q, k, v, scale, dropout_p)
+
+
+@torch.library.custom_op("biasattn::attention_bwd_flat", mutates_args=())
+def attention_bwd_flat(
+    dout: Tensor,
+    dlse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    state: Tensor,
+    bias_tensors: list[Tensor],
+    bias_metadata: str,
+    bias_shape: list[int],
+    scale: float | None,
+    dropout_p: float,
+    bias_grad: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """Attention backward on plain tensors: ``(dq, dk, dv, dbias)``; ``dbias[i]`` is empty unless ``bias_grad[i]``."""
+    fwd_op, bwd_op, saved = _from_state(state)
+    if bwd_op is None:
+        raise RuntimeError("biasattn: the forward was run without gradients in mind; call it again with requires_grad inputs")
+    with _autograd_available():  # operators may use autograd inside (reference), and so does dbias below
+        wanted = [t.detach().requires_grad_() if need else t for t, need in zip(bias_tensors, bias_grad)]
+        with torch.enable_grad():
+            bias = rebuild_bias(wanted, bias_metadata, bias_shape)
+            inp = make_inputs(q, k, v, bias, scale=scale, dropout_p=dropout_p, requires_grad=True)
+        with torch.no_grad():
+            dq, dk, dv, dadd = bwd_op.bwd(inp, out, lse, saved, dout.contiguous(), dlse)
+        leaves = [t for t, need in zip(wanted, bias_grad) if need]
+        grads: list[Tensor | None] = [None] * len(leaves)
+        if leaves and dadd is not None and inp.additive is not None and inp.additive.requires_grad:
+            grads = list(torch.autograd.grad(inp.additive, leaves, dadd, allow_unused=True))
+    it = iter(grads)
+    dbias = []
+    for t, need in zip(bias_tensors, bias_grad):
+        if need:
+            g = next(it)
+            dbias.append(torch.zeros_like(t) if g is None else g.contiguous())
+        else:
+            dbias.append(t.new_empty(0))
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias
+
+
+@attention_bwd_flat.register_fake
+def _(dout, dlse, q, k, v, out, lse, state, bias_tensors, bias_metadata, bias_shape, scale, dropout_p, bias_grad):
+    dbias = [torch.empty_like(t, memory_format=torch.contiguous_format) if need else t.new_empty(0) for t, need in zip(bias_tensors, bias_grad)]
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+
+
+# ------------------------------------------------------------------------------- ops taking the bias
+
+
+@torch.library.custom_op("biasattn::attention_fwd", mutates_args=())
+def attention_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None,
+    bias_tensors: list[Tensor],
+    scale: float | None,
+    dropout_p: float,
+    requires_grad: bool,
+    need_lse: bool,
+    op: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention forward with the lazy ``bias`` (None here; a bias is routed to the flat op by dispatch)."""
+    if bias is not None:  # a plain tensor: AttentionBias subclasses never get here
+        raise TypeError("biasattn::attention_fwd takes an AttentionBias or None as bias")
+    return attention_fwd_flat(q, k, v, [], "", [], scale, dropout_p, requires_grad, need_lse, op)
+
+
+@attention_fwd.register_fake
+def _(q, k, v, bias, bias_tensors, scale, dropout_p, requires_grad, need_lse, op):
+    return _fake_outputs(q, k, v, scale, dropout_p)
+
+
+@torch.library.custom_op("biasattn::attention_bwd", mutates_args=())
+def attention_bwd(
+    dout: Tensor,
+    dlse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None,
+    bias_tensors: list[Tensor],
+    out: Tensor,
+    lse: Tensor,
+    state: Tensor,
+    scale: float | None,
+    dropout_p: float,
+    bias_grad: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """Attention backward with the lazy ``bias`` (None here, as for :func:`attention_fwd`)."""
+    if bias is not None:
+        raise TypeError("biasattn::attention_bwd takes an AttentionBias or None as bias")
+    return attention_bwd_flat(dout, dlse, q, k, v, out, lse, state, [], "", [], scale, dropout_p, [])
+
+
+@attention_bwd.register_fake
+def _(dout, dlse, q, k, v, bias, bias_tensors, out, lse, state, scale, dropout_p, bias_grad):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), []
+
+
+def _fwd_with_bias(q, k, v, bias, bias_tensors, scale, dropout_p, requires_grad, need_lse, op):
+    text, shape = bias_metadata(bias)
+    return attention_fwd_flat(q, k, v, list(bias_tensors), text, shape, scale, dropout_p, requires_grad, need_lse, op)
+
+
+def _bwd_with_bias(dout, dlse, q, k, v, bias, bias_tensors, out, lse, state, scale, dropout_p, bias_grad):
+    text, shape = bias_metadata(bias)
+    return attention_bwd_flat(
+        dout, dlse, q, k, v, out, lse, state, list(bias_tensors), text, shape, scale, dropout_p, list(bias_grad)
+    )
+
+
+bias_base.DISPATCH_HANDLERS[torch.ops.biasattn.attention_fwd.default] = _fwd_with_bias
+bias_base.DISPATCH_HANDLERS[torch.ops.biasattn.attention_bwd.default] = _bwd_with_bias
+
+
+def _save(ctx, q, k, v, bias_tensors, out, lse, state, scale, dropout_p) -> None:
+    ctx.save_for_backward(q, k, v, out, lse, state, *bias_tensors)
+    ctx.scale, ctx.dropout_p = scale, dropout_p
+    ctx.bias_grad = [t.requires_grad and t.is_floating_point() for t in bias_tensors]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, bias, bias_tensors, scale, dropout_p, requires_grad, need_lse, op = inputs
+    _save(ctx, q, k, v, bias_tensors, *output, scale, dropout_p)
+    ctx.bias = bias
+
+
+def _backward(ctx, dout, dlse, dstate):
+    q, k, v, out, lse, state, *bias_tensors = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout
+    dq, dk, dv, dbias = attention_bwd(
+        dout, dlse, q, k, v, ctx.bias, bias_tensors, out, lse, state, ctx.scale, ctx.dropout_p, ctx.bias_grad
+    )
+    grads = [d if need else None for d, need in zip(dbias, ctx.bias_grad)]
+    return dq, dk, dv, None, grads, None, None, None, None, None
+
+
+def _setup_context_flat(ctx, inputs, output) -> None:
+    q, k, v, bias_tensors, text, shape, scale, dropout_p, requires_grad, need_lse, op = inputs
+    _save(ctx, q, k, v, bias_tensors, *output, scale, dropout_p)
+    ctx.text, ctx.shape = text, shape
+
+
+def _backward_flat(ctx, dout, dlse, dstate):
+    q, k, v, out, lse, state, *bias_tensors = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout
+    dq, dk, dv, dbias = attention_bwd_flat(
+        dout, dlse, q, k, v, out, lse, state, bias_tensors, ctx.text, ctx.shape, ctx.scale, ctx.dropout_p, ctx.bias_grad
+    )
+    grads = [d if need else None for d, need in zip(dbias, ctx.bias_grad)]
+    shape_grad = None if len(ctx.shape) else []  # the input's structure: an empty list counts as a tensor list
+    return dq, dk, dv, grads, None, shape_grad, None, None, None, None, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+attention_fwd_flat.register_autograd(_backward_flat, setup_context=_setup_context_flat)
+
+
+# ------------------------------------------------------------------------------- public entry
+
+
+def attention(q, k, v, attn_bias=None, *, scale=None, dropout_p: float = 0.0, op=None, need_lse: bool = False):
+    """``(out, lse)`` through the custom ops (what :func:`biasattn.attention` calls when compiling)."""
+    bias = as_bias(attn_bias)
+    tensors = inner_tensors(bias)
+    requires_grad = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or any(t.requires_grad for t in tensors)
+    )
+    name = "" if op is None else op if isinstance(op, str) else op.NAME
+    # Under dynamic=True Dynamo makes Python floats (even the default dropout_p=0.0) symbolic, and a
+    # symbolic float argument restarts the analysis; the comparisons pin the common values instead.
+    dropout_p = 0.0 if dropout_p == 0 else dropout_p if isinstance(dropout_p, float) else float(dropout_p)
+    scale = scale if scale is None or isinstance(scale, float) else float(scale)
+    out, lse, _ = attention_fwd(q, k, v, bias, tensors, scale, dropout_p, requires_grad, need_lse, name)
+    return out, lse
+
+
+__all__ = ["attention", "attention_bwd", "attention_bwd_flat", "attention_fwd", "attention_fwd_flat", "bias_metadata", "rebuild_bias"]

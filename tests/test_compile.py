@@ -1,0 +1,260 @@
+"""torch.compile: the custom ops, the bias flatten protocol, fullgraph tracing and dynamic shapes (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.testing
+
+import biasattn as ba
+from biasattn import ops
+from biasattn.ops import custom_ops
+from biasattn.ops.chunked import ChunkedOperator
+
+F = torch.nn.functional
+BACKEND = "aot_eager"  # Dynamo + AOTAutograd (functionalization, joint graph); inductor once below
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def qkv(B=2, Hq=4, Hkv=2, M=13, Mk=None, D=8, requires_grad=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Mk = M if Mk is None else Mk
+    q = torch.randn(B, Hq, M, D, generator=g)
+    k = torch.randn(B, Hkv, Mk, D, generator=g)
+    v = torch.randn(B, Hkv, Mk, D, generator=g)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def compiled(fn, **kwargs):
+    cnt = torch._dynamo.testing.CompileCounterWithBackend(kwargs.pop("backend", BACKEND))
+    return torch.compile(fn, fullgraph=True, backend=cnt, **kwargs), cnt
+
+
+def grads(out, tensors):
+    return torch.autograd.grad(out.square().sum(), tensors, allow_unused=True)
+
+
+def assert_close_all(xs, ys):
+    for x, y in zip(xs, ys):
+        if x is None or y is None:
+            assert x is None and y is None
+        else:
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------ the custom ops
+
+
+def test_opcheck_flat_ops():
+    q, k, v = qkv(M=5, Mk=7)
+    add = torch.randn(1, 4, 5, 7, requires_grad=True)
+    bias = ba.AdditiveBias(add) + ba.LowerTriangularFromBottomRightMask()
+    text, shape = custom_ops.bias_metadata(bias)
+    tensors = custom_ops.inner_tensors(bias)
+    fwd_args = (q, k, v, tensors, text, shape, None, 0.0, True, True, "")
+    torch.library.opcheck(custom_ops.attention_fwd_flat, fwd_args)
+    torch.library.opcheck(custom_ops.attention_fwd_flat, (q, k, v, [], "", [], 0.5, 0.0, True, False, "reference"))
+    out, lse, state = custom_ops.attention_fwd_flat(*fwd_args)
+    d = [t.detach() for t in (q, k, v, out, lse)]
+    bwd_args = (torch.randn_like(out), torch.randn_like(lse), *d, state, [t.detach() for t in tensors], text, shape, None, 0.0, [True])
+    torch.library.opcheck(custom_ops.attention_bwd_flat, bwd_args)
+
+
+def test_opcheck_ops_taking_the_bias():
+    """The ops called with the lazy bias itself (routed by AttentionBias.__torch_dispatch__) and with None."""
+    q, k, v = qkv(M=5)
+    bias = ba.PaddedKeysMask([3, 5]) & ba.LowerTriangularMask()
+    tensors = custom_ops.inner_tensors(bias)
+    for b, ts in ((bias, tensors), (None, [])):
+        args = (q, k, v, b, ts, None, 0.0, True, False, "")
+        torch.library.opcheck(custom_ops.attention_fwd, args)
+        out, lse, state = custom_ops.attention_fwd(*args)
+        d = [t.detach() for t in (q, k, v)]
+        bwd = (torch.randn_like(out), None, *d, b, ts, out.detach(), lse.detach(), state, None, 0.0, [False] * len(ts))
+        torch.library.opcheck(custom_ops.attention_bwd, bwd)
+
+
+def test_bias_metadata_round_trip():
+    bias = (ba.BlockDiagonalMask.from_seqlens([2, 3], [4, 1]).make_causal_from_bottom_right())[..., 1:4, :]
+    text, shape = custom_ops.bias_metadata(bias)
+    again = custom_ops.rebuild_bias(custom_ops.inner_tensors(bias), text, shape)
+    assert type(again) is type(bias) and again.shape == bias.shape
+    torch.testing.assert_close(again.materialize((1, 2, 3, 5)), bias.materialize((1, 2, 3, 5)))
+
+
+def test_flatten_unflatten_round_trip():
+    bias = ba.AdditiveBias(torch.randn(2, 1, 6, 6)) + ba.LocalAttentionMask(2)
+    names, ctx = bias.__tensor_flatten__()
+    again = type(bias).__tensor_unflatten__({n: getattr(bias, n) for n in names}, ctx, bias.shape, bias.stride())
+    assert again.__tensor_flatten__()[1] == ctx
+    torch.testing.assert_close(again.materialize((2, 3, 6, 6)), bias.materialize((2, 3, 6, 6)))
+
+
+# ------------------------------------------------------------------------------------ fullgraph
+
+
+def _causal_inside(q, k, v):
+    return ba.attention(q, k, v, ba.LowerTriangularMask())
+
+
+def _block_diagonal_inside(q, k, v):
+    bias = ba.BlockDiagonalMask.from_seqlens([4, 9]).make_causal()
+    return ba.attention(q, k, v, bias)
+
+
+def _bias_argument(q, k, v, bias):
+    return ba.attention(q, k, v, bias & ba.LowerTriangularMask())
+
+
+def _sdpa(q, k, v, bias):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=True, enable_gqa=True)
+
+
+def _with_lse(q, k, v, bias):
+    out, lse = ba.attention_with_lse(q, k, v, bias)
+    return out * lse.exp()[..., None]
+
+
+@pytest.mark.parametrize(
+    "fn, make_bias, B",
+    [
+        (_causal_inside, None, 2),
+        (_block_diagonal_inside, None, 1),
+        (_bias_argument, lambda: ba.PaddedKeysMask([9, 13]), 2),
+        (_sdpa, lambda: ba.PaddedKeysMask([9, 13]), 2),
+        (_with_lse, lambda: ba.LocalAttentionMask(3, 1), 2),
+    ],
+    ids=["causal-inside", "block-diagonal-inside", "bias-argument", "sdpa", "with-lse"],
+)
+def test_compiled_matches_eager(fn, make_bias, B):
+    q, k, v = qkv(B=B)
+    args = (q, k, v) if make_bias is None else (q, k, v, make_bias())
+    cfn, cnt = compiled(fn)
+    out = cfn(*args)
+    ref = fn(*args)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert_close_all(grads(out, (q, k, v)), grads(ref, (q, k, v)))
+    assert cnt.frame_count == 1
+
+
+def test_additive_bias_gradient_compiled():
+    """Gradients reach an additive tensor through the compiled path (it is passed to the op explicitly)."""
+    q, k, v = qkv(requires_grad=False)
+    table = torch.randn(1, 4, 13, 13, requires_grad=True)
+
+    def fn(q, k, v, table):
+        return ba.attention(q, k, v, ba.AdditiveBias(table) + ba.LowerTriangularMask())
+
+    cfn, _ = compiled(fn)
+    (g,) = grads(cfn(q, k, v, table), (table,))
+    (ref,) = grads(fn(q, k, v, table), (table,))
+    torch.testing.assert_close(g, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_no_graph_breaks():
+    q, k, v = qkv()
+    explanation = torch._dynamo.explain(_causal_inside)(q, k, v)
+    assert explanation.graph_count == 1
+    assert explanation.graph_break_count == 0
+
+
+@pytest.mark.parametrize("make", [lambda M: None, lambda M: ba.AdditiveBias(torch.randn(1, 4, M, M))], ids=["causal-inside", "additive-argument"])
+def test_dynamic_no_recompile_for_new_length(make):
+    def fn(q, k, v, bias):
+        causal = ba.LowerTriangularMask()
+        return ba.attention(q, k, v, causal if bias is None else bias + causal)
+
+    cfn, cnt = compiled(fn, dynamic=True)
+    frames = []
+    for M in (5, 11, 17):
+        q, k, v = qkv(M=M, requires_grad=False)
+        bias = make(M)
+        torch.testing.assert_close(cfn(q, k, v, bias), fn(q, k, v, bias), atol=1e-5, rtol=1e-5)
+        frames.append(cnt.frame_count)
+    assert frames[1:] == frames[:1] * 2  # compiled once, never again for a new sequence length
+
+
+def test_block_diagonal_argument_new_lengths():
+    """A packed batch passed in works for new lengths (its host lengths are guarded: one compile per layout)."""
+    cfn, _ = compiled(lambda q, k, v, bias: ba.attention(q, k, v, bias.make_causal()))
+    for lengths in ([4, 9], [1, 7, 5]):
+        q, k, v = qkv(B=1, requires_grad=False)
+        bias = ba.BlockDiagonalMask.from_seqlens(lengths)
+        torch.testing.assert_close(cfn(q, k, v, bias), ba.attention(q, k, v, bias.make_causal()))
+
+
+def test_forced_operator_and_use_ops_inside_compiled_code():
+    q, k, v = qkv(requires_grad=False)
+    ref = ba.attention(q, k, v, ba.LowerTriangularMask(), op="reference")
+    cfn, _ = compiled(lambda q, k, v: ba.attention(q, k, v, ba.LowerTriangularMask(), op="reference"))
+    torch.testing.assert_close(cfn(q, k, v), ref)
+    cfn, _ = compiled(_causal_inside)
+    with ba.use_ops("reference"):
+        torch.testing.assert_close(cfn(q, k, v), ref)
+    with pytest.raises(ba.NotSupportedError):
+        with ba.use_ops("cutlass"):  # chosen at run time: the restriction applies to compiled code too
+            cfn(q, k, v)
+
+
+def test_dropout_compiled_matches_eager_with_same_seed():
+    q, k, v = qkv()
+
+    def fn(q, k, v):
+        return ba.attention(q, k, v, ba.LowerTriangularMask(), dropout_p=0.25)
+
+    cfn, _ = compiled(fn)
+    torch.manual_seed(7)
+    out = cfn(q, k, v)
+    g = grads(out, (q, k, v))
+    torch.manual_seed(7)
+    ref = fn(q, k, v)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert_close_all(g, grads(ref, (q, k, v)))
+
+
+class _ObjectCtxOperator(ChunkedOperator):
+    """The chunked operator keeping a Python object between forward and backward (as vendor kernels do)."""
+
+    NAME = "chunked_object_ctx"
+
+    def fwd(self, inp):
+        out, lse, seed = super().fwd(inp)
+        return out, lse, {"seed": seed}
+
+    def bwd(self, inp, out, lse, ctx, dout, dlse):
+        return super().bwd(inp, out, lse, ctx["seed"], dout, dlse)
+
+
+def test_operator_ctx_objects_reach_the_backward():
+    op = ops.register(_ObjectCtxOperator())
+    try:
+        q, k, v = qkv()
+        fn = lambda q, k, v: ba.attention(q, k, v, ba.LowerTriangularMask(), op=op.NAME)  # noqa: E731
+        cfn, _ = compiled(fn)
+        out = cfn(q, k, v)
+        assert_close_all(grads(out, (q, k, v)), grads(_causal_inside(q, k, v), (q, k, v)))
+        assert not custom_ops._SAVED  # taken by the backward
+        with torch.no_grad():
+            cfn(q, k, v)
+        cfn(q, k, v)  # forward only: the entry goes with its state tensor
+        assert not custom_ops._SAVED
+    finally:
+        ops._REGISTRY.pop(op.NAME)
+
+
+def test_inductor_forward_and_backward():
+    q, k, v = qkv()
+    bias = ba.PaddedKeysMask([9, 13])
+    cfn, cnt = compiled(_bias_argument, backend="inductor")
+    out = cfn(q, k, v, bias)
+    ref = _bias_argument(q, k, v, bias)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert_close_all(grads(out, (q, k, v)), grads(ref, (q, k, v)))
+    assert cnt.frame_count == 1
