@@ -66,6 +66,12 @@ def check(q, k, v, make_bias, add=None, *, scale=None, grads=True, add_grad=True
     additive tensor in its own precision.
     """
     dtype = q.dtype
+    user_make = make_bias
+
+    def make_bias(a):  # tensor-free masks (LowerTriangularMask()) are created on the CPU
+        bias = user_make(a)
+        return bias.to(q.device) if bias is not None and bias.device != q.device else bias
+
     ours = [_leaf(t, grad=grads) for t in (q, k, v)]
     ref_in = [_leaf(t, torch.float64, grads) for t in (q, k, v)]
     low_in = [_leaf(t, grad=grads) for t in (q, k, v)]

@@ -13,9 +13,9 @@ uses ``exp2``.
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
-LN2: tl.constexpr = 0.6931471805599453
-BIG: tl.constexpr = 1073741824  # 2**30, "unbounded" in band terms
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+BIG = tl.constexpr(1073741824)  # 2**30, "unbounded" in band terms
 
 
 @triton.jit

@@ -1,0 +1,329 @@
+"""Attention benchmark: the ``triton`` operator against SDPA (flash, cudnn, efficient, math) and FlexAttention.
+
+For each case of :mod:`benchmarks.cases` (no bias, causal, window 1024, padded keys, packed varlen,
+block-sparse 25%, additive ``[1, H, M, M]``, ALiBi), each sequence length (B·M = 16384 tokens), head
+dim and mode (``fwd``, ``fwd+bwd``), every provider that can express the case runs in the same
+process on the same inputs: ``triton_median_ms`` from ``triton.testing.do_bench``, TFLOP/s over the
+visible pairs (4·D per pair forward, 3.5× that for forward+backward), peak memory of one call above
+the inputs, and the max difference of its output from the ``triton`` output (a harness check).
+
+SDPA flash and cudnn get ``is_causal`` (they take no other mask); SDPA efficient and math get the
+dense mask a user would build (math only where ``B·H·M²`` floats fit in 4 GiB); FlexAttention is
+compiled, with a BlockMask from compiled ``create_block_mask`` (masks) or a ``score_mod`` (additive,
+ALiBi). Writes ``attention.csv`` (long format, with device, versions, commit, date),
+``attention.md`` and one PNG per head dim into ``--out``; ``--base CSV`` flags regressions of the
+``triton`` rows against a stored run.
+
+    PYTHONPATH=. python benchmarks/bench_attention.py --out benchmarks/results/h200
+    PYTHONPATH=. python benchmarks/bench_attention.py --quick          # a few rows, to check the harness
+    PYTHONPATH=. python benchmarks/bench_attention.py --tune           # time the tile configs of each kernel
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cases import CASE_NAMES, make_case  # noqa: E402
+
+import biasattn as ba  # noqa: E402
+
+TOKENS = 16384
+HEADS = 16
+SDPA = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+        "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa_math": SDPBackend.MATH}
+PROVIDERS = ("triton", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "flex")
+MATH_LIMIT_BYTES = 4 * 2**30
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return os.environ.get("BIASATTN_COMMIT", "unknown")
+
+
+class Flex:
+    """Compiled FlexAttention and compiled BlockMask construction, shared across cases."""
+
+    def __init__(self):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        torch._dynamo.config.cache_size_limit = 256
+        self.attn = torch.compile(flex_attention, dynamic=False)
+        self.create_block_mask = create_block_mask
+
+    def fn(self, case):
+        q, k, v = case.q, case.k, case.v
+        B, H, M = q.shape[0], q.shape[1], q.shape[2]
+        block_mask = None
+        if case.flex_mask_mod is not None:
+            per_b = case.name == "padded"
+            per_h = case.name == "block_sparse"
+            sizes = (case.flex_mask_mod, B if per_b else None, H if per_h else None, M, k.shape[2])
+            try:
+                block_mask = self.create_block_mask(*sizes, device=q.device, _compile=True)
+            except TypeError:  # newer torch: compile create_block_mask itself
+                block_mask = torch.compile(self.create_block_mask)(*sizes, device=q.device)
+        score_mod = case.flex_score_mod
+        return lambda: self.attn(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+
+def provider_fn(name: str, case, flex: Flex | None):
+    """A zero-argument callable computing the case's attention output, or None if ``name`` cannot express it."""
+    q, k, v = case.q, case.k, case.v
+    if name == "triton":
+        bias = case.bias.to(q.device) if case.bias is not None else None  # tensor-free masks are built on the CPU
+        return lambda: ba.attention(q, k, v, bias, op="triton")
+    if name == "flex":
+        return flex.fn(case) if flex is not None else None
+    if name in ("sdpa_flash", "sdpa_cudnn"):
+        if case.name not in ("none", "causal"):
+            return None
+        backend = SDPA[name]
+
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=case.is_causal)
+
+        return run
+    B, H, M, Mk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    if name == "sdpa_math" and B * H * M * Mk * 4 > MATH_LIMIT_BYTES:
+        return None
+    mask = None if case.name in ("none", "causal") else case.dense_mask()
+    backend = SDPA[name]
+
+    def run():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=case.is_causal)
+
+    return run
+
+
+def measure(fn, inputs, mode: str):
+    """``(median ms, 20% ms, 80% ms, peak MiB above the inputs, output)`` of ``fn`` in ``mode``."""
+    out = fn()
+    if mode == "fwd":
+        call = fn
+    else:
+        dout = torch.randn_like(out)
+
+        def call():
+            o = fn()
+            return torch.autograd.grad(o, inputs, dout)
+
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    call()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    ms = triton.testing.do_bench(call, warmup=10, rep=60, quantiles=[0.5, 0.2, 0.8])
+    return ms[0], ms[1], ms[2], peak, out.detach()
+
+
+def run_sweep(args) -> list[dict]:
+    device = torch.cuda.get_device_name()
+    meta = dict(device=device, torch=torch.__version__, triton=triton.__version__, commit=_git_commit(),
+                date=datetime.date.today().isoformat(), dtype="bfloat16")
+    flex = Flex() if "flex" in args.providers else None
+    points = [(c, M, D, mode) for D in args.head_dims for M in args.seqlens for c in args.cases for mode in args.modes]
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(points, desc="attention", file=sys.stdout, mininterval=5)
+    except ImportError:
+        bar = points
+    rows = []
+    for case_name, M, D, mode in bar:
+        B = max(1, TOKENS // M)
+        grad = mode != "fwd"
+        case = make_case(case_name, B=B, H=HEADS, M=M, D=D, requires_grad=grad)
+        inputs = [case.q, case.k, case.v]
+        if case.name == "additive" and grad:
+            inputs.append(case.dense_mask())  # the additive tensor itself: its gradient is part of the work
+        ref = None
+        for name in args.providers:
+            if name == "flex" and M > args.flex_max_m:
+                continue
+            row = dict(meta, case=case_name, B=case.q.shape[0], H=HEADS, M=M, D=D, mode=mode, provider=name)
+            try:
+                fn = provider_fn(name, case, flex)
+                if fn is None:
+                    continue
+                ms, lo, hi, peak, out = measure(fn, inputs, mode)
+                if ref is None and name == "triton":
+                    ref = out
+                diff = float((out.float() - ref.float()).abs().max()) if ref is not None else float("nan")
+                row.update(ms=ms, ms_q20=lo, ms_q80=hi, tflops=case.flops(mode) / ms / 1e9, peak_mib=peak,
+                           maxdiff_vs_triton=diff, status="ok")
+            except Exception as e:  # a provider that refuses the inputs or runs out of memory
+                row.update(ms=float("nan"), status=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            rows.append(row)
+            torch.cuda.empty_cache()
+        del case
+    return rows
+
+
+def write_csv(rows: list[dict], path: str) -> None:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def markdown(rows: list[dict]) -> str:
+    """One table per mode: TFLOP/s per provider, then triton's speed over each peer (time ratio)."""
+    lines = [f"# Attention benchmark ({rows[0]['device']}, torch {rows[0]['torch']}, triton {rows[0]['triton']}, "
+             f"commit {rows[0]['commit']}, {rows[0]['date']}, bf16, H={HEADS}, B·M={TOKENS})", "",
+             "TFLOP/s over visible pairs (median of do_bench); `x peer` = peer time / triton time; peak MiB of triton.", ""]
+    keys = list(dict.fromkeys((r["mode"], r["D"], r["M"], r["case"]) for r in rows))
+    for mode in dict.fromkeys(k[0] for k in keys):
+        peers = [p for p in PROVIDERS if any(r["provider"] == p and r["mode"] == mode for r in rows)]
+        head = ["D", "M", "case"] + peers + [f"x {p}" for p in peers if p != "triton"] + ["triton MiB"]
+        lines += [f"## {mode}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for _, D, M, case in [k for k in keys if k[0] == mode]:
+            got = {r["provider"]: r for r in rows if (r["mode"], r["D"], r["M"], r["case"]) == (mode, D, M, case)}
+            ok = {p: r for p, r in got.items() if r.get("status") == "ok"}
+            cells = [str(D), str(M), case]
+            cells += [f"{ok[p]['tflops']:.0f}" if p in ok else ("err" if p in got else "") for p in peers]
+            t = ok.get("triton")
+            cells += [f"{ok[p]['ms'] / t['ms']:.2f}" if (t and p in ok) else "" for p in peers if p != "triton"]
+            cells.append(f"{t['peak_mib']:.0f}" if t else "")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    errors = [r for r in rows if r.get("status") != "ok"]
+    if errors:
+        lines += ["## Errors", ""]
+        lines += [f"- {r['provider']} {r['case']} M={r['M']} D={r['D']} {r['mode']}: {r['status']}" for r in errors]
+    return "\n".join(lines) + "\n"
+
+
+def plots(rows: list[dict], out_dir: str) -> list[str]:
+    """One PNG per head dim: a grid of cases × modes, TFLOP/s against sequence length per provider."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for D in sorted({r["D"] for r in rows}):
+        sub = [r for r in rows if r["D"] == D and r.get("status") == "ok"]
+        cases = list(dict.fromkeys(r["case"] for r in sub))
+        modes = list(dict.fromkeys(r["mode"] for r in sub))
+        fig, axes = plt.subplots(len(modes), len(cases), figsize=(3.2 * len(cases), 3 * len(modes)), squeeze=False)
+        for i, mode in enumerate(modes):
+            for j, case in enumerate(cases):
+                ax = axes[i][j]
+                for p in PROVIDERS:
+                    pts = sorted((r["M"], r["tflops"]) for r in sub
+                                 if r["case"] == case and r["mode"] == mode and r["provider"] == p)
+                    if pts:
+                        ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=p, lw=2 if p == "triton" else 1)
+                ax.set_xscale("log", base=2)
+                ax.set_title(f"{case} {mode}", fontsize=9)
+                ax.set_xlabel("M")
+                if j == 0:
+                    ax.set_ylabel("TFLOP/s")
+        axes[0][0].legend(fontsize=7)
+        fig.suptitle(f"{rows[0]['device']}, bf16, D={D}, H={HEADS}, B·M={TOKENS}")
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"attention_d{D}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def compare(rows: list[dict], base_path: str, threshold: float = 0.9) -> list[str]:
+    """Lines naming triton rows slower than ``threshold`` × the stored run's speed."""
+    with open(base_path) as f:
+        base = {(r["case"], r["M"], r["D"], r["mode"]): r for r in csv.DictReader(f) if r["provider"] == "triton"}
+    out = []
+    for r in rows:
+        b = base.get((r["case"], str(r["M"]), str(r["D"]), r["mode"]))
+        if r["provider"] == "triton" and b and r.get("status") == "ok" and b.get("status") == "ok":
+            ratio = float(b["ms"]) / r["ms"]
+            if ratio < threshold:
+                out.append(f"REGRESSION {r['case']} M={r['M']} D={r['D']} {r['mode']}: {ratio:.2f}x of the stored speed")
+    return out
+
+
+def tune(args) -> None:
+    """Time every candidate tile config of each kernel on the first case and print a table."""
+    from biasattn.ops.triton import configs
+
+    for case_name in args.cases:
+        for D in args.head_dims:
+            M = args.seqlens[0]
+            case = make_case(case_name, B=max(1, TOKENS // M), H=HEADS, M=M, D=D, requires_grad=True)
+            if case.bias is not None:
+                case.bias = case.bias.to(case.q.device)
+            q, k, v = case.q, case.k, case.v
+            out = ba.attention(q, k, v, case.bias, op="triton")
+            dout = torch.randn_like(out)
+            for kernel in ("fwd", "dkdv", "dq"):
+                for cfg in configs.candidates(kernel, D):
+                    with configs.override(**{kernel: cfg}):
+                        try:
+                            ms = triton.testing.do_bench(_tune_call(case, dout, kernel == "fwd"), warmup=10, rep=50)
+                            print(f"tune {case_name} M={M} D={D} {kernel} {cfg}: {ms:.3f} ms", flush=True)
+                        except Exception as e:
+                            print(f"tune {case_name} M={M} D={D} {kernel} {cfg}: {type(e).__name__}", flush=True)
+
+
+def _tune_call(case, dout, fwd_only: bool):
+    q, k, v = case.q, case.k, case.v
+    if fwd_only:
+        return lambda: ba.attention(q, k, v, case.bias, op="triton")
+    return lambda: torch.autograd.grad(ba.attention(q, k, v, case.bias, op="triton"), (q, k, v), dout)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="benchmarks/results/h200")
+    p.add_argument("--cases", nargs="+", default=list(CASE_NAMES), choices=CASE_NAMES)
+    p.add_argument("--seqlens", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    p.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    p.add_argument("--flex-max-m", type=int, default=1 << 30, help="skip FlexAttention above this M (compile time)")
+    p.add_argument("--base", help="a stored attention.csv to compare triton rows against")
+    p.add_argument("--quick", action="store_true", help="causal and no bias at M=2048, D=128")
+    p.add_argument("--tune", action="store_true", help="time each kernel's candidate tile configs")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.cases, args.seqlens, args.head_dims = ["none", "causal"], [2048], [128]
+    if args.tune:
+        tune(args)
+        return 0
+    t0 = time.time()
+    rows = run_sweep(args)
+    os.makedirs(args.out, exist_ok=True)
+    write_csv(rows, os.path.join(args.out, "attention.csv"))
+    md = markdown(rows)
+    with open(os.path.join(args.out, "attention.md"), "w") as f:
+        f.write(md)
+    plots(rows, args.out)
+    print(md)
+    if args.base:
+        print("\n".join(compare(rows, args.base)) or "no regressions against the stored run")
+    print(f"sweep took {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

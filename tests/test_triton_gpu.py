@@ -1,0 +1,129 @@
+"""The ``triton`` operator on the GPU at realistic sizes: odd lengths, D up to 256, fp16/bf16, GQA 8:1.
+
+Same criterion as tests/test_triton.py (float64 reference, low-precision reference math, NaN-poisoned
+outputs), plus cases whose tensors exceed 2**31 elements, checked on a slice of rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_triton import _poison, assert_close, check, const, qkv  # noqa: F401  (_poison: autouse fixture)
+
+import biasattn as ba
+from biasattn.ops.reference import softmax_attention
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SIZES = [(1, 4097), (17, 17), (113, 1000), (1000, 113), (4097, 4097)]
+
+
+@pytest.mark.parametrize("D", [64, 80, 128, 256])
+@pytest.mark.parametrize("sizes", SIZES, ids=[f"{a}x{b}" for a, b in SIZES])
+def test_sizes_causal_gqa_bf16(sizes, D):
+    Mq, Mk = sizes
+    check(*qkv(B=1, Hq=8, Hkv=1, Mq=Mq, Mk=Mk, D=D, dtype=torch.bfloat16), const(ba.LowerTriangularFromBottomRightMask()))
+
+
+@pytest.mark.parametrize("dtype,D", [(torch.float16, 128), (torch.bfloat16, 64), (torch.float16, 256)])
+@pytest.mark.parametrize("sizes", SIZES[1:], ids=[f"{a}x{b}" for a, b in SIZES[1:]])
+def test_sizes_no_bias(sizes, dtype, D):
+    Mq, Mk = sizes
+    check(*qkv(B=2, Hq=8, Hkv=1, Mq=Mq, Mk=Mk, D=D, dtype=dtype), const(None))
+
+
+def _layout(shape, density, seed=0):
+    return (torch.rand(shape, generator=torch.Generator().manual_seed(seed)) < density).cuda()
+
+
+FEATURES = {
+    "window": lambda M: const(ba.LocalAttentionMask(257, 3)),
+    "padded": lambda M: const(ba.PaddedKeysMask([M, M // 2 + 1, 0], device="cuda")),
+    "varlen_causal": lambda M: const(ba.BlockDiagonalMask.from_seqlens([1, 17, 113, M - 131], device="cuda").make_causal()),
+    "varlen_local": lambda M: const(
+        ba.BlockDiagonalMask.from_seqlens([M - 400, 0, 400], [300, 5, M - 305], device="cuda").make_local_attention(100, 7)
+    ),
+    "block_sparse_exact": lambda M: const(ba.BlockSparseMask(_layout((1, 8, -(-M // 128), -(-M // 128)), 0.3), 128)),
+    "block_sparse_inexact": lambda M: const(ba.BlockSparseMask(_layout((3, 1, -(-M // 48), -(-M // 80)), 0.3), (48, 80))),
+    "alibi_causal": lambda M: const(ba.ALiBi(ba.ALiBi.standard_slopes(8).cuda()) + ba.LowerTriangularMask()),
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_features_bf16(feature):
+    M = 1000
+    B = 1 if feature.startswith("varlen") else 3
+    check(*qkv(B=B, Hq=8, Hkv=1, Mq=M, Mk=M, D=128, dtype=torch.bfloat16), FEATURES[feature](M))
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 1000, 1000), (2, 8, 1000, 1000), (1, 1, 1, 1000)], ids=["1HMM", "BHMM", "11_1M"])
+def test_additive_gradient_bf16(shape):
+    """``[1, H, M, M]`` broadcast over B (the benchmark's case), a full bias, and a key-padding bias."""
+    add = torch.randn(shape, generator=torch.Generator().manual_seed(5)).to("cuda", torch.bfloat16)
+    check(*qkv(B=2, Hq=8, Hkv=1, Mq=1000, Mk=1000, D=128, dtype=torch.bfloat16), lambda a: ba.AdditiveBias(a), add)
+
+
+def _rows_check(q, k, v, add, out, lse, dq, dadd, dout, rows, head):
+    """Reference (float64) and low-precision math on a slice of query rows of one head."""
+    G = q.shape[1] // k.shape[1]
+    hk = head // G
+    qs = q[:, head : head + 1, rows].detach()
+    ks, vs = k[:, hk : hk + 1].detach(), v[:, hk : hk + 1].detach()
+    adds = None if add is None else add[:, head : head + 1 if add.shape[1] > 1 else 1, rows].detach()
+    scale = q.shape[-1] ** -0.5
+    results = {}
+    for name, dt in (("ref", torch.float64), ("low", q.dtype)):
+        qq = qs.to(dt).requires_grad_()
+        aa = None if adds is None else adds.to(dt).requires_grad_()
+        o, l = softmax_attention(qq, ks.to(dt), vs.to(dt), aa, scale, dt)
+        wrt = [qq] + ([aa] if aa is not None else [])
+        results[name] = (o, l, torch.autograd.grad(o, wrt, dout[:, head : head + 1, rows].to(dt)))
+    (r_o, r_l, r_g), (l_o, l_l, l_g) = results["ref"], results["low"]
+    assert_close("out", out[:, head : head + 1, rows], r_o, l_o)
+    assert_close("lse", lse[:, head : head + 1, rows], r_l, l_l)
+    assert_close("dq", dq[:, head : head + 1, rows], r_g[0], l_g[0], factor=3.0)
+    if dadd is not None:
+        assert_close("dadditive", dadd[:, head : head + 1, rows], r_g[1], l_g[1])
+
+
+def test_q_beyond_2_31_elements():
+    """q, out and dq with more than 2**31 elements: 64-bit offsets in the kernels."""
+    B, H, Mq, Mk, D = 1, 16, 2**20 + 4099, 256, 128
+    assert B * H * Mq * D > 2**31
+    q = torch.randn(B, H, Mq, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(B, 2, Mk, D, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+    out, lse = ba.attention_with_lse(q, k, v, ba.LowerTriangularFromBottomRightMask(), op="triton")
+    dout = torch.randn_like(out)
+    (dq,) = torch.autograd.grad(out, (q,), dout)
+    rows = torch.cat([torch.arange(0, 64), torch.arange(Mq - 300, Mq)]).cuda()
+    # bottom-right causal: row i sees keys j <= i + Mk - Mq, so only the last rows see any key
+    qs, (ks, vs) = q, (k, v)
+    bias_rows = ba.LowerTriangularFromBottomRightMask().materialize((1, 1, Mq, Mk), device="cuda")[:, :, rows]
+    for head in (0, H - 1):
+        hk = head // (H // 2)
+        for name, dt in (("ref", torch.float64), ("low", torch.bfloat16)):
+            qq = qs[:, head : head + 1, rows].detach().to(dt).requires_grad_()
+            o, l = softmax_attention(qq, ks[:, hk : hk + 1].detach().to(dt), vs[:, hk : hk + 1].detach().to(dt),
+                                     bias_rows.to(dt), D**-0.5, dt)
+            g = torch.autograd.grad(o, qq, dout[:, head : head + 1, rows].to(dt))[0]
+            if name == "ref":
+                ref = (o, l, g)
+            else:
+                low = (o, l, g)
+        assert_close("out", out[:, head : head + 1, rows], ref[0], low[0])
+        assert_close("lse", lse[:, head : head + 1, rows], ref[1], low[1])
+        assert_close("dq", dq[:, head : head + 1, rows], ref[2], low[2], factor=3.0)
+
+
+def test_additive_beyond_2_31_elements():
+    """An additive bias (and its gradient) with more than 2**31 elements."""
+    B, H, M, D = 1, 8, 16400, 64
+    assert H * M * M > 2**31
+    add = torch.randn(B, H, M, M, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    q = torch.randn(B, H, M, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(B, H, M, D, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+    out, lse = ba.attention_with_lse(q, k, v, ba.AdditiveBias(add), op="triton")
+    dout = torch.randn_like(out)
+    dq, dadd = torch.autograd.grad(out, (q, add), dout)
+    rows = torch.arange(M - 50, M, device="cuda")
+    _rows_check(q, k, v, add, out, lse, dq, dadd, dout, rows, H - 1)
