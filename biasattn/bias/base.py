@@ -43,6 +43,7 @@ class Geometry:
     k_off: int = 0
     Mq_full: int = 0
     Mk_full: int = 0
+    full_known: tuple[bool, bool] = (True, True)  # False: a slice with an end of an unsized bias
 
     def rows(self, device) -> torch.Tensor:
         """Global query indices ``[Mq, 1]`` (int64)."""
@@ -170,6 +171,7 @@ class AttentionBias(torch.Tensor):
         offsets: tuple[int, int] = (0, 0),
         lengths: tuple[int | None, int | None] | None = None,
         device=None,
+        full: tuple[int | None, int | None] | None = None,
     ) -> AttentionBias:
         atoms = tuple(atoms)
         _check_pairs(atoms)
@@ -181,6 +183,9 @@ class AttentionBias(torch.Tensor):
             H = _merge_size("H", H, h, who)
             Mq = _merge_size("Mq", Mq, mq, who)
             Mk = _merge_size("Mk", Mk, mk, who)
+        if full is not None:  # sizes fixed by bind()
+            Mq = Mq if full[0] is None else full[0]
+            Mk = Mk if full[1] is None else full[1]
         if lengths is None:
             lengths = (None if Mq is None else Mq - offsets[0], None if Mk is None else Mk - offsets[1])
         dtype = torch.float32
@@ -206,13 +211,14 @@ class AttentionBias(torch.Tensor):
         self._set_inner_tensors()
         return self
 
-    def _derive(self, atoms=None, offsets=None, lengths=None, cls=None, device=None) -> AttentionBias:
+    def _derive(self, atoms=None, offsets=None, lengths=None, cls=None, device=None, full=None) -> AttentionBias:
         return AttentionBias._create.__func__(  # type: ignore[attr-defined]
             cls or type(self),
             self._atoms if atoms is None else atoms,
             self._offsets if offsets is None else offsets,
             self._lengths if lengths is None else lengths,
             device=device if device is not None else self.device,
+            full=self._full if full is None else full,  # sizes fixed by bind() survive slicing, .to(), clone()
         )
 
     # ----------------------------------------------------------------------------- metadata
@@ -255,6 +261,7 @@ class AttentionBias(torch.Tensor):
             B, H, Mq, Mk, q_off, k_off,
             fq if fq is not None else q_off + Mq,
             fk if fk is not None else k_off + Mk,
+            (fq is not None or self._lengths[0] is None, fk is not None or self._lengths[1] is None),
         )
 
     # ----------------------------------------------------------------------------- meaning
@@ -358,9 +365,7 @@ class AttentionBias(torch.Tensor):
                 raise InputError(f"bias is already sized {name}={self._full[d]}, cannot bind to {n}")
         if self._offsets != (0, 0):
             raise InputError("bind() a bias before slicing it, not after")
-        out = self._derive(lengths=(Mq, Mk))
-        out._full = (Mq, Mk)
-        return out
+        return self._derive(lengths=(Mq, Mk), full=(Mq, Mk))
 
     # ----------------------------------------------------------------------------- lazy tensor methods
     def to(self, *args, **kwargs) -> AttentionBias:
@@ -371,7 +376,9 @@ class AttentionBias(torch.Tensor):
 
     def cuda(self, device=None, non_blocking=False) -> AttentionBias:
         """The bias on a CUDA device; stays lazy."""
-        return self.to(torch.device("cuda") if device is None else torch.device("cuda", device) if isinstance(device, int) else device)
+        if device is None or isinstance(device, int):
+            device = torch.device("cuda", device) if isinstance(device, int) else torch.device("cuda")
+        return self.to(device)
 
     def cpu(self) -> AttentionBias:
         """The bias on the CPU; stays lazy."""
@@ -489,7 +496,6 @@ class AttentionBias(torch.Tensor):
             # torch.clone(bias) / torch.detach(bias) (torch.compile clones its inputs) stay lazy.
             return getattr(args[0], _LAZY_FUNCTIONS[func])()
         return _foreign(func, args, kwargs)
-
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

@@ -45,10 +45,15 @@ class LayoutAtom(Atom):
         return f"block sizes differ: {(self.block_q, self.block_k)} and {(other.block_q, other.block_k)}"
 
     def check(self, g: Geometry) -> None:
-        """Raise if the layout does not cover the bias' full size exactly."""
+        """Raise if the layout does not cover the bias' full size exactly.
+
+        A slice of a bias whose full size is unknown (unsized, never bound) only needs the layout to
+        cover the rows and columns it reaches.
+        """
         want = (_cdiv(g.Mq_full, self.block_q), _cdiv(g.Mk_full, self.block_k))
         got = tuple(self.layout.shape[2:])
-        if want != got:
+        ok = [w == n if known else w <= n for w, n, known in zip(want, got, g.full_known)]
+        if not all(ok):
             raise InputError(
                 f"BlockSparseMask layout must have ceil(Mq/block_q) x ceil(Mk/block_k) = {want[0]} x {want[1]} "
                 f"blocks for Mq={g.Mq_full}, Mk={g.Mk_full}, got {got[0]} x {got[1]}"

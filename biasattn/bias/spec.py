@@ -161,7 +161,14 @@ class SpecBuilder:
         if self.kv_seqlens is None:
             self.kv_seqlens, self.kv_tensor = list(lengths), tensor
         else:
-            self.kv_seqlens = [min(a, b) for a, b in zip(self.kv_seqlens, lengths)]
+            a, b = list(self.kv_seqlens), list(lengths)
+            if len(a) == 1:
+                a = a * len(b)
+            if len(b) == 1:
+                b = b * len(a)
+            if len(a) != len(b):
+                raise InputError(f"cannot compose PaddedKeysMask with {len(a)} and {len(b)} lengths")
+            self.kv_seqlens = [min(x, y) for x, y in zip(a, b)]
             self.kv_tensor = torch.minimum(self.kv_tensor, tensor)
 
     def add_layout(self, layout: torch.Tensor, bq: int, bk: int) -> None:
@@ -193,7 +200,9 @@ class SpecBuilder:
             kl = list(kl)
             if self.kv_seqlens is not None:
                 if len(self.kv_seqlens) != 1:
-                    raise InputError(f"packed (block-diagonal) biases need batch size 1, padded keys give {len(self.kv_seqlens)}")
+                    raise InputError(
+                        f"packed (block-diagonal) biases need batch size 1, padded keys give {len(self.kv_seqlens)}"
+                    )
                 L = self.kv_seqlens[0]
                 kl = [max(0, min(n, L - s)) for s, n in zip(ks, kl)]
             lq = [min(max(s - g.q_off, 0), g.Mq) for s in qs]

@@ -8,13 +8,23 @@ group (no repeat in memory). Backward recomputes the scores tile by tile.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..bias.spec import FEATURES
 from ..inputs import AttentionInputs
 from .base import Operator
 from .common import compute_dtype, dropout_keep, group_heads, new_seed, reduce_to
-from .tiles import key_range, layout_allows, tile_bias
+from .tiles import key_range, layout_allows, tile_bias, tile_fully_visible
+
+
+@dataclass(frozen=True)
+class ChunkedSaved:
+    """What the chunked forward keeps for its backward: the dropout seed and the output before rounding."""
+
+    seed: int
+    out: torch.Tensor  # [B, Hq, Mq, Dv] in the compute dtype
 
 
 class ChunkedOperator(Operator):
@@ -34,23 +44,34 @@ class ChunkedOperator(Operator):
         self.block_k = block_k
 
     def _tiles(self, inp: AttentionInputs):
-        """Yield ``(i0, i1, [(j0, j1), ...])`` for every query block and its visible key blocks."""
+        """Yield ``(i0, i1, [(j0, j1, full), ...])``: every query block and its visible key blocks.
+
+        ``full`` is True when no mask hides any element of the tile (it then needs no mask).
+        """
         spec = inp.spec
         for i0 in range(0, inp.Mq, self.block_q):
             i1 = min(i0 + self.block_q, inp.Mq)
             lo, hi = key_range(spec, i0, i1)
-            keys = [
-                (j0, min(j0 + self.block_k, hi))
-                for j0 in range(lo, hi, self.block_k)
-                if layout_allows(spec, i0, i1, j0, min(j0 + self.block_k, hi))
-            ]
+            keys = []
+            for j0 in range(lo, hi, self.block_k):
+                j1 = min(j0 + self.block_k, hi)
+                if layout_allows(spec, i0, i1, j0, j1):
+                    keys.append((j0, j1, tile_fully_visible(spec, i0, i1, j0, j1)))
             yield i0, i1, keys
 
-    def _scores(self, inp, qt, i0, i1, j0, j1, dtype):
-        k = inp.k[:, :, None, j0:j1].to(dtype)  # [B, Hkv, 1, bk, D]
-        s = (qt @ k.transpose(-1, -2)) * inp.scale  # [B, Hkv, G, bq, bk]
-        tb = tile_bias(inp.spec, i0, i1, j0, j1, dtype, inp.device)
-        return s if tb is None else s + group_heads(tb, inp.Hkv)
+    def _scores(self, inp, qs, i0, i1, j0, j1, full, dtype):
+        """Scores ``[B, Hkv, G·bq, bk]`` of the tile plus its bias; ``qs``: scaled queries ``[B, Hkv, G·bq, D]``."""
+        s = qs @ inp.k[:, :, j0:j1].to(dtype).transpose(-1, -2)
+        tb = tile_bias(inp.spec, i0, i1, j0, j1, dtype, inp.device, masks=not full)
+        if tb is not None:
+            s.view(inp.B, inp.Hkv, inp.groups, i1 - i0, j1 - j0).add_(group_heads(tb, inp.Hkv))
+        return s
+
+    def _queries(self, q5, i0, i1, scale, dtype):
+        """Scaled queries of rows ``[i0, i1)``: contiguous ``[B, Hkv, G·bq, D]`` in ``dtype``."""
+        B, Hkv, G, _, D = q5.shape
+        qs = q5[:, :, :, i0:i1].to(dtype) * scale
+        return qs.reshape(B, Hkv, G * (i1 - i0), D)
 
     def fwd(self, inp: AttentionInputs):
         dtype = compute_dtype(inp.dtype)
@@ -59,40 +80,51 @@ class ChunkedOperator(Operator):
         out = torch.zeros((B, Hkv, G, inp.Mq, Dv), dtype=inp.dtype, device=inp.device)
         lse = torch.full((B, Hkv, G, inp.Mq), float("-inf"), dtype=dtype, device=inp.device)
         seed = new_seed() if inp.dropout_p > 0 else 0
+        # Low-precision outputs: keep the unrounded output for the backward's rowsum(dout * out).
+        exact = inp.requires_grad and dtype != inp.dtype
+        out_acc = torch.zeros((B, Hkv, G, inp.Mq, Dv), dtype=dtype, device=inp.device) if exact else None
         for i0, i1, keys in self._tiles(inp):
             if not keys:
                 continue
-            qt = q[:, :, :, i0:i1].to(dtype)
-            m = torch.full(qt.shape[:-1], float("-inf"), dtype=dtype, device=inp.device)
-            l = torch.zeros_like(m)
-            acc = torch.zeros((*qt.shape[:-1], Dv), dtype=dtype, device=inp.device)
-            for j0, j1 in keys:
-                s = self._scores(inp, qt, i0, i1, j0, j1, dtype)
+            bq = i1 - i0
+            qs = self._queries(q, i0, i1, inp.scale, dtype)  # [B, Hkv, G·bq, D]
+            m = torch.full(qs.shape[:-1], float("-inf"), dtype=dtype, device=inp.device)  # running max
+            l = torch.zeros_like(m)  # running sum of exp
+            acc = torch.zeros((B, Hkv, G * bq, Dv), dtype=dtype, device=inp.device)
+            for j0, j1, full in keys:
+                s = self._scores(inp, qs, i0, i1, j0, j1, full, dtype)  # [B, Hkv, G·bq, bk]
                 m_new = torch.maximum(m, s.amax(-1))
-                m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
-                p = torch.exp(s - m_safe[..., None])
+                m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
+                p = s.sub_(m_safe[..., None]).exp_()
                 alpha = torch.exp(m - m_safe)
-                l = l * alpha + p.sum(-1)
+                l.mul_(alpha).add_(p.sum(-1))
                 if inp.dropout_p > 0:
-                    p = p * dropout_keep(seed, (i0, j0), p.shape, inp.dropout_p, inp.device).to(dtype)
-                acc = acc * alpha[..., None] + p @ inp.v[:, :, None, j0:j1].to(dtype)
+                    keep = dropout_keep(seed, (i0, j0), (B, Hkv, G, bq, j1 - j0), inp.dropout_p, inp.device)
+                    p.mul_(keep.to(dtype).view(p.shape))
+                acc.mul_(alpha[..., None]).add_(p @ inp.v[:, :, j0:j1].to(dtype))
                 m = m_new
             pos = l > 0
-            safe_l = torch.where(pos, l, torch.ones_like(l))
-            out[:, :, :, i0:i1] = (acc / safe_l[..., None]).to(inp.dtype)
-            m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-            lse[:, :, :, i0:i1] = torch.where(pos, m_safe + torch.log(safe_l), torch.full_like(l, float("-inf")))
-        return out.reshape(B, inp.Hq, inp.Mq, Dv), lse.reshape(B, inp.Hq, inp.Mq), seed
+            safe_l = torch.where(pos, l, 1.0)
+            o = (acc / safe_l[..., None]).view(B, Hkv, G, bq, Dv)
+            out[:, :, :, i0:i1] = o.to(inp.dtype)
+            if out_acc is not None:
+                out_acc[:, :, :, i0:i1] = o
+            m_safe = torch.where(torch.isneginf(m), 0.0, m)
+            lse[:, :, :, i0:i1] = torch.where(pos, m_safe + torch.log(safe_l), float("-inf")).view(B, Hkv, G, bq)
+        saved = seed if out_acc is None else ChunkedSaved(seed, out_acc.reshape(B, inp.Hq, inp.Mq, Dv))
+        return out.reshape(B, inp.Hq, inp.Mq, Dv), lse.reshape(B, inp.Hq, inp.Mq), saved
 
     def bwd(self, inp, out, lse, ctx, dout, dlse):
         dtype = compute_dtype(inp.dtype)
-        Hkv = inp.Hkv
+        B, Hkv, G = inp.B, inp.Hkv, inp.groups
+        if isinstance(ctx, ChunkedSaved):  # our own forward: the unrounded output
+            ctx, out = ctx.seed, ctx.out
         delta = (dout.to(dtype) * out.to(dtype)).sum(-1)
         if dlse is not None:
             delta = delta - dlse.to(dtype)
-        delta = group_heads(delta, Hkv)
+        delta = group_heads(delta, Hkv)  # [B, Hkv, G, Mq]
         lse = group_heads(lse.to(dtype), Hkv)
-        lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+        lse = torch.where(torch.isneginf(lse), 0.0, lse)
         q = group_heads(inp.q, Hkv)
         do = group_heads(dout, Hkv)
         dq = torch.zeros(q.shape, dtype=dtype, device=inp.device)
@@ -101,27 +133,33 @@ class ChunkedOperator(Operator):
         add = inp.additive
         dadd = torch.zeros(add.shape, dtype=dtype, device=inp.device) if add is not None and add.requires_grad else None
         for i0, i1, keys in self._tiles(inp):
-            qt = q[:, :, :, i0:i1].to(dtype)
-            dot = do[:, :, :, i0:i1].to(dtype)
-            for j0, j1 in keys:
-                s = self._scores(inp, qt, i0, i1, j0, j1, dtype)
-                p = torch.exp(s - lse[:, :, :, i0:i1, None])  # [B, Hkv, G, bq, bk]
-                v = inp.v[:, :, None, j0:j1].to(dtype)
-                dp = dot @ v.transpose(-1, -2)
+            if not keys:
+                continue
+            bq = i1 - i0
+            qs = self._queries(q, i0, i1, inp.scale, dtype)  # [B, Hkv, G·bq, D], scaled
+            dot = do[:, :, :, i0:i1].to(dtype).reshape(B, Hkv, G * bq, -1)
+            lse_t = lse[:, :, :, i0:i1].reshape(B, Hkv, G * bq, 1)
+            delta_t = delta[:, :, :, i0:i1].reshape(B, Hkv, G * bq, 1)
+            dq_t = torch.zeros_like(qs)
+            for j0, j1, full in keys:
+                s = self._scores(inp, qs, i0, i1, j0, j1, full, dtype)
+                p = s.sub_(lse_t).exp_()  # [B, Hkv, G·bq, bk]
+                dp = dot @ inp.v[:, :, j0:j1].to(dtype).transpose(-1, -2)
                 if inp.dropout_p > 0:
-                    keep = dropout_keep(ctx, (i0, j0), p.shape, inp.dropout_p, inp.device).to(dtype)
-                    dv[:, :, j0:j1] += ((p * keep).transpose(-1, -2) @ dot).sum(2)
-                    dp = dp * keep
+                    keep = dropout_keep(ctx, (i0, j0), (B, Hkv, G, bq, j1 - j0), inp.dropout_p, inp.device)
+                    keep = keep.to(dtype).view(p.shape)
+                    dv[:, :, j0:j1] += (p * keep).transpose(-1, -2) @ dot
+                    dp.mul_(keep)
                 else:
-                    dv[:, :, j0:j1] += (p.transpose(-1, -2) @ dot).sum(2)
-                ds = p * (dp - delta[:, :, :, i0:i1, None])
-                k = inp.k[:, :, None, j0:j1].to(dtype)
-                dq[:, :, :, i0:i1] += (ds @ k) * inp.scale
-                dk[:, :, j0:j1] += (ds.transpose(-1, -2) @ qt).sum(2) * inp.scale
+                    dv[:, :, j0:j1] += p.transpose(-1, -2) @ dot
+                ds = dp.sub_(delta_t).mul_(p)  # dS of the scaled scores
+                dq_t += ds @ inp.k[:, :, j0:j1].to(dtype)
+                dk[:, :, j0:j1] += ds.transpose(-1, -2) @ qs
                 if dadd is not None:
-                    ds_h = ds.reshape(inp.B, inp.Hq, i1 - i0, j1 - j0)
+                    ds_h = ds.view(B, inp.Hq, bq, j1 - j0)
                     rows = slice(i0, i1) if add.shape[2] != 1 else slice(None)
                     cols = slice(j0, j1) if add.shape[3] != 1 else slice(None)
                     dadd[:, :, rows, cols] += reduce_to(ds_h, add.shape)
+            dq[:, :, :, i0:i1] = (dq_t * inp.scale).view(B, Hkv, G, bq, -1)
         dq = dq.reshape(inp.q.shape).to(inp.q.dtype)
         return dq, dk.to(inp.k.dtype), dv.to(inp.v.dtype), None if dadd is None else dadd.to(add.dtype)

@@ -38,7 +38,10 @@ def softmax_attention(q, k, v, bias, scale: float, dtype: torch.dtype, dropout_k
     s = (q.to(dtype) @ k.transpose(-1, -2)) * scale
     if bias is not None:
         s = s + bias
-    m = s.amax(-1, keepdim=True).detach()
+    if s.shape[-1] == 0:  # no keys at all: every row sees nothing
+        m = s.new_full((*s.shape[:-1], 1), float("-inf"))
+    else:
+        m = s.amax(-1, keepdim=True).detach()
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
     p = torch.exp(s - m)
     l = p.sum(-1, keepdim=True)
@@ -60,6 +63,7 @@ class ReferenceOperator(Operator):
     SUPPORTS_BACKWARD = True
     SUPPORTS_BIAS_GRAD = True
     SUPPORTS_GQA = True
+    SUPPORTS_EMPTY = True
 
     def _run(self, inp, additive, seed):
         dtype = compute_dtype(inp.dtype)

@@ -8,10 +8,17 @@
 from __future__ import annotations
 
 from bisect import bisect_right
+from dataclasses import replace
 
 import torch
 
 from ..bias.spec import BiasSpec
+
+
+def _unmasked(spec: BiasSpec) -> BiasSpec:
+    """The spec without its mask fields (segments, padded keys, band, layout)."""
+    none = dict.fromkeys(("q_seqstart", "k_seqstart", "k_seqlen", "kv_seqlens", "band_lo", "band_hi", "layout"))
+    return replace(spec, **none)
 
 
 def _segment_rows(spec: BiasSpec, i0: int, i1: int):
@@ -63,11 +70,48 @@ def layout_allows(spec: BiasSpec, i0: int, i1: int, j0: int, j1: int) -> bool:
     return bool(spec.host.layout[:, :, qb0:qb1, kb0:kb1].any())
 
 
-def tile_bias(spec: BiasSpec, i0: int, i1: int, j0: int, j1: int, dtype: torch.dtype, device) -> torch.Tensor | None:
-    """Additive bias ``[B or 1, H or 1, i1-i0, j1-j0]`` of the tile (0 / -inf / values), or None if all zero."""
+def tile_fully_visible(spec: BiasSpec, i0: int, i1: int, j0: int, j1: int) -> bool:
+    """True when no mask of the spec hides any element of the tile, for every batch row and head.
+
+    Decided from host metadata only; such tiles need no mask (``tile_bias(..., masks=False)``).
+    """
+    h = spec.host
+    s = 0
+    if spec.q_seqstart is not None:
+        segs = list(_segment_rows(spec, i0, i1))
+        if len(segs) != 1 or segs[0][1:] != (i0, i1):
+            return False
+        s = segs[0][0]
+        if j0 < h.k_seqstart[s] or j1 > h.k_seqstart[s] + h.k_seqlen[s]:
+            return False
+    if h.band_lo is not None:
+        k = 0 if len(h.band_lo) == 1 else s
+        if j0 - (i1 - 1) < h.band_lo[k] or (j1 - 1) - i0 > h.band_hi[k]:
+            return False
+    if h.kv_seqlens is not None and j1 > min(h.kv_seqlens, default=0):
+        return False
+    if h.layout is not None:
+        qb0 = (i0 + spec.layout_q_off) // spec.block_q
+        qb1 = (i1 - 1 + spec.layout_q_off) // spec.block_q + 1
+        kb0 = (j0 + spec.layout_k_off) // spec.block_k
+        kb1 = (j1 - 1 + spec.layout_k_off) // spec.block_k + 1
+        if not bool(h.layout[:, :, qb0:qb1, kb0:kb1].all()):
+            return False
+    return True
+
+
+def tile_bias(
+    spec: BiasSpec, i0: int, i1: int, j0: int, j1: int, dtype: torch.dtype, device, *, masks: bool = True
+) -> torch.Tensor | None:
+    """Additive bias ``[B or 1, H or 1, i1-i0, j1-j0]`` of the tile (0 / -inf / values), or None if all zero.
+
+    ``masks=False`` leaves the masks out (for tiles that :func:`tile_fully_visible` cleared).
+    """
     i = torch.arange(i0, i1, device=device)[:, None]
     j = torch.arange(j0, j1, device=device)[None, :]
     visible = None
+    if not masks:
+        spec = _unmasked(spec)
 
     def both(a, b):
         return b if a is None else a & b

@@ -1,0 +1,69 @@
+"""Poison: fill memory that a correct operator must write (or must never read) with NaN.
+
+A kernel that skips a write leaves NaN in its output; a kernel that reads padding it should not
+read turns NaN into its result. Both fail :func:`~biasattn.testing.assert_close_to_reference`
+instead of passing by luck on zero-initialized memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` in place with NaN (floating tensors) or the dtype's maximum (integer tensors); returns ``t``."""
+    with torch.no_grad():
+        if t.is_floating_point() or t.is_complex():
+            t.fill_(float("nan"))
+        elif t.dtype == torch.bool:
+            t.fill_(True)
+        else:
+            t.fill_(torch.iinfo(t.dtype).max)
+    return t
+
+
+def poison_padding_(x: torch.Tensor, kv_seqlens) -> torch.Tensor:
+    """Set ``x[b, :, j]`` to NaN for every key ``j >= kv_seqlens[b]`` (``x``: ``[B, H, Mk, ...]``), in place.
+
+    Use it on k and v with a :class:`~biasattn.PaddedKeysMask` for operators that promise never to
+    read padded keys.
+    """
+    lengths = kv_seqlens.tolist() if isinstance(kv_seqlens, torch.Tensor) else list(kv_seqlens)
+    if len(lengths) == 1:
+        lengths = lengths * x.shape[0]
+    with torch.no_grad():
+        for b, n in enumerate(lengths):
+            x[b, :, int(n) :] = float("nan")
+    return x
+
+
+@contextlib.contextmanager
+def poisoned_allocations() -> Iterator[None]:
+    """Inside the block, ``torch.empty`` and ``torch.empty_like`` return NaN-filled floating tensors.
+
+    Wrap an operator call in it to catch outputs (or workspaces) that a kernel never writes:
+    ``with poisoned_allocations(): out = ba.attention(q, k, v, bias, op="triton")``.
+    """
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poisoned_empty(*args, **kwargs):
+        return _poison_float(empty(*args, **kwargs))
+
+    def poisoned_empty_like(*args, **kwargs):
+        return _poison_float(empty_like(*args, **kwargs))
+
+    torch.empty, torch.empty_like = poisoned_empty, poisoned_empty_like
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = empty, empty_like
+
+
+def _poison_float(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point() and t.numel():
+        with torch.no_grad():
+            t.fill_(float("nan"))
+    return t
