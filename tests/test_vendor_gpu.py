@@ -17,7 +17,8 @@ import torch
 import biasattn as ba
 from biasattn.inputs import make_inputs
 from biasattn.ops import autograd
-from biasattn.testing import assert_close_to_reference, reference_attention
+from biasattn.testing import assert_close_to_reference as _assert_close
+from biasattn.testing import reference_attention
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -43,6 +44,11 @@ class Case:
     hidden_keys: Callable | None = None  # bool [B, Mk]: keys no row may read (poisoned with NaN)
 
 
+def assert_close_to_reference(out, ref, low, **kw):
+    """The shared criterion, on CPU copies."""
+    _assert_close(out.detach().cpu(), ref.detach().cpu(), None if low is None else low.detach().cpu(), **kw)
+
+
 def _lens_mask(lens, Mk):
     return torch.arange(Mk)[None] >= torch.tensor(lens)[:, None]
 
@@ -52,27 +58,24 @@ CASES = [
     Case("gqa_causal", ("cutlass", "flash2"), 2, 8, 2, 113, 113, 128, lambda a: ba.LowerTriangularMask()),
     Case("causal_br_short_q", ("cutlass", "flash2"), 2, 4, 4, 17, 203, 64, lambda a: ba.LowerTriangularFromBottomRightMask()),
     Case("causal_tl_long_q", ("cutlass", "flash2"), 1, 4, 4, 203, 113, 64, lambda a: ba.LowerTriangularMask()),
-    Case("causal_br_long_q", ("cutlass", "flash2"), 1, 4, 4, 203, 113, 64,
+    Case("causal_br_long_q", ("flash2",), 1, 4, 4, 203, 113, 64,
          lambda a: ba.LowerTriangularFromBottomRightMask(), empty_rows=True),
     Case("window", ("flash2",), 2, 4, 4, 203, 203, 64, lambda a: ba.LocalAttentionMask(31, 5)),
-    Case("varlen_causal", ("cutlass", "flash2", "cudnn"), 1, 4, 4, 203, 203, 64,
+    Case("varlen_causal", ("cutlass", "flash2"), 1, 4, 4, 203, 203, 64,
          lambda a: ba.BlockDiagonalMask.from_seqlens([17, 113, 3, 70]).make_causal()),
-    Case("varlen_kv", ("cutlass", "flash2", "cudnn"), 1, 4, 4, 62, 108, 64,
+    Case("varlen_kv", ("cutlass", "flash2"), 1, 4, 4, 62, 108, 64,
          lambda a: ba.BlockDiagonalMask.from_seqlens([5, 40, 17], [30, 1, 77])),
-    Case("varlen_causal_br", ("cutlass", "flash2"), 1, 4, 4, 62, 108, 64,
+    Case("varlen_causal_br", ("flash2",), 1, 4, 4, 62, 108, 64,
          lambda a: ba.BlockDiagonalMask.from_seqlens([5, 40, 17], [30, 1, 77]).make_causal_from_bottom_right(),
          empty_rows=True),
-    Case("padded", ("cutlass", "flash2", "cudnn"), 3, 4, 4, 113, 113, 64, lambda a: ba.PaddedKeysMask([50, 113, 1]),
+    Case("padded", ("cutlass", "flash2"), 3, 4, 4, 113, 113, 64, lambda a: ba.PaddedKeysMask([50, 113, 1]),
          hidden_keys=lambda: _lens_mask([50, 113, 1], 113)),
     Case("padded_causal", ("cutlass",), 3, 4, 4, 113, 113, 64,
          lambda a: ba.PaddedKeysMask([50, 113, 7]) & ba.LowerTriangularMask(),
          hidden_keys=lambda: _lens_mask([50, 113, 7], 113)),
     Case("additive", ("cutlass", "cudnn"), 2, 4, 4, 113, 203, 64, lambda a: ba.AdditiveBias(a), (1, 4, 113, 203)),
     Case("additive_bcast_causal", ("cutlass", "cudnn"), 2, 4, 4, 113, 113, 64,
-         lambda a: ba.LowerTriangularMask() + ba.AdditiveBias(a), (1, 1, 1, 113)),
-    Case("alibi", ("flash2",), 2, 4, 4, 113, 203, 64, lambda a: ba.ALiBi(ba.ALiBi.standard_slopes(4)), backward=()),
-    Case("alibi_causal", ("flash2",), 2, 4, 4, 203, 203, 64,
-         lambda a: ba.ALiBi(ba.ALiBi.standard_slopes(4)) + ba.LowerTriangularMask(), backward=()),
+         lambda a: ba.LowerTriangularMask().to(a.device) + ba.AdditiveBias(a), (1, 1, 1, 113)),
     Case("head_dim_20", ("cutlass", "flash2"), 2, 4, 2, 113, 113, 20, lambda a: ba.LowerTriangularMask()),
 ]
 
@@ -182,7 +185,7 @@ def test_vendor_float16_causal(op):
 
 def test_cutlass_float32():
     """The CUTLASS kernel also runs float32."""
-    _check_case(Case("fp32", ("cutlass",), 2, 4, 4, 113, 77, 64, lambda a: ba.LowerTriangularFromBottomRightMask()),
+    _check_case(Case("fp32", ("cutlass",), 2, 4, 4, 77, 113, 64, lambda a: ba.LowerTriangularFromBottomRightMask()),
                 "cutlass", torch.float32)
 
 
@@ -193,7 +196,8 @@ def test_additive_fully_masked_rows(op):
     q, k, v = (torch.randn(B, H, M, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     add = torch.randn(1, H, M, M, device=DEV, dtype=torch.bfloat16)
     add[:, :, 5:9] = float("-inf")
-    out, lse = ba.attention_with_lse(q, k, v, ba.AdditiveBias(add), op=op)
+    with torch.no_grad():
+        out, lse = ba.attention_with_lse(q, k, v, ba.AdditiveBias(add), op=op)
     assert bool((out[:, :, 5:9] == 0).all()) and bool(torch.isneginf(lse[:, :, 5:9]).all())
     ref, _ = reference_attention(q, k, v, ba.AdditiveBias(add))
     assert_close_to_reference(out, ref, reference_attention(q, k, v, ba.AdditiveBias(add), compute_dtype=q.dtype)[0])
@@ -212,6 +216,10 @@ def test_dropout_forward_backward_agree(op, bias):
     attn_bias = None if bias == "none" else ba.BlockDiagonalMask.from_seqlens([17, 113, 3, 70], device=DEV).make_causal()
     B = 2 if bias == "none" else 1
     q, k, v = (torch.randn(B, 4, M, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    why = ba.ops.get(op).not_supported_reasons(make_inputs(q, k, v, attn_bias, dropout_p=0.3))
+    if why:
+        assert op != "flash2" and bias == "varlen", why
+        pytest.skip(f"{op} refuses: {why}")
     out = ba.attention(q, k, v, attn_bias, dropout_p=0.3, op=op)
     plain = ba.attention(q, k, v, attn_bias, op=op)
     assert bool(torch.isfinite(out).all())
@@ -223,10 +231,16 @@ def test_dropout_forward_backward_agree(op, bias):
     assert abs(lhs - rhs) <= 2e-2 * (abs(lhs) + abs(rhs)) + 1.0, (lhs, rhs)
 
 
-@pytest.mark.parametrize("fwd,bwd", [("cudnn", "flash2"), ("flash2", "cutlass"), ("cutlass", "cudnn")])
-def test_forward_and_backward_by_different_operators(fwd, bwd):
+@pytest.mark.parametrize(
+    "fwd,bwd,varlen",
+    [("cudnn", "flash2", False), ("flash2", "cutlass", True), ("cutlass", "cudnn", False), ("triton", "cutlass", False),
+     ("flash2", "triton", True)],
+)
+def test_forward_and_backward_by_different_operators(fwd, bwd, varlen):
     """The dispatcher may pair a forward of one operator with the backward of another (foreign ctx)."""
-    causal = ba.BlockDiagonalMask.from_seqlens([17, 113, 3, 70]).make_causal()
+    if fwd not in ba.ops.available() or bwd not in ba.ops.available():
+        pytest.skip("operator not registered")
+    causal = ba.BlockDiagonalMask.from_seqlens([17, 113, 3, 70]).make_causal() if varlen else ba.LowerTriangularMask()
     case = Case("mixed", (fwd, bwd), 1, 4, 4, 203, 203, 64, lambda a: causal)
     q, k, v, _ = _make(case, torch.bfloat16, True)
     dout = torch.randn_like(q)

@@ -5,7 +5,13 @@ packed segments and padded keys to ``cu_seqlens`` (padded keys gathered out); an
 handed over as a ``[B, H, Mq, Mk]`` view whose broadcast dims keep stride 0; the kernel's alignment
 rule (strides a multiple of 8 elements) is met here, with a padded copy only when the user's tensor
 breaks it. The kernel also returns the bias gradient. It needs as many key heads as query heads, so
-GQA repeats K/V heads (and sums their gradients back).
+GQA repeats K/V heads (and sums their gradients back); head dims are zero-padded to a multiple of 8.
+
+Measured on the H200 (torch 2.11), and refused here: the bottom-right causal mask gives wrong rows
+when a sequence has more queries than keys; dropout with ``cu_seqlens`` uses different masks in the
+forward and the backward; a bias gradient through a bias broadcast over heads or queries comes back
+uninitialized, so such a bias is expanded (copied) for the backward. Rows whose additive bias is all
+``-inf`` get lse 0 from the kernel; they are set to ``-inf`` here.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch
 from ..inputs import AttentionInputs
 from .common import reduce_to
 from .vendor_mapping import (
+    CAUSAL_BOTTOM_RIGHT,
     VendorCtx,
     VendorOperator,
     aligned_bias,
@@ -22,14 +29,12 @@ from .vendor_mapping import (
     cu_seqlens,
     cutlass_mask_type,
     lse_from_kernel,
-    lse_to_kernel,
     pack_keys,
     pack_queries,
+    pad_head_dim,
     unpack_keys,
     unpack_queries,
 )
-
-LSE_ALIGN = 32  # the kernel pads its lse rows to a multiple of this (and reads that far in backward)
 
 
 class CutlassOperator(VendorOperator):
@@ -52,29 +57,46 @@ class CutlassOperator(VendorOperator):
         if plan.reason:
             return [plan.reason]
         reasons = []
-        if cutlass_mask_type(plan) is None:
+        mask_type = cutlass_mask_type(plan)
+        if mask_type is None:
             reasons.append("supports only causal bands (top-left or bottom-right in every sequence), not this band")
+        elif mask_type == CAUSAL_BOTTOM_RIGHT and any(s.Lq > s.Lk for s in plan.seqs):
+            reasons.append("gives wrong rows with a bottom-right causal mask when a sequence has more queries than keys")
         if inp.additive is not None and plan.varlen:
             reasons.append("takes an additive bias only without segments or padded keys")
+        if inp.dropout_p > 0 and plan.varlen:
+            reasons.append("does not replay its dropout mask in the backward with segments or padded keys")
         return reasons
 
     # ----------------------------------------------------------------------------- helpers
-    def _args(self, inp: AttentionInputs, plan):
+    def _args(self, inp: AttentionInputs, plan, bias_grad: bool = False):
         k, v = inp.k, inp.v
         if inp.groups > 1:  # the kernel needs one key head per query head
             k = k.repeat_interleave(inp.groups, dim=1)
             v = v.repeat_interleave(inp.groups, dim=1)
-        q, k, v = pack_queries(inp.q, plan), pack_keys(k, inp.spec, plan), pack_keys(v, inp.spec, plan)
+        q = pad_head_dim(pack_queries(inp.q, plan))
+        k, v = pad_head_dim(pack_keys(k, inp.spec, plan)), pad_head_dim(pack_keys(v, inp.spec, plan))
         bias = None
         if inp.additive is not None:
-            bias = aligned_bias(inp.additive.detach(), (inp.B, inp.Hq, inp.Mq, inp.Mk), inp.dtype)
+            add = inp.additive.detach()
+            if bias_grad and (add.shape[1] < inp.Hq or add.shape[2] < inp.Mq):
+                add = add.expand(add.shape[0], inp.Hq, inp.Mq, add.shape[3]).contiguous()
+            bias = aligned_bias(add, (inp.B, inp.Hq, inp.Mq, inp.Mk), inp.dtype)
         if plan.varlen:
             cu_q, cu_k = cu_seqlens(inp.spec, plan, inp.device)
             return q[None], k[None], v[None], bias, cu_q, cu_k, plan.max_q, plan.max_k
         return q, k, v, bias, None, None, None, None
 
-    def _unpack_out(self, x, plan, B):
-        return unpack_queries(x[0] if plan.varlen else x, plan, B)
+    def _unpack_out(self, x, plan, B, d):
+        return unpack_queries((x[0] if plan.varlen else x)[..., :d], plan, B)
+
+    def _empty_additive_rows(self, inp: AttentionInputs, lse: torch.Tensor) -> torch.Tensor:
+        """lse ``-inf`` on rows whose additive bias is ``-inf`` everywhere (the kernel writes 0 there)."""
+        add = inp.additive
+        if add is None:
+            return lse
+        hidden = torch.isneginf(add.detach()).all(-1)  # [B|1, H|1, Mq|1]
+        return torch.where(hidden, float("-inf"), lse)
 
     # ----------------------------------------------------------------------------- compute
     def fwd(self, inp: AttentionInputs):
@@ -84,32 +106,33 @@ class CutlassOperator(VendorOperator):
             q, k, v, bias, cu_q, cu_k, max_q, max_k, inp.dropout_p, cutlass_mask_type(plan), True, scale=inp.scale,
         )
         layout = "seq_h_m" if plan.varlen else "bhm"
-        lse = lse_from_kernel(lse_raw, plan, inp.B, inp.Hq, inp.Mq, layout)
-        out = self.fix_empty_rows(inp, plan, self._unpack_out(out, plan, inp.B), lse)
+        lse = self._empty_additive_rows(inp, lse_from_kernel(lse_raw, plan, inp.B, inp.Hq, inp.Mq, layout))
+        out = self.fix_empty_rows(inp, plan, self._unpack_out(out, plan, inp.B, inp.Dv), lse)
         return out, lse, VendorCtx(self.NAME, lse_raw, layout, (seed, offset))
 
     def bwd(self, inp, out, lse, ctx, dout, dlse):
         plan = self.plan(inp)
-        q, k, v, bias, cu_q, cu_k, max_q, max_k = self._args(inp, plan)
-        if isinstance(ctx, VendorCtx) and ctx.op == self.NAME:
-            lse_raw, (seed, offset) = ctx.lse_raw, ctx.rng
-        else:
-            lse_raw = lse_to_kernel(lse, plan, "seq_h_m" if plan.varlen else "bhm", pad=LSE_ALIGN)
-            seed = offset = torch.empty((), dtype=torch.int64)
-        o, do = pack_queries(out, plan), pack_queries(dout, plan)
-        if plan.varlen:
-            o, do = o[None], do[None]
         add = inp.additive
         bias_grad = add is not None and add.requires_grad
+        q, k, v, bias, cu_q, cu_k, max_q, max_k = self._args(inp, plan, bias_grad)
+        if not (isinstance(ctx, VendorCtx) and ctx.op == self.NAME):
+            # another operator ran the forward: replay ours for the kernel's own lse (rebuilding it
+            # from ours gave wrong gradients with cu_seqlens)
+            with torch.no_grad():
+                out, _, ctx = self.fwd(inp)
+        lse_raw, (seed, offset) = ctx.lse_raw, ctx.rng
+        o, do = pad_head_dim(pack_queries(out, plan)), pad_head_dim(pack_queries(dout, plan))
+        if plan.varlen:
+            o, do = o[None], do[None]
         dq, dk, dv, dbias = aten_entry("_efficient_attention_backward")(
             do, q, k, v, bias, o, cu_q, cu_k, max_q if plan.varlen else inp.Mq, max_k if plan.varlen else inp.Mk,
             lse_raw, inp.dropout_p, seed, offset, cutlass_mask_type(plan), bias_grad, scale=inp.scale,
         )
-        dq = self._unpack_out(dq, plan, inp.B)
+        dq = self._unpack_out(dq, plan, inp.B, inp.D)
         if plan.varlen:
             dk, dv = dk[0], dv[0]
-        dk = unpack_keys(dk, inp.spec, plan, inp.B, inp.Mk)
-        dv = unpack_keys(dv, inp.spec, plan, inp.B, inp.Mk)
+        dk = unpack_keys(dk[..., : inp.D], inp.spec, plan, inp.B, inp.Mk)
+        dv = unpack_keys(dv[..., : inp.Dv], inp.spec, plan, inp.B, inp.Mk)
         if inp.groups > 1:
             dk = dk.reshape(inp.B, inp.Hkv, inp.groups, inp.Mk, inp.D).sum(2)
             dv = dv.reshape(inp.B, inp.Hkv, inp.groups, inp.Mk, inp.Dv).sum(2)

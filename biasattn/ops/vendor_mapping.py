@@ -279,8 +279,9 @@ def lse_layout(raw: torch.Tensor, plan: SeqPlan, B: int, H: int, Mq: int) -> str
     shape, total = tuple(raw.shape), B * Mq
     if raw.dim() == 4 and shape[:3] == (B, H, Mq) and shape[3] == 1:
         return "bhm1"
-    if plan.varlen and len(plan.seqs) > 1 and raw.dim() == 3 and shape[:2] == (len(plan.seqs), H) and shape[2] >= plan.max_q:
-        return "seq_h_m"
+    if plan.varlen and len(plan.seqs) > 1 and raw.dim() in (3, 4) and shape[:2] == (len(plan.seqs), H):
+        if shape[2] >= plan.max_q and (raw.dim() == 3 or shape[3] == 1):
+            return "seq_h_m"
     if raw.dim() == 3 and shape[:2] == (B, H) and shape[2] >= Mq:
         return "bhm"
     if raw.dim() == 2 and shape == (H, total):
@@ -304,6 +305,7 @@ def lse_from_kernel(raw: torch.Tensor, plan: SeqPlan, B: int, H: int, Mq: int, l
         lse = raw.reshape(B, Mq, H).transpose(1, 2)
     elif layout == "seq_h_m":
         seg, pos = packed_row_index(plan, raw.device)
+        raw = raw[..., 0] if raw.dim() == 4 else raw
         lse = raw[seg, :, pos].reshape(B, Mq, H).transpose(1, 2)
     else:
         raise ValueError(f"layout must be one of {LSE_LAYOUTS}, got {layout!r}")
@@ -338,7 +340,14 @@ def lse_to_kernel(lse: torch.Tensor, plan: SeqPlan, layout: str, pad: int = 1) -
 
 
 def packed_row_index(plan: SeqPlan, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """For every packed query row, its sequence index and its position in the sequence (int64)."""
+    """For every packed query row, its sequence index and its position in the sequence (int64; cached on the plan)."""
+    store = plan.__dict__.setdefault("_rows", {})
+    if str(device) not in store:
+        store[str(device)] = _packed_row_index(plan, device)
+    return store[str(device)]
+
+
+def _packed_row_index(plan: SeqPlan, device) -> tuple[torch.Tensor, torch.Tensor]:
     seg, pos = [], []
     for n, s in enumerate(plan.seqs):
         seg.extend([n] * s.Lq)
@@ -387,6 +396,15 @@ class VendorOperator(Operator):
     ENTRY_POINTS: ClassVar[tuple[str, ...]] = ()
 
     def environment_reasons(self, device=None) -> list[str]:
+        """The installed torch's missing entry points (probed once: dispatch asks on every call)."""
+        cache = type(self).__dict__.get("_environment_cache")
+        if cache is None:
+            cache = self.probe_environment()
+            type(self)._environment_cache = cache
+        return list(cache)
+
+    def probe_environment(self) -> list[str]:
+        """Reasons from the installed torch and CUDA build (entry points, kernel availability)."""
         missing = [n for n in self.ENTRY_POINTS if aten_entry(n) is None]
         if missing:
             names = ", ".join(f"torch.ops.aten.{n}" for n in missing)
@@ -456,3 +474,9 @@ def unpack_keys(g: torch.Tensor, spec: BiasSpec, plan: SeqPlan, B: int, Mk: int)
     if plan.varlen and plan.cu_k[-1] < g.shape[0]:
         g[plan.cu_k[-1]:] = 0  # keys after the last sequence: the kernels leave them unwritten
     return unpack_queries(g, plan, B)
+
+
+def pad_head_dim(x: torch.Tensor, multiple: int = 8) -> torch.Tensor:
+    """Zero-pad the last dim to a multiple of ``multiple`` (a copy only when needed); q·k and p·v are unchanged."""
+    d = x.shape[-1]
+    return x if d % multiple == 0 else torch.nn.functional.pad(x, (0, multiple - d % multiple))
