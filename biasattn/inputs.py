@@ -99,6 +99,22 @@ def _check_tensor(name: str, t, expected_rank_text: str) -> None:
         raise InputTypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Device equality where ``cuda`` means the current CUDA device (``cuda`` == ``cuda:0`` there)."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
+def _has_tensors(bias: AttentionBias) -> bool:
+    """False for biases made of sizes only (``LowerTriangularMask()``): they follow q's device."""
+    return any(t is not None for atom in bias.atoms for t in atom.tensors().values())
+
+
 def as_bias(attn_bias) -> AttentionBias | None:
     """Wrap a plain float/bool tensor into an :class:`AdditiveBias`; pass biases and None through."""
     if attn_bias is None or isinstance(attn_bias, AttentionBias):
@@ -142,7 +158,7 @@ def make_inputs(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, requires_
 
     bias = as_bias(attn_bias)
     if bias is not None:
-        if bias.device != q.device:
+        if not _same_device(bias.device, q.device) and _has_tensors(bias):
             raise InputTypeError(f"attn_bias is on {bias.device}, q is on {q.device}; move it with attn_bias.to(q.device)")
         bB, bH, bMq, bMk = bias.sizes
         for name, got, want, what in (("batch size", bB, B, "q"), ("heads", bH, Hq, "q"), ("Mq", bMq, Mq, "q"), ("Mk", bMk, k.shape[2], "k")):
