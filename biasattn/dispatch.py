@@ -15,11 +15,34 @@ from .errors import NotSupportedError
 from .inputs import AttentionInputs
 from .ops.base import Operator
 
+# Measured on the H200 (benchmarks/results/h200/dispatch.md, bf16, D=128, B·S=16384): cudnn is fastest
+# wherever it runs (no mask, causal, additive bias forward); flash2 beats triton for forward-only and
+# for packed segments; triton beats flash2 for padded keys and for forward+backward without segments,
+# and its backward beats cutlass's with a bias gradient. ``priority`` applies those two exceptions.
 PRIORITY: dict[str, tuple[str, ...]] = {
     "cuda": ("triton_splitk", "cudnn", "flash2", "triton", "cutlass", "chunked", "reference"),
     "cpu": ("chunked", "reference"),
 }
 DEFAULT_PRIORITY: tuple[str, ...] = ("chunked", "reference")
+SPLITK_MAX_MQ = 16  # triton_splitk is a decode kernel: only tried first for sequences of at most this many queries
+
+
+def priority(device_type: str, inp: AttentionInputs | None = None) -> tuple[str, ...]:
+    """``PRIORITY[device_type]`` adjusted to the inputs by the measured exceptions (see the comment above)."""
+    order = list(PRIORITY.get(device_type, DEFAULT_PRIORITY))
+    if inp is None or device_type != "cuda":
+        return tuple(order)
+    qs = inp.spec.host.q_seqstart
+    longest = max((b - a for a, b in zip(qs, qs[1:])), default=0) if qs is not None else inp.Mq
+    segments = inp.spec.q_seqstart is not None
+    if longest > SPLITK_MAX_MQ and "triton_splitk" in order:  # not a decode shape: try it last of the compiled ops
+        order.remove("triton_splitk")
+        order.insert(order.index("cutlass") + 1 if "cutlass" in order else len(order), "triton_splitk")
+    padded = inp.spec.kv_seqlens is not None and not segments
+    if (padded or (inp.requires_grad and not segments)) and {"flash2", "triton"} <= set(order):
+        order.remove("triton")
+        order.insert(order.index("flash2"), "triton")
+    return tuple(order)
 
 _allowed: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("biasattn_allowed_ops", default=None)
 
@@ -40,9 +63,9 @@ def use_ops(*names: str) -> Iterator[None]:
         _allowed.reset(token)
 
 
-def candidates(device_type: str) -> list[Operator]:
-    """Operators the dispatcher will try for a device kind, in order."""
-    order = list(PRIORITY.get(device_type, DEFAULT_PRIORITY))
+def candidates(device_type: str, inp: AttentionInputs | None = None) -> list[Operator]:
+    """Operators the dispatcher will try for a device kind (and these inputs), in order."""
+    order = list(priority(device_type, inp))
     allowed = _allowed.get()
     if allowed is not None:
         order = [n for n in order if n in allowed] + [n for n in allowed if n not in order]
@@ -51,7 +74,17 @@ def candidates(device_type: str) -> list[Operator]:
 
 
 def _reasons(inp: AttentionInputs, need_lse: bool, backward: bool) -> dict[str, list[str]]:
-    return {op.NAME: op.not_supported_reasons(inp, need_lse=need_lse, backward=backward) for op in candidates(inp.device.type)}
+    return {
+        op.NAME: op.not_supported_reasons(inp, need_lse=need_lse, backward=backward) for op in candidates(inp.device.type, inp)
+    }
+
+
+def _first(inp: AttentionInputs, need_lse: bool, backward: bool) -> Operator | None:
+    """The first candidate with no reasons (later candidates are not asked: dispatch runs on every call)."""
+    for op in candidates(inp.device.type, inp):
+        if not op.not_supported_reasons(inp, need_lse=need_lse, backward=backward):
+            return op
+    return None
 
 
 def choose(inp: AttentionInputs, *, need_lse: bool = False, op=None) -> tuple[Operator, Operator | None]:
@@ -64,18 +97,17 @@ def choose(inp: AttentionInputs, *, need_lse: bool = False, op=None) -> tuple[Op
             raise NotSupportedError(f"operator {forced.NAME!r} was forced but cannot run {inp.describe()}", {forced.NAME: why})
         return forced, forced if backward else None
     same_op = backward and inp.dropout_p > 0  # the dropout mask lives in the forward operator
-    fwd_reasons = _reasons(inp, need_lse, backward=same_op)
-    fwd = next((ops.get(n) for n, why in fwd_reasons.items() if not why), None)
+    fwd = _first(inp, need_lse, backward=same_op)
     if fwd is None:
-        raise NotSupportedError(f"no operator can run {inp.describe()}", fwd_reasons)
+        raise NotSupportedError(f"no operator can run {inp.describe()}", _reasons(inp, need_lse, backward=same_op))
     if not backward:
         return fwd, None
     if same_op:
         return fwd, fwd
-    bwd_reasons = _reasons(inp, need_lse, backward=True)
-    bwd = next((ops.get(n) for n, why in bwd_reasons.items() if not why), None)
+    bwd = _first(inp, need_lse, backward=True)
     if bwd is None:
-        raise NotSupportedError(f"no operator can compute gradients for {inp.describe()}", {n: w for n, w in bwd_reasons.items()})
+        why = _reasons(inp, need_lse, backward=True)
+        raise NotSupportedError(f"no operator can compute gradients for {inp.describe()}", why)
     return fwd, bwd
 
 
