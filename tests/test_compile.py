@@ -54,6 +54,7 @@ def assert_close_all(xs, ys):
 
 def test_opcheck_flat_ops():
     q, k, v = qkv(M=5, Mk=7)
+    q = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # strided like a projection's view
     add = torch.randn(1, 4, 5, 7, requires_grad=True)
     bias = ba.AdditiveBias(add) + ba.LowerTriangularFromBottomRightMask()
     text, shape = custom_ops.bias_metadata(bias)

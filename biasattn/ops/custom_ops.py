@@ -141,6 +141,10 @@ def _fake_outputs(q: Tensor, k: Tensor, v: Tensor, scale, dropout_p) -> tuple[Te
     return out, lse, torch.empty(4, dtype=torch.int64, device="cpu")
 
 
+def _contiguous_like(t: Tensor) -> Tensor:
+    return t.new_empty(t.shape)  # gradients come back contiguous, whatever the inputs' strides
+
+
 @torch.library.custom_op("biasattn::attention_fwd_flat", mutates_args=())
 def attention_fwd_flat(
     q: Tensor,
@@ -214,8 +218,8 @@ def attention_bwd_flat(
 
 @attention_bwd_flat.register_fake
 def _(dout, dlse, q, k, v, out, lse, state, bias_tensors, bias_metadata, bias_shape, scale, dropout_p, bias_grad):
-    dbias = [torch.empty_like(t, memory_format=torch.contiguous_format) if need else t.new_empty(0) for t, need in zip(bias_tensors, bias_grad)]
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+    dbias = [t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip(bias_tensors, bias_grad)]
+    return _contiguous_like(q), _contiguous_like(k), _contiguous_like(v), dbias
 
 
 # ------------------------------------------------------------------------------- ops taking the bias
@@ -269,7 +273,7 @@ def attention_bwd(
 
 @attention_bwd.register_fake
 def _(dout, dlse, q, k, v, bias, bias_tensors, out, lse, state, scale, dropout_p, bias_grad):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), []
+    return _contiguous_like(q), _contiguous_like(k), _contiguous_like(v), []
 
 
 def _fwd_with_bias(q, k, v, bias, bias_tensors, scale, dropout_p, requires_grad, need_lse, op):
