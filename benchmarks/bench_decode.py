@@ -112,7 +112,7 @@ def padded_experiment(out_rows, meta):
     lens = torch.randint(Mk // 8, Mk + 1, (B,), generator=gen).tolist()
     sets = make_sets(B, Hq, Hkv, 1, Mk)
     full = graph_time(provider_fn("triton_splitk", Hq, Hkv), sets)
-    bias = ba.PaddedKeysMask(lens, device="cuda")
+    bias = ba.PaddedKeysMask(lens, device=sets[0][0].device)
     mixed = graph_time(provider_fn("triton_splitk", Hq, Hkv, bias), sets)
     present = sum(lens) / (B * Mk)
     for name, ms, frac in (("triton_splitk", full, 1.0), ("triton_splitk_padded", mixed, present)):
@@ -238,6 +238,11 @@ def main(argv=None):
                     print(f"B={B:<3} {Hq}/{Hkv:<3} Mq={Mq} Mk={Mk:<7} ours {r['triton_splitk']:7.0f}  "
                           f"flash {r['sdpa_flash']:7.0f}  cudnn {r['sdpa_cudnn']:7.0f}  [{time.time() - t0:.0f}s]", flush=True)
     padded_experiment(rows, meta)
+    for B, Hq, Hkv, Mq, Mk in ((1, 32, 8, 1, 32768), (16, 32, 1, 1, 131072)):  # spread: the same point again
+        again = bench_point(B, Hq, Hkv, Mq, Mk, ["triton_splitk"])[0][2]
+        key = ("triton_splitk", B, Hkv, Mq, Mk)
+        first = next(r["GBps"] for r in rows if (r["provider"], r["B"], r["Hkv"], r["Mq"], r["Mk"]) == key)
+        print(f"spread: B={B} {Hq}/{Hkv} Mq={Mq} Mk={Mk}: {first:.0f} then {again:.0f} GB/s", flush=True)
     for r in rows:
         r["copy_GBps"] = round(copy_gbps, 1)
     with open(os.path.join(args.out, "decode.csv"), "w", newline="") as f:

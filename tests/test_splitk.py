@@ -26,7 +26,7 @@ from biasattn.ops.triton.splitk import (  # noqa: E402
     splitk_attention_fwd,
 )
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 OP = ba.ops.get("triton_splitk")
 
 
@@ -117,11 +117,21 @@ def test_split_count_properties(bh, tiles, sms, ppsm, overhead):
     slots = sms * ppsm
     if bh >= slots:
         assert s == 1
-    cost = lambda n: math.ceil(bh * n / slots) * (math.ceil(tiles / n) + overhead)  # noqa: E731
+    def cost(n):
+        piece = math.ceil(tiles / n)
+        return math.ceil(bh * math.ceil(tiles / piece) / slots - 1e-9) * (piece + overhead)
+
     if 1 < tiles and bh < slots:
         costs = [cost(n) for n in range(1, min(128, tiles) + 1)]
         assert cost(s) <= min(costs) * 1.05  # near the best modelled time
         assert all(c > min(costs) * 1.05 for c in costs[: s - 1])  # and the fewest splits that are
+
+
+def test_mixed_lengths_split_to_balance_the_work():
+    """128 (sequence, head) pairs nearly fill 132 slots: equal lengths need no split, mixed ones do."""
+    assert choose_num_splits(128, 513, 132, programs_per_sm=1) == 1
+    mixed = [65 + (448 * n) // 15 for n in range(16)]  # 16 sequences of 65..513 tiles
+    assert choose_num_splits(128, 513, 132, programs_per_sm=1, tiles_per_sequence=mixed) > 4
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -146,33 +156,45 @@ def test_sixteen_queries_and_odd_head_dims():
 
 def test_padded_keys_with_empty_and_single_key_sequences():
     q, k, v = qkv(4, 4, 2, 2, 45, 16, torch.float16)
-    check(q, k, v, ba.PaddedKeysMask([0, 1, 45, 20]))
+    check(q, k, v, ba.PaddedKeysMask([0, 1, 45, 20], device=DEVICE))
 
 
 def test_bottom_right_causal_and_padding():
     q, k, v = qkv(3, 4, 2, 4, 38, 16, torch.float32)
-    check(q, k, v, ba.LowerTriangularFromBottomRightMask(), splits=(None, 2, 8))
-    check(q, k, v, ba.LowerTriangularFromBottomRightMask() & ba.PaddedKeysMask([38, 3, 0]), splits=(None, 5))
+    check(q, k, v, ba.LowerTriangularFromBottomRightMask().to(DEVICE), splits=(None, 2, 8))
+    causal = ba.LowerTriangularFromBottomRightMask().to(DEVICE)
+    check(q, k, v, causal & ba.PaddedKeysMask([38, 3, 0], device=DEVICE), splits=(None, 5))
 
 
 def test_sliding_window_skips_to_the_visible_keys():
     q, k, v = qkv(2, 2, 2, 3, 60, 16, torch.float16)
-    check(q, k, v, ba.LocalAttentionMask(window_left=9), splits=(None, 1, 4))
-    check(q, k, v, ba.LocalAttentionMask(window_left=5, window_right=2) & ba.PaddedKeysMask([60, 30]), splits=(2,))
+    check(q, k, v, ba.LocalAttentionMask(window_left=9).to(DEVICE), splits=(None, 1, 4))
+    band = ba.LocalAttentionMask(window_left=5, window_right=2).to(DEVICE)
+    check(q, k, v, band & ba.PaddedKeysMask([60, 30], device=DEVICE), splits=(2,))
+
+
+def test_lengths_written_after_lowering_are_honoured():
+    """Cache lengths grown in place after the bias was lowered (as between CUDA-graph replays) are all read."""
+    q, k, v = qkv(2, 2, 1, 1, 70, 16, torch.float32)
+    bias = ba.PaddedKeysMask([3, 5], device=DEVICE)
+    splitk_attention_fwd(make_inputs(q, k, v, bias))  # lowers (host lengths 3 and 5) and caches
+    bias.kv_seqlens.copy_(torch.tensor([70, 41], dtype=torch.int32))
+    out, lse = splitk_attention_fwd(make_inputs(q, k, v, bias))
+    assert_close_to_reference(out, lse, make_inputs(q, k, v, ba.PaddedKeysMask([70, 41], device=DEVICE)))
 
 
 def test_top_left_causal_hides_whole_rows():
     """Rows of a top-left causal mask with Mq > Mk see nothing: 0 out, -inf lse."""
     q, k, v = qkv(1, 2, 1, 5, 3, 16, torch.float32)
-    check(q, k, v, ba.LowerTriangularMask(), splits=(None, 2))
+    check(q, k, v, ba.LowerTriangularMask().to(DEVICE), splits=(None, 2))
 
 
 def test_alibi_and_additive():
     q, k, v = qkv(2, 4, 2, 2, 33, 16, torch.float32)
     slopes = ba.ALiBi.standard_slopes(4).to(DEVICE)
-    check(q, k, v, ba.PaddedKeysMask([33, 10]) + ba.ALiBi(slopes), splits=(None, 3))
+    check(q, k, v, ba.PaddedKeysMask([33, 10], device=DEVICE) + ba.ALiBi(slopes), splits=(None, 3))
     add = torch.randn(1, 4, 1, 33, device=DEVICE)  # broadcast over batch and queries: stride 0
-    check(q, k, v, ba.AdditiveBias(add) + ba.LowerTriangularFromBottomRightMask(), splits=(2,))
+    check(q, k, v, ba.AdditiveBias(add) + ba.LowerTriangularFromBottomRightMask().to(DEVICE), splits=(2,))
     full = torch.randn(2, 4, 2, 33, device=DEVICE, dtype=torch.float16)
     check(q, k, v, full, splits=(None,))
 
@@ -197,13 +219,13 @@ def test_packed_decode_many_sequences():
 
 def test_sliced_bias_offsets_are_folded_in():
     q, k, v = qkv(1, 2, 2, 2, 30, 16, torch.float32)
-    big = (ba.LowerTriangularFromBottomRightMask() & ba.PaddedKeysMask([70])).bind(40, 70)
+    big = (ba.LowerTriangularFromBottomRightMask().to(DEVICE) & ba.PaddedKeysMask([70], device=DEVICE)).bind(40, 70)
     check(q, k, v, big[..., 38:40, 40:70], splits=(None, 3))
 
 
 def test_through_the_public_api():
     q, k, v = qkv(2, 4, 1, 1, 40, 16, torch.float16)
-    bias = ba.PaddedKeysMask([40, 7])
+    bias = ba.PaddedKeysMask([40, 7], device=DEVICE)
     out, lse = ba.attention_with_lse(q, k, v, bias, op="triton_splitk")
     assert_close_to_reference(out, lse, make_inputs(q, k, v, bias))
     out2 = ba.attention(q, k, v, bias, op="triton_splitk")
@@ -236,7 +258,7 @@ def test_reasons():
         ba.attention(q, k, v, op="triton_splitk", dropout_p=0.5)
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter rules apply on the CPU")
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="interpreter rules apply on the CPU")
 def test_cpu_needs_the_interpreter(monkeypatch):
     q, k, v = qkv(1, 2, 2, 2, 20, 16, torch.float32)
     monkeypatch.delenv("TRITON_INTERPRET")

@@ -14,12 +14,13 @@ pytestmark = pytest.mark.gpu
 if torch.cuda.is_available():
     from test_splitk import assert_close_to_reference, run_poisoned
 
+CUDA = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 HEADS = [(32, 32), (32, 8), (32, 4), (32, 1)]  # 1:1, 4:1, 8:1, MQA
 
 
 def rand(*shape, dtype=torch.bfloat16, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(*shape, generator=g, device="cuda", dtype=dtype)
+    return torch.randn(*shape, generator=g, device=CUDA, dtype=dtype)
 
 
 def decode_inputs(B, Hq, Hkv, Mq, Mk, dtype, D=128, seed=0):
@@ -33,9 +34,9 @@ def decode_inputs(B, Hq, Hkv, Mq, Mk, dtype, D=128, seed=0):
 def test_decode_with_mixed_cache_lengths(dtype, heads, Mq):
     Mk = 4113
     q, k, v = decode_inputs(3, *heads, Mq, Mk, dtype)
-    bias = ba.PaddedKeysMask([1, 1000, Mk], device="cuda")
+    bias = ba.PaddedKeysMask([1, 1000, Mk], device=CUDA)
     if Mq > 1:
-        bias = bias & ba.LowerTriangularFromBottomRightMask()
+        bias = bias & ba.LowerTriangularFromBottomRightMask().to(CUDA)
     for s in (None, 7):
         inp = make_inputs(q, k, v, bias)
         assert_close_to_reference(*run_poisoned(inp, num_splits=s), inp)
@@ -44,17 +45,17 @@ def test_decode_with_mixed_cache_lengths(dtype, heads, Mq):
 @pytest.mark.parametrize("lengths", [[131072, 1], [65537, 0]])
 def test_cache_lengths_up_to_128k(lengths):
     q, k, v = decode_inputs(2, 8, 2, 1, 131072, torch.bfloat16)
-    inp = make_inputs(q, k, v, ba.PaddedKeysMask(lengths, device="cuda"))
+    inp = make_inputs(q, k, v, ba.PaddedKeysMask(lengths, device=CUDA))
     assert_close_to_reference(*run_poisoned(inp), inp)
 
 
 def test_window_alibi_and_additive():
     q, k, v = decode_inputs(2, 16, 4, 2, 20000, torch.float16)
-    slopes = ba.ALiBi.standard_slopes(16).cuda()
+    slopes = ba.ALiBi.standard_slopes(16).to(CUDA)
     for bias in (
-        ba.LocalAttentionMask(window_left=1000),
-        ba.PaddedKeysMask([20000, 777], device="cuda") + ba.ALiBi(slopes),
-        ba.AdditiveBias(rand(2, 16, 1, 20000, dtype=torch.float16)) + ba.LowerTriangularFromBottomRightMask(),
+        ba.LocalAttentionMask(window_left=1000).to(CUDA),
+        ba.PaddedKeysMask([20000, 777], device=CUDA) + ba.ALiBi(slopes),
+        ba.AdditiveBias(rand(2, 16, 1, 20000, dtype=torch.float16)) + ba.LowerTriangularFromBottomRightMask().to(CUDA),
     ):
         inp = make_inputs(q, k, v, bias)
         assert_close_to_reference(*run_poisoned(inp), inp)
@@ -63,7 +64,7 @@ def test_window_alibi_and_additive():
 def test_packed_decoding():
     q_lens = [1, 4, 1, 2] * 8
     kv_lens = [int(x) for x in torch.randint(0, 9000, (32,), generator=torch.Generator().manual_seed(1))]
-    bias = ba.BlockDiagonalMask.from_seqlens(q_lens, kv_lens, device="cuda").make_causal_from_bottom_right()
+    bias = ba.BlockDiagonalMask.from_seqlens(q_lens, kv_lens, device=CUDA).make_causal_from_bottom_right()
     q, k, v = decode_inputs(1, 32, 8, sum(q_lens), sum(kv_lens), torch.bfloat16)
     inp = make_inputs(q, k, v, bias)
     assert_close_to_reference(*run_poisoned(inp), inp)
@@ -73,7 +74,7 @@ def test_cuda_graph_capture_and_replay_with_new_lengths():
     """A captured call reads the cache lengths and inputs of each replay (no host sync, no realloc)."""
     B, Hq, Hkv, Mk = 4, 32, 8, 8192
     q, k, v = decode_inputs(B, Hq, Hkv, 1, Mk, torch.bfloat16)
-    lengths = torch.tensor([Mk, 100, 1, 5000], dtype=torch.int32, device="cuda")
+    lengths = torch.tensor([Mk, 100, 1, 5000], dtype=torch.int32, device=CUDA)
     bias = ba.PaddedKeysMask(lengths)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -91,14 +92,14 @@ def test_cuda_graph_capture_and_replay_with_new_lengths():
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    inp = make_inputs(q, k, v, ba.PaddedKeysMask(new, device="cuda"))
-    _, lse = ba.attention_with_lse(q, k, v, ba.PaddedKeysMask(new, device="cuda"), op="triton_splitk")
+    inp = make_inputs(q, k, v, ba.PaddedKeysMask(new, device=CUDA))
+    _, lse = ba.attention_with_lse(q, k, v, ba.PaddedKeysMask(new, device=CUDA), op="triton_splitk")
     assert_close_to_reference(out, lse, inp)
 
 
 def test_no_host_sync_per_call():
     q, k, v = decode_inputs(2, 32, 8, 1, 8192, torch.bfloat16)
-    bias = ba.PaddedKeysMask([8192, 10], device="cuda")
+    bias = ba.PaddedKeysMask([8192, 10], device=CUDA)
     ba.attention(q, k, v, bias, op="triton_splitk")  # lowers and caches the spec, compiles
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,24 +25,34 @@ SPLIT_SLACK = 0.05
 
 def choose_num_splits(
     batch_heads: int, key_tiles: int, num_sms: int, *, programs_per_sm: int = 2,
-    split_overhead_tiles: float = 1.0, max_splits: int = MAX_SPLITS,
+    split_overhead_tiles: float = 1.0, max_splits: int = MAX_SPLITS, tiles_per_sequence: Sequence[int] | None = None,
 ) -> int:
-    """Number of programs sharing one (sequence, KV head, row block)'s key tiles; 1 means no split.
+    """Number of splits of ``key_tiles`` (the longest sequence's tiles); 1 means no split.
 
-    The grid has ``batch_heads · S`` programs and ``num_sms · programs_per_sm`` of them run at once
-    (a wave). When ``batch_heads`` alone fills a wave the grid is already full: no split. Otherwise
-    the modelled time of ``S`` splits is ``waves(S) · (ceil(key_tiles / S) + overhead)``, where
-    ``overhead`` is a program's fixed cost in tile loads (its start, and writing and merging its
-    partial output); the answer is the fewest splits within ``SPLIT_SLACK`` (5%) of the best time,
-    so that near-ties do not buy extra merge work. Never more splits than tiles.
+    ``batch_heads`` counts the (sequence, KV head, row block) triples; ``tiles_per_sequence`` gives
+    each sequence's own tiles when they differ (padded keys), else every sequence has ``key_tiles``.
+    Splitting into ``S`` pieces of ``p = ceil(key_tiles / S)`` tiles keeps ``busy(S)`` programs
+    working (a sequence of ``t`` tiles fills ``ceil(t / p)`` pieces; the rest exit at once), and
+    ``num_sms · programs_per_sm`` programs run at a time (a wave). When ``batch_heads`` alone fills
+    a wave the grid is already full: no split. Otherwise the modelled time is
+    ``ceil(busy(S) / wave) · (p + overhead)``, where ``overhead`` is a program's fixed cost in tile
+    loads (its start, and writing and merging its partial output); the answer is the fewest splits
+    within ``SPLIT_SLACK`` (5%) of the best time, so that near-ties buy no extra merge work.
+    Never more splits than tiles.
     """
     if batch_heads <= 0 or key_tiles <= 1 or num_sms <= 0:
         return 1
     slots = num_sms * max(1, programs_per_sm)
     if batch_heads >= slots:
         return 1
+    lengths = list(tiles_per_sequence) if tiles_per_sequence else [key_tiles]
+    heads_per_sequence = batch_heads / len(lengths)
     candidates = range(1, min(max_splits, key_tiles) + 1)
-    costs = [math.ceil(batch_heads * s / slots) * (math.ceil(key_tiles / s) + split_overhead_tiles) for s in candidates]
+    costs = []
+    for s in candidates:
+        piece = math.ceil(key_tiles / s)
+        busy = heads_per_sequence * sum(max(1, math.ceil(t / piece)) for t in lengths)
+        costs.append(math.ceil(busy / slots - 1e-9) * (piece + split_overhead_tiles))
     best = min(costs)
     return next(s for s, c in zip(candidates, costs) if c <= best * (1 + SPLIT_SLACK))
 
@@ -79,22 +90,27 @@ def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.devi
     if device.type != "cuda":
         return SplitKConfig(block_m, 16, 4, 1)
     block_n = 64 if widest <= 128 else 32
-    return SplitKConfig(block_m, block_n, 4 if block_m <= 64 else 8, 3)
+    return SplitKConfig(block_m, block_n, 4 if block_m <= 64 else 8, 4)  # 4 stages: measured best on H200
 
 
-def _keys_per_sequence(inp: AttentionInputs, mq_stride: int) -> int:
-    """Host bound on the keys one sequence's rows can see (sizes the split; never affects results)."""
+def _key_bounds(inp: AttentionInputs, mq_stride: int) -> tuple[int, list[int] | None]:
+    """``(bound, lengths)``: keys a sequence's rows can see, and each sequence's own count if they differ.
+
+    The bound sizes the grid and comes from shapes (and the bias' structure), never from cache
+    lengths, so a captured graph stays valid when the lengths change; the host copies of the
+    lengths only tune the split. Neither ever changes results: the last split takes any rest.
+    """
     spec, h = inp.spec, inp.spec.host
-    if spec.q_seqstart is not None:
-        keys = max(h.k_seqlen, default=0)
-    elif h.kv_seqlens is not None:
-        keys = min(inp.Mk, max(h.kv_seqlens, default=0))
-    else:
-        keys = inp.Mk
+    width = inp.Mk
     if h.band_lo is not None:
-        widths = [hi - lo + mq_stride for lo, hi in zip(h.band_lo, h.band_hi)]
-        keys = min(keys, max(max(widths), 0))
-    return keys
+        width = max(max(hi - lo + mq_stride for lo, hi in zip(h.band_lo, h.band_hi)), 0)
+    if spec.q_seqstart is not None:
+        lengths = [min(n, width) for n in h.k_seqlen]
+        return max(lengths, default=0), lengths
+    bound = min(inp.Mk, width)
+    if h.kv_seqlens is None:
+        return bound, None
+    return bound, [min(n, bound) for n in h.kv_seqlens]
 
 
 def _strides4(t: torch.Tensor | None) -> tuple[int, int, int, int]:
@@ -138,15 +154,19 @@ def splitk_attention_fwd(
     head_dim, head_dim_v = _pow2(D), _pow2(Dv)
     cfg = config or default_config(rows, head_dim, head_dim_v, dev)
     row_blocks = triton.cdiv(rows, cfg.block_m)
-    key_tiles = triton.cdiv(_keys_per_sequence(inp, mq_stride), cfg.block_n) + 1
+    bound, lengths = _key_bounds(inp, mq_stride)
+    key_tiles = triton.cdiv(bound, cfg.block_n) + 1  # + 1: a range need not start on a tile boundary
     if num_splits is None:
         tile_bytes = cfg.block_n * (head_dim + head_dim_v) * q.element_size()
-        smem = max(cfg.num_stages, 1) * tile_bytes
+        smem = max(cfg.num_stages - 1, 1) * tile_bytes  # tiles in flight while one is consumed
         num_splits = choose_num_splits(
             Z * Hkv * row_blocks, key_tiles, num_sms(dev),
             programs_per_sm=max(1, min(4, (200 * 1024) // smem)),
             split_overhead_tiles=1.0 + min(rows, cfg.block_m) * Dv * 8 / tile_bytes,
+            tiles_per_sequence=None if lengths is None else [triton.cdiv(n, cfg.block_n) + 1 for n in lengths],
         )
+        num_splits = triton.cdiv(key_tiles, triton.cdiv(key_tiles, num_splits))
+    tiles_per_split = triton.cdiv(key_tiles, num_splits)
 
     if num_splits == 1:
         o_buf, l_buf = out, lse
@@ -175,7 +195,7 @@ def splitk_attention_fwd(
         add if add is not None else q, slopes if slopes is not None else q,
         inp.scale * LOG2E, spec.alibi_shift,
         *q.stride(), *k.stride(), *v.stride(), *so, *sl, *sa, *ss,
-        Hkv, Mq, Mk, D, Dv, G, row_blocks, num_splits, mq_stride,
+        Hkv, Mq, Mk, D, Dv, G, row_blocks, num_splits, tiles_per_split, mq_stride,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
         HAS_KV_LEN=spec.kv_seqlens is not None and not segments, HAS_SEGMENTS=segments,
         HAS_BAND=spec.band_lo is not None, BAND_PER_SEGMENT=band_per_segment,

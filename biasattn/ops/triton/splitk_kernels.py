@@ -3,8 +3,10 @@
 ``_splitk_fwd_kernel`` runs one program per (sequence, KV head, row block, split). The rows of a
 program are the query heads of one GQA group times the sequence's queries (row ``r`` is head
 ``r // MQ_STRIDE``, query ``r % MQ_STRIDE``), so each K/V tile is loaded once per group. The
-sequence's visible key range is cut into ``num_splits`` pieces of whole tiles; a program writes its
-piece's normalized output and log-sum-exp, and ``_merge_partials_kernel`` combines the pieces.
+sequence's visible key range is cut into pieces of ``tiles_per_split`` whole tiles (the last split
+takes any rest, so every length is covered); short sequences leave their later splits empty, which
+keeps the work proportional to the keys present. A program writes its piece's normalized output and
+log-sum-exp, and ``_merge_partials_kernel`` combines the pieces.
 Scores are kept in base 2 (``qk_scale`` includes log2(e)).
 """
 
@@ -78,7 +80,7 @@ def _splitk_fwd_kernel(
     stride_ls, stride_lz, stride_lh, stride_lm,
     stride_az, stride_ah, stride_am, stride_an,
     stride_sz, stride_sh,
-    Hkv, Mq, Mk, D, Dv, groups, row_blocks, num_splits, MQ_STRIDE,
+    Hkv, Mq, Mk, D, Dv, groups, row_blocks, num_splits, tiles_per_split, MQ_STRIDE,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_KV_LEN: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_BAND: tl.constexpr, BAND_PER_SEGMENT: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
@@ -137,9 +139,8 @@ def _splitk_fwd_kernel(
     # This split's tiles [a, b), cut into masked head [a, f0), unmasked middle [f0, f1), masked tail [f1, b).
     t_lo = key_lo // BLOCK_N
     t_hi = tl.where(key_hi > key_lo, (key_hi + BLOCK_N - 1) // BLOCK_N, t_lo)
-    per = (t_hi - t_lo + num_splits - 1) // num_splits
-    a = tl.minimum(t_lo + split * per, t_hi)
-    b = tl.minimum(a + per, t_hi)
+    a = tl.minimum(t_lo + split * tiles_per_split, t_hi)
+    b = tl.where(split == num_splits - 1, t_hi, tl.minimum(a + tiles_per_split, t_hi))
     f0 = tl.minimum(tl.maximum((full_lo + BLOCK_N - 1) // BLOCK_N, a), b)
     f1 = tl.minimum(tl.maximum(tl.maximum(full_hi, 0) // BLOCK_N, f0), b)
     a, b, f0, f1 = a.to(tl.int64), b.to(tl.int64), f0.to(tl.int64), f1.to(tl.int64)  # 64-bit key offsets
