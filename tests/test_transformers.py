@@ -1,0 +1,121 @@
+"""attn_implementation="biasattn" in Hugging Face transformers against "sdpa" (tiny random-weight models, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import biasattn as ba  # noqa: E402
+import biasattn.integrations.transformers as bt  # noqa: E402
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    bt.register()
+
+
+def llama(**kw):
+    cfg = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**cfg, **kw}))
+
+
+def mistral():
+    cfg = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=1, sliding_window=4, max_position_embeddings=64)
+    return transformers.MistralForCausalLM(cfg)
+
+
+def gpt2():
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+RIGHT = torch.tensor([[1] * 9 + [0] * 3, [1] * 12, [1] * 5 + [0] * 7])
+LEFT = RIGHT.flip(-1)
+
+
+def logits(model, impl, **inputs):
+    model.set_attn_implementation(impl)
+    return model(**inputs).logits
+
+
+@pytest.mark.parametrize("make", [llama, gpt2, mistral], ids=["llama-gqa", "gpt2", "mistral-sliding-window"])
+@pytest.mark.parametrize("mask", [RIGHT, LEFT], ids=["right-padding", "left-padding"])
+def test_logits_match_sdpa_on_padded_batch(make, mask):
+    torch.manual_seed(0)
+    model = make().eval()
+    ids = torch.randint(0, VOCAB, mask.shape)
+    with torch.no_grad():
+        ours = logits(model, "biasattn", input_ids=ids, attention_mask=mask)
+        ref = logits(model, "sdpa", input_ids=ids, attention_mask=mask)
+    valid = mask.bool()  # padded query positions are ignored by the model (sdpa's values there are arbitrary)
+    torch.testing.assert_close(ours[valid], ref[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_training_gradients_match_sdpa():
+    torch.manual_seed(0)
+    model = llama().train()
+    ids = torch.randint(0, VOCAB, RIGHT.shape)
+    grads = {}
+    for impl in ("biasattn", "sdpa"):
+        model.zero_grad()
+        model.set_attn_implementation(impl)
+        model(input_ids=ids, attention_mask=RIGHT, labels=ids.masked_fill(RIGHT == 0, -100)).loss.backward()
+        grads[impl] = [p.grad.clone() for p in model.parameters()]
+    for a, b in zip(grads["biasattn"], grads["sdpa"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("make", [llama, mistral], ids=["llama-gqa", "mistral-sliding-window"])
+def test_generation_with_cache_matches_sdpa(make):
+    torch.manual_seed(0)
+    model = make().eval()
+    ids = torch.randint(1, VOCAB, LEFT.shape)
+    out = {}
+    for impl in ("biasattn", "sdpa"):
+        model.set_attn_implementation(impl)
+        out[impl] = model.generate(input_ids=ids, attention_mask=LEFT, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(out["biasattn"], out["sdpa"])
+
+
+def test_packed_sequences_become_block_diagonal(monkeypatch):
+    torch.manual_seed(0)
+    model = llama().eval()
+    ids = torch.randint(0, VOCAB, (1, 12))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])
+    seen = []
+    real = bt.attention
+
+    def spy(q, k, v, bias=None, **kw):
+        seen.append(bias)
+        return real(q, k, v, bias, **kw)
+
+    monkeypatch.setattr(bt, "attention", spy)
+    with torch.no_grad():
+        ours = logits(model, "biasattn", input_ids=ids, position_ids=pos, use_cache=False)
+        ref = logits(model, "sdpa", input_ids=ids, position_ids=pos, use_cache=False)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    assert isinstance(seen[0], ba.BlockDiagonalMask) and seen[0].q_seqlens == [5, 3, 4]
+
+
+def test_padding_reaches_attention_as_lengths(monkeypatch):
+    """No dense mask: right padding arrives as PaddedKeysMask lengths with the causal band."""
+    seen = []
+    real = bt.attention
+
+    def spy(q, k, v, bias=None, **kw):
+        seen.append(bias)
+        return real(q, k, v, bias, **kw)
+
+    monkeypatch.setattr(bt, "attention", spy)
+    model = llama().eval()
+    with torch.no_grad():
+        logits(model, "biasattn", input_ids=torch.randint(0, VOCAB, RIGHT.shape), attention_mask=RIGHT)
+    assert {a.kind for a in seen[0].atoms} == {"padded_keys", "band"}
+    assert seen[0].atoms[0].host == (9, 12, 5)
