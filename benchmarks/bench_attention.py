@@ -134,6 +134,30 @@ def measure(fn, inputs, mode: str):
     return ms[0], ms[1], ms[2], peak, out.detach()
 
 
+def _warm(job) -> str:
+    """Run one case's forward and backward at a small size, so its kernels land in Triton's disk cache."""
+    case_name, D, B = job
+    case = make_case(case_name, B=B, H=2, M=512, D=D, requires_grad=True)
+    bias = case.bias.to(case.q.device) if case.bias is not None else None
+    out = ba.attention(case.q, case.k, case.v, bias, op="triton")
+    out.sum().backward()
+    torch.cuda.synchronize()
+    return f"{case_name} D={D} B={B}"
+
+
+def precompile(cases, head_dims, workers: int) -> None:
+    """Compile every (case, head dim) kernel set in parallel processes (Triton compiles one kernel at a time)."""
+    import concurrent.futures
+    import multiprocessing
+
+    jobs = [(c, D, B) for c in cases for D in head_dims for B in ((1, 2) if c == "additive" else (2,))]
+    t0 = time.time()
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        list(pool.map(_warm, jobs))
+    print(f"precompiled {len(jobs)} kernel sets in {time.time() - t0:.0f} s", flush=True)
+
+
 def run_sweep(args) -> list[dict]:
     device = torch.cuda.get_device_name()
     meta = dict(device=device, torch=torch.__version__, triton=triton.__version__, commit=_git_commit(),
@@ -156,7 +180,7 @@ def run_sweep(args) -> list[dict]:
             inputs.append(case.dense_mask())  # the additive tensor itself: its gradient is part of the work
         ref = None
         for name in args.providers:
-            if name == "flex" and M > args.flex_max_m:
+            if name == "flex" and (M not in args.flex_seqlens or D not in args.flex_head_dims):
                 continue
             row = dict(meta, case=case_name, B=case.q.shape[0], H=HEADS, M=M, D=D, mode=mode, provider=name)
             try:
@@ -300,13 +324,18 @@ def main(argv=None) -> int:
     p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
     p.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
-    p.add_argument("--flex-max-m", type=int, default=1 << 30, help="skip FlexAttention above this M (compile time)")
+    p.add_argument("--flex-seqlens", nargs="+", type=int, default=[2048, 8192],
+                   help="sequence lengths at which FlexAttention runs (each costs a compile)")
+    p.add_argument("--flex-head-dims", nargs="+", type=int, default=[128])
+    p.add_argument("--precompile", type=int, default=8, help="processes that compile the triton kernels first (0: none)")
     p.add_argument("--base", help="a stored attention.csv to compare triton rows against")
     p.add_argument("--quick", action="store_true", help="causal and no bias at M=2048, D=128")
     p.add_argument("--tune", action="store_true", help="time each kernel's candidate tile configs")
     args = p.parse_args(argv)
     if args.quick:
         args.cases, args.seqlens, args.head_dims = ["none", "causal"], [2048], [128]
+    if args.precompile:
+        precompile(args.cases, args.head_dims, args.precompile)
     if args.tune:
         tune(args)
         return 0

@@ -45,7 +45,7 @@ FEATURES = {
     ),
     "block_sparse_exact": lambda M: const(ba.BlockSparseMask(_layout((1, 8, -(-M // 128), -(-M // 128)), 0.3), 128)),
     "block_sparse_inexact": lambda M: const(ba.BlockSparseMask(_layout((3, 1, -(-M // 48), -(-M // 80)), 0.3), (48, 80))),
-    "alibi_causal": lambda M: const(ba.ALiBi(ba.ALiBi.standard_slopes(8).cuda()) + ba.LowerTriangularMask()),
+    "alibi_causal": lambda M: const(ba.ALiBi(ba.ALiBi.standard_slopes(8).cuda()) + ba.LowerTriangularMask().to("cuda")),
 }
 
 

@@ -104,7 +104,7 @@ def _dkdv_tile(
     return dk, dv, dcol
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nb_loop", "nhk_loop", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift"])  # sizes that vary per call: no recompiles
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, DBias, DCol,
     Add, Slopes, Layout, QSeqStart, KvLens, BandLo, BandHi, Sched, TileCount, TileIdx,
@@ -279,7 +279,7 @@ def _dq_tile(
     return dq, drow
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_prog_m", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift"])  # sizes that vary per call: no recompiles
 def _attn_bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, DRow,
     Add, Slopes, Layout, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, Sched, TileCount, TileIdx,

@@ -30,14 +30,14 @@ INTERPRETER_CONFIG = TileConfig(16, 16, 4, 1)
 
 # (kernel, largest padded head dim) -> candidates, best first (measured on an H200, see benchmarks/NOTES.md).
 _CANDIDATES: dict[tuple[str, int], tuple[TileConfig, ...]] = {
-    ("fwd", 64): (TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3), TileConfig(64, 64, 4, 4)),
-    ("fwd", 128): (TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3), TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3)),
+    ("fwd", 64): (TileConfig(128, 128, 8, 3), TileConfig(128, 64, 4, 3), TileConfig(128, 128, 4, 3), TileConfig(64, 64, 4, 4)),
+    ("fwd", 128): (TileConfig(128, 128, 8, 3), TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(64, 64, 4, 3)),
     ("fwd", 256): (TileConfig(64, 64, 4, 2), TileConfig(128, 64, 8, 2), TileConfig(64, 32, 4, 2)),
-    ("dkdv", 64): (TileConfig(64, 128, 8, 2), TileConfig(32, 128, 4, 3), TileConfig(64, 64, 4, 3)),
-    ("dkdv", 128): (TileConfig(64, 128, 8, 2), TileConfig(32, 128, 4, 3), TileConfig(64, 64, 4, 3)),
+    ("dkdv", 64): (TileConfig(64, 128, 8, 2), TileConfig(64, 128, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(64, 64, 4, 3)),
+    ("dkdv", 128): (TileConfig(64, 128, 8, 2), TileConfig(64, 128, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(64, 64, 4, 3)),
     ("dkdv", 256): (TileConfig(32, 64, 4, 2), TileConfig(64, 64, 8, 1), TileConfig(16, 64, 4, 2)),
-    ("dq", 64): (TileConfig(128, 64, 8, 2), TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 3)),
-    ("dq", 128): (TileConfig(128, 64, 8, 2), TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 3)),
+    ("dq", 64): (TileConfig(128, 64, 8, 2), TileConfig(128, 128, 8, 2), TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 3)),
+    ("dq", 128): (TileConfig(128, 64, 8, 2), TileConfig(128, 128, 8, 2), TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 3)),
     ("dq", 256): (TileConfig(64, 32, 4, 2), TileConfig(64, 64, 8, 1), TileConfig(32, 64, 4, 2)),
 }
 

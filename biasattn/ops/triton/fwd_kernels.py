@@ -54,7 +54,7 @@ def _fwd_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_prog_m", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift"])  # sizes that vary per call: no recompiles
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse,
     Add, Slopes, Layout, QSeqStart, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, Sched, TileCount, TileIdx,
