@@ -64,7 +64,8 @@ def test_opcheck_flat_ops():
     torch.library.opcheck(custom_ops.attention_fwd_flat, (q, k, v, [], "", [], 0.5, 0.0, True, False, "reference"))
     out, lse, state = custom_ops.attention_fwd_flat(*fwd_args)
     d = [t.detach() for t in (q, k, v, out, lse)]
-    bwd_args = (torch.randn_like(out), torch.randn_like(lse), *d, state, [t.detach() for t in tensors], text, shape, None, 0.0, [True])
+    detached = [t.detach() for t in tensors]
+    bwd_args = (torch.randn_like(out), torch.randn_like(lse), *d, state, detached, text, shape, None, 0.0, [True])
     torch.library.opcheck(custom_ops.attention_bwd_flat, bwd_args)
 
 
@@ -166,7 +167,9 @@ def test_no_graph_breaks():
     assert explanation.graph_break_count == 0
 
 
-@pytest.mark.parametrize("make", [lambda M: None, lambda M: ba.AdditiveBias(torch.randn(1, 4, M, M))], ids=["causal-inside", "additive-argument"])
+@pytest.mark.parametrize(
+    "make", [lambda M: None, lambda M: ba.AdditiveBias(torch.randn(1, 4, M, M))], ids=["causal-inside", "additive-argument"]
+)
 def test_dynamic_no_recompile_for_new_length(make):
     def fn(q, k, v, bias):
         causal = ba.LowerTriangularMask()

@@ -28,7 +28,7 @@ def pair(batch_first=False, kdim=None, vdim=None, dropout=0.0, seed=0):
 def inputs(L=L, S=S, batch_first=False, kdim=E, vdim=E, seed=1):
     g = torch.Generator().manual_seed(seed)
     shape = (lambda n, d: (B, n, d)) if batch_first else (lambda n, d: (n, B, d))
-    return torch.randn(shape(L, E), generator=g), torch.randn(shape(S, kdim), generator=g), torch.randn(shape(S, vdim), generator=g)
+    return tuple(torch.randn(shape(n, d), generator=g) for n, d in ((L, E), (S, kdim), (S, vdim)))
 
 
 def right_padding(lengths, S=S):
@@ -78,7 +78,11 @@ def test_kdim_vdim_separate_projections():
         lambda: {"key_padding_mask": torch.randn(B, S)},
         lambda: {"attn_mask": torch.rand(L, S) > 0.7},
         lambda: {"attn_mask": torch.randn(B * H, L, S)},
-        lambda: {"attn_mask": torch.ones(L, S, dtype=torch.bool).triu(1), "is_causal": True, "key_padding_mask": right_padding([9, 8, 7])},
+        lambda: {
+            "attn_mask": torch.ones(L, S, dtype=torch.bool).triu(1),
+            "is_causal": True,
+            "key_padding_mask": right_padding([9, 8, 7]),
+        },
     ],
     ids=["right-padding", "left-padding", "float-padding", "bool-mask", "float-mask-per-head", "causal-and-padding"],
 )

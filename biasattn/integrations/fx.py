@@ -29,7 +29,6 @@ Rows whose keys are all masked give 0 (biasattn's rule) where the naive code giv
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -417,7 +416,9 @@ def _trace(module: nn.Module, concrete_args: dict | None) -> fx.GraphModule:
     return fx.GraphModule(tracer.root, graph, type(module).__name__)
 
 
-def fuse_attention(module: nn.Module | fx.GraphModule, *, concrete_args: dict | None = None) -> tuple[fx.GraphModule, FusionReport]:
+def fuse_attention(
+    module: nn.Module | fx.GraphModule, *, concrete_args: dict | None = None
+) -> tuple[fx.GraphModule, FusionReport]:
     """Rewrite every naive attention site of ``module`` into :func:`fused_attention` (biasattn.attention).
 
     ``module`` is traced as :func:`torch.fx.symbolic_trace` does (buffers become graph values;

@@ -75,7 +75,9 @@ class MultiheadAttention(nn.Module):
         if add_bias_kv or add_zero_attn:
             raise NotImplementedError("biasattn.nn.MultiheadAttention does not support add_bias_kv / add_zero_attn")
         if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads:
-            raise InputError(f"embed_dim must be a positive multiple of num_heads, got embed_dim={embed_dim}, num_heads={num_heads}")
+            raise InputError(
+                f"embed_dim must be a positive multiple of num_heads, got embed_dim={embed_dim}, num_heads={num_heads}"
+            )
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_kv_heads <= 0 or num_heads % num_kv_heads:
             raise InputError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
@@ -245,4 +247,5 @@ class MultiheadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
-        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, dropout={self.dropout}, batch_first={self.batch_first}"
+        heads = f"num_heads={self.num_heads}{kv}"
+        return f"embed_dim={self.embed_dim}, {heads}, dropout={self.dropout}, batch_first={self.batch_first}"

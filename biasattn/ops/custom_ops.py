@@ -354,4 +354,6 @@ def attention(q, k, v, attn_bias=None, *, scale=None, dropout_p: float = 0.0, op
     return out, lse
 
 
-__all__ = ["attention", "attention_bwd", "attention_bwd_flat", "attention_fwd", "attention_fwd_flat", "bias_metadata", "rebuild_bias"]
+__all__ = [
+    "attention", "attention_bwd", "attention_bwd_flat", "attention_fwd", "attention_fwd_flat", "bias_metadata", "rebuild_bias",
+]

@@ -1,0 +1,91 @@
+"""GPU: the transformers backend and a compiled training step of MultiheadAttention through the triton operator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.testing
+from torch import nn
+
+import biasattn as ba
+from biasattn.nn import MultiheadAttention
+
+pytestmark = pytest.mark.gpu
+
+needs_triton = pytest.mark.skipif("triton" not in ba.ops.available(), reason="the triton operator is not part of this build")
+
+
+def _right_padding(lengths, S):
+    return torch.arange(S, device="cuda")[None, :] >= torch.tensor(lengths, device="cuda")[:, None]  # True = padding
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_training_step_through_triton(dtype):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    E, H, B, L = 256, 4, 3, 200
+    ref = nn.MultiheadAttention(E, H, batch_first=True, device="cuda", dtype=dtype)
+    mod = MultiheadAttention.from_torch(ref)
+    x = torch.randn(B, L, E, device="cuda", dtype=dtype, requires_grad=True)
+    kpm = _right_padding([200, 131, 77], L)
+
+    def step(m, x):
+        return m(x, x, x, key_padding_mask=kpm, is_causal=True)[0].float().square().mean()
+
+    cnt = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, fullgraph=True, backend=cnt)
+    with ba.use_ops("triton"):
+        loss = compiled(mod, x)
+        grads = torch.autograd.grad(loss, [x, *mod.parameters()])
+        eager_loss = step(mod, x)
+        eager_grads = torch.autograd.grad(eager_loss, [x, *mod.parameters()])
+    assert cnt.frame_count == 1
+    causal = torch.ones(L, L, dtype=torch.bool, device="cuda").triu(1)
+    ref_loss = ref(x, x, x, key_padding_mask=kpm, attn_mask=causal, need_weights=False)[0].float().square().mean()
+    ref_grads = torch.autograd.grad(ref_loss, [x, *ref.parameters()])
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(loss, eager_loss, **tol)
+    torch.testing.assert_close(loss, ref_loss, **tol)
+    for g, e, r in zip(grads, eager_grads, ref_grads):
+        torch.testing.assert_close(g, e, **tol)
+        torch.testing.assert_close(g.float(), r.float(), atol=tol["atol"] * 5, rtol=tol["rtol"] * 5)
+
+
+def test_compiled_step_with_dispatcher_choice():
+    """Without use_ops the dispatcher may pick a vendor kernel whose backward needs objects kept from the forward."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mod = MultiheadAttention(128, 2, batch_first=True, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, 64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step(m, x):
+        return m(x, x, x, is_causal=True)[0].float().square().mean()
+
+    loss = torch.compile(step, fullgraph=True)(mod, x)
+    grads = torch.autograd.grad(loss, [x, *mod.parameters()])
+    eager = torch.autograd.grad(step(mod, x), [x, *mod.parameters()])
+    for g, e in zip(grads, eager):
+        torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
+
+
+@needs_triton
+def test_transformers_llama_through_triton():
+    transformers = pytest.importorskip("transformers")
+    import biasattn.integrations.transformers as bt
+
+    bt.register()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    mask = (torch.arange(96, device="cuda")[None] < torch.tensor([96, 60, 17], device="cuda")[:, None]).long()
+    ids = torch.randint(0, 101, mask.shape, device="cuda")
+    out = {}
+    for impl in ("sdpa", "biasattn"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad(), ba.use_ops("triton"):
+            out[impl] = model(input_ids=ids, attention_mask=mask).logits.float()
+    valid = mask.bool()
+    torch.testing.assert_close(out["biasattn"][valid], out["sdpa"][valid], atol=5e-2, rtol=5e-2)
