@@ -9,9 +9,10 @@ GQA repeats K/V heads (and sums their gradients back); head dims are zero-padded
 
 Measured on the H200 (torch 2.11), and refused here: the bottom-right causal mask gives wrong rows
 when a sequence has more queries than keys; dropout with ``cu_seqlens`` uses different masks in the
-forward and the backward; a bias gradient through a bias broadcast over heads or queries comes back
-uninitialized, so such a bias is expanded (copied) for the backward. Rows whose additive bias is all
-``-inf`` get lse 0 from the kernel; they are set to ``-inf`` here.
+forward and the backward. Also measured and worked around: with a causal mask the bias gradient is
+left unwritten where the mask hides keys (it is zeroed here; a bias broadcast over heads or queries is
+also expanded for the backward); rows whose additive bias is all ``-inf`` get lse 0 from the kernel
+(set to ``-inf`` here).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from ..inputs import AttentionInputs
 from .common import reduce_to
 from .vendor_mapping import (
     CAUSAL_BOTTOM_RIGHT,
+    CAUSAL_TOP_LEFT,
+    NO_MASK,
     VendorCtx,
     VendorOperator,
     aligned_bias,
@@ -136,5 +139,13 @@ class CutlassOperator(VendorOperator):
         if inp.groups > 1:
             dk = dk.reshape(inp.B, inp.Hkv, inp.groups, inp.Mk, inp.D).sum(2)
             dv = dv.reshape(inp.B, inp.Hkv, inp.groups, inp.Mk, inp.Dv).sum(2)
-        dadd = reduce_to(dbias, add.shape).to(add.dtype) if bias_grad else None
+        dadd = None
+        if bias_grad:
+            mask_type = cutlass_mask_type(plan)
+            if mask_type != NO_MASK:  # the kernel leaves the gradient unwritten where the mask hides keys
+                shift = 0 if mask_type == CAUSAL_TOP_LEFT else inp.Mk - inp.Mq
+                i = torch.arange(inp.Mq, device=inp.device)[:, None]
+                j = torch.arange(inp.Mk, device=inp.device)[None, :]
+                dbias = dbias.masked_fill(j > i + shift, 0)
+            dadd = reduce_to(dbias, add.shape).to(add.dtype)
         return dq, dk, dv, dadd
