@@ -16,11 +16,11 @@ from .inputs import AttentionInputs
 from .ops.base import Operator
 
 # Measured on the H200 (benchmarks/results/h200/dispatch.md, bf16, D=128, B·S=16384): cudnn is fastest
-# wherever it runs (no mask, causal, additive bias forward); flash2 beats triton for forward-only and
-# for packed segments; triton beats flash2 for padded keys and for forward+backward without segments,
-# and its backward beats cutlass's with a bias gradient. ``priority`` applies those two exceptions.
+# wherever it runs (no mask, causal, additive bias forward); triton beats flash2 (no mask, causal,
+# window, padded keys) except on packed segments, and its backward beats cutlass's with a bias
+# gradient. ``priority`` applies the segment exception and keeps triton_splitk for decode shapes.
 PRIORITY: dict[str, tuple[str, ...]] = {
-    "cuda": ("triton_splitk", "cudnn", "flash2", "triton", "cutlass", "chunked", "reference"),
+    "cuda": ("triton_splitk", "cudnn", "triton", "flash2", "cutlass", "chunked", "reference"),
     "cpu": ("chunked", "reference"),
 }
 DEFAULT_PRIORITY: tuple[str, ...] = ("chunked", "reference")
@@ -38,10 +38,9 @@ def priority(device_type: str, inp: AttentionInputs | None = None) -> tuple[str,
     if longest > SPLITK_MAX_MQ and "triton_splitk" in order:  # not a decode shape: try it last of the compiled ops
         order.remove("triton_splitk")
         order.insert(order.index("cutlass") + 1 if "cutlass" in order else len(order), "triton_splitk")
-    padded = inp.spec.kv_seqlens is not None and not segments
-    if (padded or (inp.requires_grad and not segments)) and {"flash2", "triton"} <= set(order):
-        order.remove("triton")
-        order.insert(order.index("flash2"), "triton")
+    if segments and {"flash2", "triton"} <= set(order):  # packed varlen: FlashAttention-2 first
+        order.remove("flash2")
+        order.insert(order.index("triton"), "flash2")
     return tuple(order)
 
 _allowed: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("biasattn_allowed_ops", default=None)
