@@ -288,7 +288,7 @@ class AttentionBias(torch.Tensor):
             if not x.is_mask:
                 raise BiasCompositionError(
                     f"cannot compose {self._family()} & {other._family()}: '&' intersects masks and "
-                    f"{x._family()} is additive; use '+' to add it"
+                    f"{x._family()} is additive; use '+' to add it ('+' binds tighter than '&': write (a & b) + c)"
                 )
         return _compose(self, other)
 

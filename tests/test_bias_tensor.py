@@ -1,0 +1,107 @@
+"""The tensor-subclass behaviour: foreign torch ops materialize (warning once above 256 MB),
+``.to/.cpu/.clone/.detach`` stay lazy, and metadata calls answer without materializing."""
+
+import warnings
+
+import pytest
+import torch
+
+import biasattn as ba
+from biasattn.bias import base
+
+
+def test_scores_plus_bias_materializes_against_the_scores():
+    scores = torch.randn(2, 3, 5, 7, dtype=torch.float64)
+    bias = ba.LowerTriangularMask()
+    want = scores + bias.materialize((2, 3, 5, 7), dtype=torch.float64)
+    for got in (scores + bias, bias + scores, torch.add(scores, bias)):
+        assert type(got) is torch.Tensor and got.dtype == torch.float64
+        assert torch.equal(got, want)
+
+
+def test_softmax_of_scores_plus_padding():
+    scores = torch.randn(2, 1, 3, 6)
+    p = torch.softmax(scores + ba.PaddedKeysMask([2, 6]), dim=-1)
+    assert torch.equal(p[0, ..., 2:], torch.zeros(1, 3, 4))
+    torch.testing.assert_close(p.sum(-1), torch.ones(2, 1, 3))
+
+
+def test_torch_where_materializes():
+    scores = torch.randn(1, 2, 4, 4)
+    bias = ba.LowerTriangularMask()
+    got = torch.where(scores > 0, bias, scores)
+    want = torch.where(scores > 0, bias.materialize((1, 2, 4, 4)), scores)
+    assert type(got) is torch.Tensor and torch.equal(got, want)
+
+
+def test_sized_bias_materializes_alone():
+    bias = ba.BlockDiagonalMask.from_seqlens([1, 2])
+    got = torch.exp(bias)
+    assert got.shape == (1, 1, 3, 3) and got.sum() == 5
+
+
+def test_unsized_bias_alone_explains_how_to_size_it():
+    with pytest.raises(ba.InputError, match=r"unsized and isinf gives no other tensor.*materialize\(\(B, H, Mq, Mk\)\)"):
+        torch.isinf(ba.LowerTriangularMask())
+
+
+def test_large_materialization_warns_once(monkeypatch):
+    monkeypatch.setattr(base, "MATERIALIZE_WARN_BYTES", 1000)
+    monkeypatch.setattr(base, "_warned_large_materialize", False)
+    scores = torch.zeros(1, 1, 20, 20)  # 1600 bytes in float32
+    bias = ba.LowerTriangularMask()
+    with pytest.warns(UserWarning, match=r"add received a LowerTriangularMask .* \[1, 1, 20, 20\] .*keep it lazy"):
+        scores + bias
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scores + bias
+        torch.zeros(1, 1, 2, 2) + bias
+
+
+def test_warning_threshold_is_256_mib():
+    assert base.MATERIALIZE_WARN_BYTES == 256 * 2**20
+
+
+def test_to_clone_detach_cpu_stay_lazy():
+    t = torch.randn(1, 2, 1, 5, requires_grad=True)
+    bias = (ba.LowerTriangularMask() & ba.PaddedKeysMask([4])) + ba.AdditiveBias(t)
+    moves = (bias.to("cpu"), bias.cpu(), bias.clone(), bias.detach(), bias.to(torch.float64), bias.to("cpu", torch.float16))
+    for moved in moves:
+        assert isinstance(moved, ba.ComposedBias)
+        assert [a.kind for a in moved.atoms] == [a.kind for a in bias.atoms]
+        got, want = moved.materialize((1, 2, 3, 5)).float(), bias.materialize((1, 2, 3, 5)).detach()
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    assert bias.to(torch.float64).dtype == torch.float64
+    assert bias.to(torch.float64).atoms[-1].tensor.dtype == torch.float64
+    assert bias.to(torch.float64).atoms[1].kv_seqlens.dtype == torch.int32  # integer metadata is not cast
+    assert not bias.detach().atoms[-1].tensor.requires_grad
+    assert bias.clone().atoms[-1].tensor.data_ptr() != t.data_ptr()
+
+
+def test_to_meta_moves_the_small_tensors():
+    bias = ba.PaddedKeysMask([3, 4]).to("meta")
+    assert bias.device.type == "meta" and bias.kv_seqlens.device.type == "meta"
+    assert isinstance(bias, ba.PaddedKeysMask)
+
+
+def test_metadata_queries_do_not_materialize(monkeypatch):
+    bias = ba.BlockDiagonalMask.from_seqlens([2, 3])
+
+    def boom(*a, **k):
+        raise AssertionError("materialized")
+
+    monkeypatch.setattr(type(bias), "materialize", boom)
+    assert bias.shape == (1, 1, 5, 5) and bias.dim() == 4 and bias.size(-1) == 5 and bias.numel() == 25
+    assert isinstance(bias, torch.Tensor)
+    assert "BlockDiagonalMask(q_seqlens=[2, 3]" in repr(bias)
+
+
+def test_sliced_repr_shows_offsets():
+    assert "offsets=(1, 0)" in repr(ba.LowerTriangularMask()[..., 1:, :])
+
+
+def test_direct_construction_is_refused():
+    with pytest.raises(TypeError, match="cannot be constructed directly"):
+        ba.AttentionBias()
+    with pytest.raises(ba.InputTypeError, match="compose biases with '\\+'"):
+        ba.AdditiveBias(ba.LowerTriangularMask())

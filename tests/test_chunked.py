@@ -1,0 +1,197 @@
+"""The chunked operator: gradients against the float64 reference, low precision, fully masked rows,
+dropout, and the tiling it uses to skip hidden key blocks."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import biasattn as ba
+from biasattn.bias import lower
+from biasattn.inputs import make_inputs
+from biasattn.ops.chunked import ChunkedOperator
+from biasattn.testing import assert_close_to_reference, reference_attention
+from biasattn.testing import strategies as bst
+
+CHUNKED_SMALL = ChunkedOperator(block_q=8, block_k=8)
+OPS = [pytest.param(CHUNKED_SMALL, id="chunked"), pytest.param("reference", id="reference")]
+
+
+def _additive_leaves(bias):
+    if bias is None:
+        return []
+    return [a.tensor for a in bias.atoms if a.kind == "additive" and a.tensor.requires_grad]
+
+
+def _grads(out, lse, wrt, dout, dlse):
+    loss = (out * dout.to(out.dtype)).sum()
+    if dlse is not None:
+        loss = loss + torch.where(torch.isfinite(lse), lse * dlse.to(lse.dtype), 0.0).sum()
+    got = torch.autograd.grad(loss, wrt, allow_unused=True)
+    return [torch.zeros_like(w) if g is None else g for g, w in zip(got, wrt)]
+
+
+@pytest.mark.parametrize("op", OPS)
+@given(
+    case=bst.attention_inputs(
+        min_terms=0, max_terms=3, max_seqlen=40, requires_grad=True, bias_requires_grad=True, allow_empty=True
+    ),
+    with_dlse=st.booleans(),
+)
+def test_gradients_float64_match_reference(op, case, with_dlse):
+    """dq, dk, dv and the additive bias' gradient (broadcast dims reduced), through out and lse."""
+    wrt = [case.q, case.k, case.v] + _additive_leaves(case.bias)
+    ref, ref_lse = reference_attention(case.q, case.k, case.v, case.bias, scale=case.scale)
+    gen = torch.Generator().manual_seed(1)
+    dout = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    dlse = torch.randn(ref_lse.shape, generator=gen, dtype=torch.float64) if with_dlse else None
+    expected = _grads(ref, ref_lse, wrt, dout, dlse)
+    out, lse = ba.attention_with_lse(case.q, case.k, case.v, case.bias, scale=case.scale, op=op)
+    got = _grads(out, lse, wrt, dout, dlse)
+    for name, g, e in zip(["dq", "dk", "dv"] + ["dbias"] * 3, got, expected):
+        assert g.shape == e.shape, name
+        assert_close_to_reference(g, e, name=name, atol=1e-8)
+
+
+@given(case=bst.attention_inputs(dtypes=(torch.float16, torch.bfloat16, torch.float32), max_seqlen=60, requires_grad=True))
+def test_low_precision_within_twice_the_dtype_error(case):
+    """out/lse within 2×, dk/dv within 2× and dq within 3× the error of the same math in the dtype."""
+    args = (case.q, case.k, case.v, case.bias)
+    ref, ref_lse = reference_attention(*args, scale=case.scale)
+    low, low_lse = reference_attention(*args, scale=case.scale, compute_dtype=case.q.dtype)
+    gen = torch.Generator().manual_seed(2)
+    dout = torch.randn(ref.shape, generator=gen).to(case.q.dtype)
+    wrt = [case.q, case.k, case.v]
+    expected = torch.autograd.grad((ref * dout.double()).sum(), wrt)
+    low_grads = torch.autograd.grad((low * dout).sum(), wrt)
+    out, lse = ba.attention_with_lse(*args, scale=case.scale, op=CHUNKED_SMALL)
+    assert out.dtype == case.q.dtype
+    assert_close_to_reference(out, ref, low, name="out")
+    assert_close_to_reference(lse, ref_lse, low_lse, name="lse")
+    got = torch.autograd.grad((out * dout).sum(), wrt)
+    for name, g, e, lo in zip(("dq", "dk", "dv"), got, expected, low_grads):
+        assert g.dtype == case.q.dtype
+        assert_close_to_reference(g, e, lo, factor=3.0 if name == "dq" else 2.0, name=name)
+
+
+FULLY_MASKED = [
+    ("padded_zero", lambda: ba.PaddedKeysMask([0, 4])),
+    ("bottom_right_more_queries", lambda: ba.LowerTriangularFromBottomRightMask()),
+    ("empty_key_segment", lambda: ba.BlockDiagonalMask.from_seqlens([3, 6], [0, 9])),
+    ("empty_layout_row", lambda: ba.BlockSparseMask(torch.tensor([[True, False], [False, False], [True, True]]), (3, 5))),
+    ("bool_tensor_row", lambda: torch.tensor([[True] * 9] * 8 + [[False] * 9])),
+    ("additive_neg_inf", lambda: ba.AdditiveBias(torch.where(torch.arange(9) < 5, 0.0, float("-inf"))[:, None])),
+]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name,make", FULLY_MASKED, ids=[f[0] for f in FULLY_MASKED])
+def test_fully_masked_rows_give_zero_out_neg_inf_lse_zero_grads(name, make, dtype, op):
+    bias = make()
+    gen = torch.Generator().manual_seed(0)
+    B = 2 if name == "padded_zero" else 1
+    q = torch.randn(B, 2, 9, 4, generator=gen).to(dtype).requires_grad_()
+    k = torch.randn(B, 2, 9, 4, generator=gen).to(dtype).requires_grad_()
+    v = torch.randn(B, 2, 9, 4, generator=gen).to(dtype).requires_grad_()
+    if name == "bottom_right_more_queries":
+        k = k[:, :, :4].detach().requires_grad_()
+        v = v[:, :, :4].detach().requires_grad_()
+    out, lse = ba.attention_with_lse(q, k, v, bias, op=op)
+    dense = (bias if isinstance(bias, ba.AttentionBias) else ba.AdditiveBias(bias)).materialize(
+        (B, 2, 9, k.shape[2]), dtype=torch.float64
+    )
+    hidden = torch.isneginf(dense).all(-1)  # [B, 2, 9] rows with no visible key
+    assert bool(hidden.any()), "the case must have a fully masked row"
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert bool((out[hidden] == 0).all())
+    assert bool(torch.isneginf(lse[hidden]).all())
+    assert bool(torch.isfinite(lse[~hidden]).all())
+    (out.float().sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()).backward()
+    for t in (q, k, v):
+        assert not torch.isnan(t.grad).any()
+    assert bool((q.grad[hidden] == 0).all())
+
+
+def test_all_keys_hidden_gives_zero_gradients():
+    q = torch.randn(1, 1, 5, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, 6, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 1, 6, 4, dtype=torch.float64, requires_grad=True)
+    for op in (CHUNKED_SMALL, "reference"):
+        out, lse = ba.attention_with_lse(q, k, v, ba.PaddedKeysMask([0]), op=op)
+        assert (out == 0).all() and torch.isneginf(lse).all()
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        assert all((g == 0).all() for g in grads)
+
+
+@pytest.mark.parametrize("op", ["chunked", "reference"])
+def test_dropout_backward_matches_its_forward(op):
+    """gradcheck with the seed fixed: the backward replays the forward's dropout mask."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 9, 3, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    add = torch.randn(1, 2, 9, 9, generator=gen, dtype=torch.float64, requires_grad=True)
+    operator = CHUNKED_SMALL if op == "chunked" else op
+
+    def f(q, k, v, add):
+        torch.manual_seed(123)
+        return ba.attention(q, k, v, ba.AdditiveBias(add) + ba.LowerTriangularMask(), dropout_p=0.3, op=operator)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, add), eps=1e-6, atol=1e-5)
+
+
+def test_dropout_is_unbiased_and_drops():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 16, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    base = ba.attention(q, k, v, op=CHUNKED_SMALL)
+    torch.manual_seed(0)
+    outs = torch.stack([ba.attention(q, k, v, dropout_p=0.5, op=CHUNKED_SMALL) for _ in range(300)])
+    assert not torch.allclose(outs[0], outs[1])
+    assert (outs.mean(0) - base).abs().max() < 0.25
+
+
+# ------------------------------------------------------------------------------------ tiling
+@st.composite
+def _spec_case(draw):
+    names = draw(bst.family_lists(tuple(f for f in bst.FAMILIES if f != "additive"), min_terms=1, max_terms=3))
+    shape = draw(bst.shapes(batch=1 if "block_diagonal" in names else None, max_seqlen=60, allow_empty=True))
+    bias = draw(bst._compose_families(names, shape))
+    return shape, bias, draw(st.sampled_from([(8, 8), (3, 5), (16, 4)]))
+
+
+@given(case=_spec_case())
+def test_tiles_cover_every_visible_element_and_full_tiles_have_no_mask(case):
+    """The tiles chunked visits cover every visible (i, j); tiles it treats as unmasked hide nothing."""
+    shape, bias, (bq, bk) = case
+    q = torch.zeros(shape.B, shape.Hq, shape.Mq, shape.D)
+    k = torch.zeros(shape.B, shape.Hkv, shape.Mk, shape.D)
+    inp = make_inputs(q, k, torch.zeros(shape.B, shape.Hkv, shape.Mk, shape.Dv), bias)
+    dense = bias.materialize(shape.bias_shape, dtype=torch.float64)
+    covered = torch.zeros(shape.Mq, shape.Mk, dtype=torch.bool)
+    for i0, i1, keys in ChunkedOperator(bq, bk)._tiles(inp):
+        for j0, j1, full in keys:
+            covered[i0:i1, j0:j1] = True
+            if full:
+                assert not torch.isneginf(dense[..., i0:i1, j0:j1]).any(), (i0, i1, j0, j1)
+    visible = (~torch.isneginf(dense)).any(0).any(0)
+    assert not (visible & ~covered).any()
+
+
+def test_hidden_key_blocks_are_skipped():
+    q = torch.zeros(1, 1, 64, 4)
+    inp = make_inputs(q, q, q, ba.LowerTriangularMask())
+    tiles = [(i0, j0) for i0, _, keys in ChunkedOperator(8, 8)._tiles(inp) for j0, _, _ in keys]
+    assert len(tiles) == 8 * 9 // 2  # only the lower triangle of 8 × 8 blocks
+    inp = make_inputs(q, q, q, ba.BlockDiagonalMask.from_seqlens([16] * 4))
+    tiles = [(i0, j0) for i0, _, keys in ChunkedOperator(8, 8)._tiles(inp) for j0, _, _ in keys]
+    assert len(tiles) == 4 * 4
+    layout = torch.eye(8, dtype=torch.bool)
+    inp = make_inputs(q, q, q, ba.BlockSparseMask(layout, 8))
+    assert sum(len(keys) for _, _, keys in ChunkedOperator(8, 8)._tiles(inp)) == 8
+
+
+def test_spec_lowering_no_device_sync_metadata():
+    """Host copies exist for every metadata field the tiling reads."""
+    bias = ba.BlockDiagonalMask.from_seqlens([3, 4]).make_causal() & ba.PaddedKeysMask([6])
+    spec = lower(bias, 1, 1, 7, 7)
+    assert spec.host.q_seqstart == (0, 3, 7) and spec.host.k_seqlen == (3, 3)
+    assert spec.host.band_lo is not None

@@ -1,0 +1,168 @@
+"""The dispatcher: choices on the CPU, use_ops, forced operators, NotSupportedError and explain()."""
+
+import pytest
+import torch
+
+import biasattn as ba
+from biasattn import dispatch
+from biasattn.inputs import make_inputs
+from biasattn.ops.base import Operator
+from biasattn.ops.reference import ReferenceOperator
+
+
+def qkv(requires_grad=False, dtype=torch.float32, B=1, H=2, M=5, D=8):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(B, H, M, D, generator=gen, dtype=dtype).requires_grad_(requires_grad) for _ in range(3)]
+
+
+class ForwardOnly(ReferenceOperator):
+    """A registered test operator: the reference forward, no backward."""
+
+    NAME = "forward_only_test"
+    SUPPORTS_BACKWARD = False
+    calls = 0
+
+    def fwd(self, inp):
+        type(self).calls += 1
+        return super().fwd(inp)
+
+
+@pytest.fixture
+def forward_only(monkeypatch):
+    op = ForwardOnly()
+    ba.ops.register(op)
+    monkeypatch.setitem(dispatch.PRIORITY, "cpu", (op.NAME, "chunked", "reference"))
+    yield op
+    ba.ops._REGISTRY.pop(op.NAME, None)
+
+
+def test_registry():
+    names = ba.ops.available()
+    assert {"chunked", "reference"} <= set(names)
+    assert ba.ops.get("chunked").name == "chunked"
+    op = ba.ops.get("reference")
+    assert ba.ops.get(op) is op
+
+
+def test_cpu_chooses_chunked_forward_and_backward():
+    inp = make_inputs(*qkv(requires_grad=True), ba.LowerTriangularMask())
+    fwd, bwd = dispatch.choose(inp)
+    assert fwd.name == "chunked" and bwd.name == "chunked"
+    fwd, bwd = dispatch.choose(make_inputs(*qkv(), ba.LowerTriangularMask()))
+    assert fwd.name == "chunked" and bwd is None
+
+
+def test_use_ops_restricts_and_restores():
+    inp = make_inputs(*qkv())
+    with ba.use_ops("reference"):
+        assert dispatch.choose(inp)[0].name == "reference"
+        assert [op.name for op in dispatch.candidates("cpu")] == ["reference"]
+    assert dispatch.choose(inp)[0].name == "chunked"
+
+
+def test_use_ops_unknown_name():
+    with pytest.raises(ba.InputError, match="op must be one of"):
+        with ba.use_ops("no_such_op"):
+            pass
+
+
+def test_use_ops_with_nothing_usable_lists_every_reason():
+    if not {"cutlass", "flash2"} <= set(ba.ops.available()):
+        pytest.skip("vendor operators not in this build")
+    q, k, v = qkv()
+    with ba.use_ops("cutlass", "flash2"), pytest.raises(ba.NotSupportedError) as info:
+        ba.attention(q, k, v)
+    err = info.value
+    assert set(err.reasons) == {"cutlass", "flash2"}
+    assert "no operator can run q [1, 2, 5, 8]" in str(err)
+    assert "runs on cuda tensors, the inputs are on cpu" in str(err)
+
+
+def test_forced_operator_that_cannot_run_raises_at_once_with_its_reasons():
+    class NoGrad(Operator):
+        NAME = "no_grad_test"
+        DTYPES = frozenset({torch.float16})
+        FEATURES = frozenset({"band"})
+
+    q, k, v = qkv(requires_grad=True)
+    with pytest.raises(ba.NotSupportedError) as info:
+        ba.attention(q, k, v, ba.PaddedKeysMask([3]), op=NoGrad())
+    reasons = info.value.reasons["no_grad_test"]
+    assert "supports dtypes float16, got float32" in reasons
+    assert any("does not support bias features ['padded_keys']" in r for r in reasons)
+    assert "has no backward pass and gradients are required" in reasons
+    assert "operator 'no_grad_test' was forced but cannot run" in str(info.value)
+
+
+def test_forced_operator_never_falls_back(monkeypatch):
+    q, k, v = qkv()
+    calls = []
+    monkeypatch.setattr(type(ba.ops.get("chunked")), "fwd", lambda self, inp: calls.append(1) or (None,) * 3)
+    out = ba.attention(q, k, v, op="reference")
+    assert not calls and out.shape == (1, 2, 5, 8)
+
+
+def test_forward_and_backward_chosen_separately(forward_only):
+    q, k, v = qkv(requires_grad=True)
+    inp = make_inputs(q, k, v)
+    fwd, bwd = dispatch.choose(inp)
+    assert fwd.name == "forward_only_test" and bwd.name == "chunked"
+    before = ForwardOnly.calls
+    out = ba.attention(q, k, v)
+    out.sum().backward()
+    assert ForwardOnly.calls == before + 1 and q.grad is not None
+    ref = ba.attention(*(t.detach() for t in (q, k, v)), op="reference")
+    torch.testing.assert_close(out.detach(), ref)
+
+
+def test_dropout_keeps_forward_and_backward_on_one_operator(forward_only):
+    inp = make_inputs(*qkv(requires_grad=True), dropout_p=0.1)
+    fwd, bwd = dispatch.choose(inp)
+    assert fwd is bwd and fwd.name == "chunked"
+
+
+def test_need_lse(monkeypatch):
+    class NoLse(ReferenceOperator):
+        NAME = "no_lse_test"
+        SUPPORTS_LSE = False
+
+    op = NoLse()
+    ba.ops.register(op)
+    try:
+        monkeypatch.setitem(dispatch.PRIORITY, "cpu", (op.NAME, "chunked", "reference"))
+        q, k, v = qkv()
+        inp = make_inputs(q, k, v)
+        assert dispatch.choose(inp)[0].name == "no_lse_test"
+        assert dispatch.choose(inp, need_lse=True)[0].name == "chunked"
+        with pytest.raises(ba.NotSupportedError, match="does not return the log-sum-exp"):
+            ba.attention_with_lse(q, k, v, op=op)
+    finally:
+        ba.ops._REGISTRY.pop(op.NAME, None)
+
+
+def test_explain_lists_chosen_and_reasons():
+    q, k, v = qkv()
+    text = ba.explain(q, k, v, ba.LowerTriangularMask())
+    assert "inputs: q [1, 2, 5, 8]" in text and "features: band" in text
+    assert "chunked" in text and "chosen" in text
+    assert "reference      available (lower priority)" in text
+    text = ba.explain(q, k, v, requires_grad=True)
+    assert "forward:" in text and "backward:" in text
+    with ba.use_ops("reference"):
+        assert "reference      chosen" in ba.explain(q, k, v)
+
+
+def test_explain_reports_no_operator():
+    q, k, v = qkv()
+    if "flash2" not in ba.ops.available():
+        pytest.skip("vendor operators not in this build")
+    with ba.use_ops("flash2"):
+        text = ba.explain(q, k, v)
+    assert "no operator can run these inputs" in text
+    assert "runs on cuda tensors" in text
+
+
+def test_declarations_are_data():
+    d = ba.ops.get("chunked").declarations()
+    assert d["name"] == "chunked" and d["backward"] and d["gqa"] and "segments" in d["features"]
+    assert set(d["dtypes"]) == {"float16", "bfloat16", "float32", "float64"}

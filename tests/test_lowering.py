@@ -1,0 +1,168 @@
+"""Lowering: every bias, lowered to a BiasSpec and run through ``reference`` and ``chunked``, equals
+softmax over ``bias.materialize`` in float64 (the materialization never looks at the spec)."""
+
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+import biasattn as ba
+from biasattn.bias import lower
+from biasattn.ops.chunked import ChunkedOperator
+from biasattn.testing import assert_close_to_reference, reference_attention
+from biasattn.testing import strategies as bst
+
+# Small blocks so that tiling, tile skipping and boundary masks are all exercised at odd sizes.
+CHUNKED_SMALL = ChunkedOperator(block_q=8, block_k=8)
+OPS = [pytest.param(CHUNKED_SMALL, id="chunked"), pytest.param("reference", id="reference")]
+
+
+def _check(case, op):
+    ref, ref_lse = reference_attention(case.q, case.k, case.v, case.bias, scale=case.scale)
+    out, lse = ba.attention_with_lse(case.q, case.k, case.v, case.bias, scale=case.scale, op=op)
+    assert out.dtype == case.q.dtype and lse.shape == ref_lse.shape
+    assert_close_to_reference(out, ref, name="out")
+    assert_close_to_reference(lse, ref_lse, name="lse")
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("family", bst.FAMILIES)
+@given(data=st.data())
+def test_every_family_matches_materialized_softmax(family, op, data):
+    shape = data.draw(bst.shapes(batch=1 if family == "block_diagonal" else None, max_seqlen=40))
+    bias = data.draw(bst.bias_of_family(family, shape))
+    case = data.draw(_case_for(shape, bias))
+    _check(case, op)
+
+
+@pytest.mark.parametrize("op", OPS)
+@given(case=bst.attention_inputs(min_terms=2, max_terms=3, max_seqlen=60))
+def test_compositions_of_two_or_three_families_match_materialized_softmax(op, case):
+    _check(case, op)
+
+
+@given(case=bst.attention_inputs(min_terms=1, max_terms=2, max_seqlen=17, allow_empty=True))
+def test_empty_shapes_and_segments(case):
+    _check(case, CHUNKED_SMALL)
+    _check(case, "reference")
+
+
+@st.composite
+def _case_for(draw, shape, bias):
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+
+    def make(*dims):
+        return torch.randn(dims, generator=gen, dtype=torch.float64)
+
+    q = make(shape.B, shape.Hq, shape.Mq, shape.D)
+    k = make(shape.B, shape.Hkv, shape.Mk, shape.D)
+    v = make(shape.B, shape.Hkv, shape.Mk, shape.Dv)
+    return bst.AttentionCase(shape, q, k, v, bias, draw(st.one_of(st.none(), st.floats(0.1, 2.0))), ())
+
+
+def _qkv(B, Hq, Mq, Mk, D=8, Hkv=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    Hkv = Hkv or Hq
+    q = torch.randn(B, Hq, Mq, D, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, Hkv, Mk, D, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, Hkv, Mk, D, generator=gen, dtype=torch.float64)
+    return q, k, v
+
+
+PINNED = [
+    # (name, B, H, Mq, Mk, bias)
+    ("bottom_right_more_queries", 1, 2, 17, 3, ba.LowerTriangularFromBottomRightMask()),
+    ("local_both_sides", 2, 1, 113, 113, ba.LocalAttentionMask(5, 3)),
+    ("local_kv_cache", 1, 1, 3, 113, ba.LocalAttentionMask(17)),
+    (
+        "block_diagonal_empty_segments_bottom_right",
+        1, 2, 20, 27,
+        ba.BlockDiagonalMask.from_seqlens([3, 0, 17, 0], [0, 5, 17, 5]).make_causal_from_bottom_right(),
+    ),
+    (
+        "block_diagonal_local_kv_longer",
+        1, 1, 21, 33,
+        ba.BlockDiagonalMask.from_seqlens([1, 3, 17], [5, 11, 17]).make_local_attention(2, 1),
+    ),
+    (
+        "padded_and_block_diagonal",
+        1, 1, 20, 20,
+        ba.BlockDiagonalMask.from_seqlens([10, 10]) & ba.PaddedKeysMask([13]),
+    ),
+    ("block_sparse_broadcast_batch", 2, 3, 17, 33, ba.BlockSparseMask(torch.rand(1, 3, 3, 5) < 0.5, (8, 7))),
+    ("block_sparse_broadcast_heads_2d", 1, 3, 17, 33, ba.BlockSparseMask(torch.rand(3, 5) < 0.5, (8, 7))),
+    ("alibi_per_batch", 2, 3, 17, 17, ba.ALiBi(torch.rand(2, 3))),
+    ("additive_1d", 2, 3, 5, 17, ba.AdditiveBias(torch.randn(17, dtype=torch.float64))),
+    ("additive_3d", 2, 3, 5, 17, ba.AdditiveBias(torch.randn(3, 1, 17, dtype=torch.float64))),
+    ("additive_bool", 2, 3, 5, 17, ba.AdditiveBias(torch.rand(2, 1, 5, 17) < 0.5)),
+    ("causal_and_padded_zero_length", 2, 1, 17, 17, ba.LowerTriangularMask() & ba.PaddedKeysMask([0, 9])),
+]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("name,B,H,Mq,Mk,bias", PINNED, ids=[p[0] for p in PINNED])
+def test_pinned_hard_cases(name, B, H, Mq, Mk, bias, op):
+    q, k, v = _qkv(B, H, Mq, Mk)
+    case = bst.AttentionCase(bst.Shape(B, H, H, Mq, Mk, 8, 8), q, k, v, bias, None, ())
+    _check(case, op)
+
+
+def test_plain_tensor_bias_is_wrapped():
+    q, k, v = _qkv(2, 2, 5, 7)
+    t = torch.randn(2, 1, 5, 7, dtype=torch.float64)
+    ref, _ = reference_attention(q, k, v, t)
+    assert_close_to_reference(ba.attention(q, k, v, t, op=CHUNKED_SMALL), ref)
+    m = torch.rand(5, 7) < 0.6
+    ref, _ = reference_attention(q, k, v, m)
+    assert_close_to_reference(ba.attention(q, k, v, m, op=CHUNKED_SMALL), ref)
+
+
+# ------------------------------------------------------------------------------------ spec fields
+def test_spec_fields_of_composition():
+    bias = (ba.LowerTriangularMask() & ba.PaddedKeysMask([3, 5])) + ba.ALiBi(torch.ones(2))
+    spec = lower(bias, 2, 2, 6, 6)
+    assert spec.features == {"band", "padded_keys", "alibi"}
+    assert spec.causal_kind() == "top_left"
+    assert spec.host.kv_seqlens == (3, 5)
+    assert spec.window() == (None, 0)
+
+
+def test_spec_causal_kind_bottom_right():
+    spec = lower(ba.LowerTriangularFromBottomRightMask(), 1, 1, 3, 8)
+    assert spec.causal_kind() == "bottom_right"
+    spec = lower(ba.BlockDiagonalMask.from_seqlens([2, 3], [4, 4]).make_causal_from_bottom_right(), 1, 1, 5, 8)
+    assert spec.causal_kind() == "bottom_right"
+    assert spec.num_segments == 2
+
+
+def test_spec_of_slice_folds_offsets():
+    bias = ba.LocalAttentionMask(2).bind(10, 10)[..., 4:8, 2:10]
+    spec = lower(bias, 1, 1, 4, 8)
+    # global j - i in [-2, 0]; local d = (j + 2) - (i + 4) so band is [0, 2] in local coordinates
+    assert spec.host.band_lo == (0,) and spec.host.band_hi == (2,)
+
+
+def test_composed_padded_lengths_broadcast():
+    """Regression: composing PaddedKeysMask([n]) with per-batch lengths zipped the lists and dropped rows."""
+    bias = ba.PaddedKeysMask([1]) & ba.PaddedKeysMask([0, 1])
+    spec = lower(bias, 2, 1, 1, 1)
+    assert spec.host.kv_seqlens == (0, 1)
+    assert spec.kv_seqlens.tolist() == [0, 1]
+
+
+def test_spec_is_cached_per_shape():
+    bias = ba.PaddedKeysMask([3])
+    assert lower(bias, 1, 1, 4, 4) is lower(bias, 1, 1, 4, 4)
+    assert lower(bias, 1, 1, 4, 5) is not lower(bias, 1, 1, 4, 4)
+
+
+@example(seed=0)
+@given(seed=st.integers(0, 2**16))
+def test_two_alibi_terms_add(seed):
+    """Two ALiBi terms add their slopes (summed in float32 in the spec)."""
+    q, k, v = _qkv(1, 2, 9, 9, seed=seed)
+    s1, s2 = torch.rand(2), torch.rand(2)
+    bias = ba.ALiBi(s1) + ba.ALiBi(s2)
+    ref, _ = reference_attention(q, k, v, ba.ALiBi(s1 + s2))
+    for op in (CHUNKED_SMALL, "reference"):
+        assert_close_to_reference(ba.attention(q, k, v, bias, op=op), ref, atol=1e-6)
