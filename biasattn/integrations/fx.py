@@ -40,7 +40,7 @@ from torch import nn
 
 from ..api import attention
 from ..bias import AdditiveBias, AttentionBias, LowerTriangularMask
-from ..nn.multihead import key_padding_bias
+from ..nn.multihead import compose, key_padding_bias
 
 _MATMUL = {operator.matmul, torch.matmul, torch.bmm}
 _SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax}
@@ -105,7 +105,7 @@ def fused_attention(q, k, v, *terms, kinds: tuple[str, ...], scale=1.0, dropout=
     it = iter(terms)
     for kind in kinds:
         if kind == "causal":
-            biases.append(LowerTriangularMask().to(q.device))
+            biases.append(LowerTriangularMask())
             continue
         if kind == "padding":
             expanded, keep = next(it), next(it)
@@ -125,9 +125,7 @@ def fused_attention(q, k, v, *terms, kinds: tuple[str, ...], scale=1.0, dropout=
             biases.append(AdditiveBias(~t.bool()))
         elif kind == "visible":
             biases.append(AdditiveBias(t.bool()))
-    bias = None
-    for b in biases:
-        bias = b if bias is None else bias + b
+    bias = compose(biases, q.device)
     out = attention(q, k, v, bias, scale=float(scale), dropout_p=float(dropout))
     return out[:, 0] if squeeze else out
 

@@ -37,7 +37,7 @@ from ..bias import (
     LowerTriangularFromBottomRightMask,
 )
 from ..errors import NotSupportedError
-from ..nn.multihead import key_padding_bias
+from ..nn.multihead import compose, key_padding_bias
 
 NAME = "biasattn"
 
@@ -115,11 +115,7 @@ def attention_forward(
         elif is_causal:
             parts.append(LowerTriangularFromBottomRightMask())
 
-    bias = None
-    for p in parts:
-        bias = p if bias is None else bias + p
-    if bias is not None and bias.device != query.device:
-        bias = bias.to(query.device)
+    bias = compose(parts, query.device)
     out = attention(query, key, value, bias, scale=scaling, dropout_p=dropout)
     return out.transpose(1, 2).contiguous(), None
 

@@ -40,6 +40,16 @@ def key_padding_bias(keep: Tensor) -> AttentionBias:
     return AdditiveBias(keep[:, None, None, :])
 
 
+def compose(parts: list[AttentionBias], device) -> AttentionBias | None:
+    """The composition (``+``) of ``parts`` on ``device`` (unsized masks are created on the CPU), or None."""
+    out = None
+    for p in parts:
+        if p.device != torch.device(device):
+            p = p.to(device)
+        out = p if out is None else out + p
+    return out
+
+
 class MultiheadAttention(nn.Module):
     """Multi-head (and grouped-query) attention with a packed QKV projection and lazy masks.
 
@@ -160,7 +170,7 @@ class MultiheadAttention(nn.Module):
             F.linear(value, self.v_proj_weight, bv),
         )
 
-    def _bias(self, attn_mask, key_padding_mask, is_causal: bool, B: int, L: int, S: int, dtype) -> AttentionBias | None:
+    def _bias(self, attn_mask, key_padding_mask, is_causal: bool, B: int, L: int, S: int, dtype, device):
         parts: list[AttentionBias] = []
         if attn_mask is not None:
             if isinstance(attn_mask, AttentionBias):
@@ -188,12 +198,7 @@ class MultiheadAttention(nn.Module):
                 raise InputTypeError(f"key_padding_mask must be bool or floating point, got dtype {kpm.dtype}")
         if is_causal:
             parts.append(LowerTriangularMask())
-        if not parts:
-            return None
-        out = parts[0]
-        for p in parts[1:]:
-            out = out + p
-        return out
+        return compose(parts, device)
 
     # ------------------------------------------------------------------------------ forward
     def forward(
@@ -223,7 +228,7 @@ class MultiheadAttention(nn.Module):
         q = q.view(L, B, H, Dh).permute(1, 2, 0, 3)  # [B, H, L, Dh]
         k = k.view(S, B, Hkv, Dh).permute(1, 2, 0, 3)  # [B, Hkv, S, Dh]
         v = v.view(S, B, Hkv, Dh).permute(1, 2, 0, 3)
-        bias = self._bias(attn_mask, key_padding_mask, is_causal, B, L, S, q.dtype)
+        bias = self._bias(attn_mask, key_padding_mask, is_causal, B, L, S, q.dtype, q.device)
         dropout_p = self.dropout if self.training else 0.0
         out = attention(q, k, v, bias, dropout_p=dropout_p)  # [B, H, L, Dh]
         out = self.out_proj(out.permute(2, 0, 1, 3).reshape(L, B, self.embed_dim))
