@@ -194,6 +194,17 @@ def test_block_diagonal_argument_new_lengths():
         torch.testing.assert_close(cfn(q, k, v, bias), ba.attention(q, k, v, bias.make_causal()))
 
 
+def test_block_diagonal_from_symbolic_lengths():
+    """Lengths computed from q's (symbolic) size under dynamic=True specialize instead of failing to serialize."""
+    def fn(q, k, v):
+        return ba.attention(q, k, v, ba.BlockDiagonalMask.from_seqlens([3, q.shape[2] - 3]))
+
+    cfn, _ = compiled(fn, dynamic=True)
+    for M in (8, 11):
+        q, k, v = qkv(B=1, M=M, requires_grad=False)
+        torch.testing.assert_close(cfn(q, k, v), ba.attention(q, k, v, ba.BlockDiagonalMask.from_seqlens([3, M - 3])))
+
+
 def test_forced_operator_and_use_ops_inside_compiled_code():
     q, k, v = qkv(requires_grad=False)
     ref = ba.attention(q, k, v, ba.LowerTriangularMask(), op="reference")

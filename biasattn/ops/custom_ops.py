@@ -45,9 +45,18 @@ from .common import compute_dtype
 def bias_metadata(bias: AttentionBias) -> tuple[str, list]:
     """``(metadata string, shape)`` of ``bias``: with its inner tensors, enough to rebuild it."""
     _, ctx = bias.__tensor_flatten__()
-    cls, device, dtype, atom_ctx, offsets, sized, full = bias_base._ctx_by_name(ctx)
+    cls, device, dtype, atom_ctx, offsets, sized, full = _concrete(bias_base._ctx_by_name(ctx))
     text = repr((cls, str(device), str(dtype).replace("torch.", ""), atom_ctx, offsets, sized, full))
     return text, list(bias.shape)
+
+
+def _concrete(x):
+    """``x`` with symbolic ints made concrete (host metadata such as sequence lengths specializes the graph)."""
+    if isinstance(x, torch.SymInt):
+        return int(x)
+    if isinstance(x, tuple):
+        return tuple(_concrete(y) for y in x)
+    return x
 
 
 @functools.lru_cache(maxsize=512)
