@@ -15,8 +15,9 @@ import hashlib
 import importlib
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -198,7 +199,8 @@ class AttentionBias(torch.Tensor):
         shape = (B or 1, H or 1, lengths[0] if lengths[0] is not None else 1, lengths[1] if lengths[1] is not None else 1)
         if torch.compiler.is_dynamo_compiling():
             # Dynamo cannot trace _make_wrapper_subclass; a constructor call is placed in the graph instead.
-            ctx = _flatten_ctx(cls, torch.device(device if device is not None else "cpu"), dtype, atoms, offsets, lengths, (Mq, Mk))
+            dev = torch.device(device if device is not None else "cpu")
+            ctx = _flatten_ctx(cls, dev, dtype, atoms, offsets, lengths, (Mq, Mk))
             tensors = [t for a in atoms for t in a.tensors().values()]
             return _BiasConstructor(_ctx_by_name(ctx), shape, *tensors)
         self = torch.Tensor._make_wrapper_subclass(

@@ -21,7 +21,9 @@ class _AttentionFunction(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, additive, out, lse = ctx.saved_tensors
         if ctx.bwd_op is None:
-            raise RuntimeError("biasattn: this attention call was made without gradients in mind; call it again with requires_grad inputs")
+            raise RuntimeError(
+                "biasattn: this attention call was made without gradients in mind; call it again with requires_grad inputs"
+            )
         inp = ctx.inp.with_tensors(q, k, v, additive)
         if dout is None:
             dout = torch.zeros_like(out)

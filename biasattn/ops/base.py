@@ -65,7 +65,8 @@ class Operator:
         elif dev.type == "cuda" and self.MIN_CAPABILITY > (0, 0):
             cap = torch.cuda.get_device_capability(dev)
             if cap < self.MIN_CAPABILITY:
-                reasons.append(f"needs compute capability {self.MIN_CAPABILITY[0]}.{self.MIN_CAPABILITY[1]}+, the device has {cap[0]}.{cap[1]}")
+                need = ".".join(map(str, self.MIN_CAPABILITY))
+                reasons.append(f"needs compute capability {need}+, the device has {cap[0]}.{cap[1]}")
         if inp.dtype not in self.DTYPES:
             names = ", ".join(sorted(_dtype_name(d) for d in self.DTYPES))
             reasons.append(f"supports dtypes {names}, got {_dtype_name(inp.dtype)}")

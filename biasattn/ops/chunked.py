@@ -8,7 +8,7 @@ group (no repeat in memory). Backward recomputes the scores tile by tile.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -46,18 +46,76 @@ class ChunkedOperator(Operator):
     def _tiles(self, inp: AttentionInputs):
         """Yield ``(i0, i1, [(j0, j1, full), ...])``: every query block and its visible key blocks.
 
-        ``full`` is True when no mask hides any element of the tile (it then needs no mask).
+        ``full`` is True when no mask hides any element of the tile (it then needs no mask). With a
+        block layout, tiles follow the layout's blocks so that hidden blocks are skipped one by one.
         """
         spec = inp.spec
-        for i0 in range(0, inp.Mq, self.block_q):
-            i1 = min(i0 + self.block_q, inp.Mq)
+        for i0, i1 in self._row_blocks(inp):
             lo, hi = key_range(spec, i0, i1)
-            keys = []
+            keys = [(j0, j1, tile_fully_visible(spec, i0, i1, j0, j1)) for j0, j1 in self._key_blocks(spec, i0, i1, lo, hi)]
+            yield i0, i1, keys
+
+    def _row_blocks(self, inp: AttentionInputs):
+        """Query blocks ``(i0, i1)``; with a layout, aligned to its row blocks (about 64 rows or one block)."""
+        spec, step, first = inp.spec, self.block_q, 0
+        if spec.host.layout is not None:
+            step = spec.block_q * max(1, min(self.block_q, 64) // spec.block_q)
+            first = (-spec.layout_q_off) % step
+        starts = ([0] if first else []) + list(range(first, inp.Mq, step))
+        for i0, i1 in zip(starts, starts[1:] + [inp.Mq]):
+            if i0 < i1:
+                yield i0, i1
+
+    def _key_blocks(self, spec, i0: int, i1: int, lo: int, hi: int):
+        """Key blocks ``(j0, j1)`` within ``[lo, hi)``: runs of visible layout blocks cut at ``block_k``."""
+        if lo >= hi:
+            return
+        if spec.host.layout is None:
             for j0 in range(lo, hi, self.block_k):
                 j1 = min(j0 + self.block_k, hi)
                 if layout_allows(spec, i0, i1, j0, j1):
-                    keys.append((j0, j1, tile_fully_visible(spec, i0, i1, j0, j1)))
-            yield i0, i1, keys
+                    yield j0, j1
+            return
+        lbk, koff = spec.block_k, spec.layout_k_off
+        qb0 = (i0 + spec.layout_q_off) // spec.block_q
+        qb1 = (i1 - 1 + spec.layout_q_off) // spec.block_q + 1
+        kb0, kb1 = (lo + koff) // lbk, (hi - 1 + koff) // lbk + 1
+        visible = spec.host.layout[:, :, qb0:qb1, kb0:kb1].flatten(0, 2).any(0).tolist()
+        runs: list[list[int]] = []
+        for n, ok in enumerate(visible):
+            if ok:
+                b0, b1 = max(lo, (kb0 + n) * lbk - koff), min(hi, (kb0 + n + 1) * lbk - koff)
+                if runs and runs[-1][1] == b0:
+                    runs[-1][1] = b1
+                else:
+                    runs.append([b0, b1])
+        for r0, r1 in runs:
+            for j0 in range(r0, r1, self.block_k):
+                yield j0, min(j0 + self.block_k, r1)
+
+    def _layout_parts(self, inp: AttentionInputs):
+        """``[(b, h, kv_h, sub_inputs)]``: one sub-problem per batch row and head that skip different keys.
+
+        Batch rows are split when the block layout or the padded lengths differ between them, heads
+        when the layout does; each part then skips exactly its own hidden blocks. None when nothing
+        differs (or with dropout, whose mask is drawn per tile of the whole problem).
+        """
+        spec = inp.spec
+        if inp.dropout_p > 0 or inp.B * inp.Hq == 0:
+            return None
+        Bl, Hl = spec.layout.shape[:2] if spec.layout is not None else (1, 1)
+        if spec.host.kv_seqlens is not None and len(set(spec.host.kv_seqlens)) > 1:
+            Bl = inp.B
+        if Bl * Hl == 1:
+            return None
+        parts = []
+        for b in range(Bl):
+            for h in range(Hl):
+                bs = slice(b, b + 1) if Bl > 1 else slice(None)
+                hs = slice(h, h + 1) if Hl > 1 else slice(None)
+                hk = slice(h // inp.groups, h // inp.groups + 1) if Hl > 1 else slice(None)
+                parts.append((bs, hs, hk, _sub_inputs(inp, bs, hs, hk)))
+        return parts
 
     def _scores(self, inp, qs, i0, i1, j0, j1, full, dtype):
         """Scores ``[B, Hkv, G·bq, bk]`` of the tile plus its bias; ``qs``: scaled queries ``[B, Hkv, G·bq, D]``."""
@@ -74,6 +132,22 @@ class ChunkedOperator(Operator):
         return qs.reshape(B, Hkv, G * (i1 - i0), D)
 
     def fwd(self, inp: AttentionInputs):
+        parts = self._layout_parts(inp)
+        if parts is None:
+            return self._fwd(inp)
+        dtype = compute_dtype(inp.dtype)
+        out = torch.empty((inp.B, inp.Hq, inp.Mq, inp.Dv), dtype=inp.dtype, device=inp.device)
+        lse = torch.empty((inp.B, inp.Hq, inp.Mq), dtype=dtype, device=inp.device)
+        out_acc = None
+        for bs, hs, _, sub in parts:
+            out[bs, hs], lse[bs, hs], saved = self._fwd(sub)
+            if isinstance(saved, ChunkedSaved):
+                if out_acc is None:
+                    out_acc = torch.empty(out.shape, dtype=dtype, device=inp.device)
+                out_acc[bs, hs] = saved.out
+        return out, lse, 0 if out_acc is None else ChunkedSaved(0, out_acc)
+
+    def _fwd(self, inp: AttentionInputs):
         dtype = compute_dtype(inp.dtype)
         B, Hkv, G, Dv = inp.B, inp.Hkv, inp.groups, inp.Dv
         q = group_heads(inp.q, Hkv)  # [B, Hkv, G, Mq, D]
@@ -115,10 +189,36 @@ class ChunkedOperator(Operator):
         return out.reshape(B, inp.Hq, inp.Mq, Dv), lse.reshape(B, inp.Hq, inp.Mq), saved
 
     def bwd(self, inp, out, lse, ctx, dout, dlse):
-        dtype = compute_dtype(inp.dtype)
-        B, Hkv, G = inp.B, inp.Hkv, inp.groups
         if isinstance(ctx, ChunkedSaved):  # our own forward: the unrounded output
             ctx, out = ctx.seed, ctx.out
+        add = inp.additive
+        need_dadd = add is not None and add.requires_grad
+        parts = self._layout_parts(inp)
+        if parts is None:
+            dq, dk, dv, dadd = self._bwd(inp, out, lse, ctx, dout, dlse, need_dadd)
+        else:
+            dtype = compute_dtype(inp.dtype)
+            dq = torch.zeros(inp.q.shape, dtype=dtype, device=inp.device)
+            dk = torch.zeros(inp.k.shape, dtype=dtype, device=inp.device)
+            dv = torch.zeros(inp.v.shape, dtype=dtype, device=inp.device)
+            dadd = torch.zeros(add.shape, dtype=dtype, device=inp.device) if need_dadd else None
+            for bs, hs, hk, sub in parts:
+                sub_dlse = None if dlse is None else dlse[bs, hs]
+                gq, gk, gv, ga = self._bwd(sub, out[bs, hs], lse[bs, hs], ctx, dout[bs, hs], sub_dlse, need_dadd)
+                dq[bs, hs] = gq
+                dk[bs, hk] += gk
+                dv[bs, hk] += gv
+                if dadd is not None:
+                    dadd[_lead(add, bs, hs)] += ga
+        return (
+            dq.to(inp.q.dtype), dk.to(inp.k.dtype), dv.to(inp.v.dtype),
+            None if dadd is None else dadd.to(add.dtype),
+        )
+
+    def _bwd(self, inp, out, lse, ctx, dout, dlse, need_dadd: bool):
+        """Gradients in the compute dtype: ``(dq, dk, dv, dadditive or None)``."""
+        dtype = compute_dtype(inp.dtype)
+        B, Hkv, G = inp.B, inp.Hkv, inp.groups
         delta = (dout.to(dtype) * out.to(dtype)).sum(-1)
         if dlse is not None:
             delta = delta - dlse.to(dtype)
@@ -131,7 +231,7 @@ class ChunkedOperator(Operator):
         dk = torch.zeros(inp.k.shape, dtype=dtype, device=inp.device)
         dv = torch.zeros(inp.v.shape, dtype=dtype, device=inp.device)
         add = inp.additive
-        dadd = torch.zeros(add.shape, dtype=dtype, device=inp.device) if add is not None and add.requires_grad else None
+        dadd = torch.zeros(add.shape, dtype=dtype, device=inp.device) if need_dadd else None
         for i0, i1, keys in self._tiles(inp):
             if not keys:
                 continue
@@ -161,5 +261,27 @@ class ChunkedOperator(Operator):
                     cols = slice(j0, j1) if add.shape[3] != 1 else slice(None)
                     dadd[:, :, rows, cols] += reduce_to(ds_h, add.shape)
             dq[:, :, :, i0:i1] = (dq_t * inp.scale).view(B, Hkv, G, bq, -1)
-        dq = dq.reshape(inp.q.shape).to(inp.q.dtype)
-        return dq, dk.to(inp.k.dtype), dv.to(inp.v.dtype), None if dadd is None else dadd.to(add.dtype)
+        return dq.reshape(inp.q.shape), dk, dv, dadd
+
+
+def _lead(t: torch.Tensor, bs: slice, hs: slice) -> tuple[slice, slice]:
+    """Index of a ``[B or 1, H or 1, ...]`` tensor's part for batch rows ``bs`` and heads ``hs``."""
+    return (bs if t.shape[0] > 1 else slice(None), hs if t.shape[1] > 1 else slice(None))
+
+
+def _sub_inputs(inp: AttentionInputs, bs: slice, hs: slice, hk: slice) -> AttentionInputs:
+    """The inputs restricted to batch rows ``bs``, query heads ``hs`` and their KV heads ``hk``."""
+    spec, host = inp.spec, inp.spec.host
+    q = inp.q[bs, hs]
+    kv_seqlens, host_kv = spec.kv_seqlens, host.kv_seqlens
+    if kv_seqlens is not None and bs != slice(None):
+        kv_seqlens, host_kv = kv_seqlens[bs], host_kv[bs]
+
+    def part(t):
+        return None if t is None else t[_lead(t, bs, hs)]
+
+    sub = replace(
+        spec, B=q.shape[0], H=q.shape[1], layout=part(spec.layout), kv_seqlens=kv_seqlens, additive=part(spec.additive),
+        alibi_slopes=part(spec.alibi_slopes), host=replace(host, layout=part(host.layout), kv_seqlens=host_kv),
+    )
+    return replace(inp, q=q, k=inp.k[bs, hk], v=inp.v[bs, hk], spec=sub)

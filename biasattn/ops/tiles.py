@@ -107,11 +107,13 @@ def tile_bias(
 
     ``masks=False`` leaves the masks out (for tiles that :func:`tile_fully_visible` cleared).
     """
+    if not masks:
+        if spec.additive is None and spec.alibi_slopes is None:
+            return None
+        spec = _unmasked(spec)
     i = torch.arange(i0, i1, device=device)[:, None]
     j = torch.arange(j0, j1, device=device)[None, :]
     visible = None
-    if not masks:
-        spec = _unmasked(spec)
 
     def both(a, b):
         return b if a is None else a & b
