@@ -205,14 +205,23 @@ def plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        out = ""
+    return out or "unknown"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/h200")
     ap.add_argument("--sweep", action="store_true", help="also time tile-config variants")
     ap.add_argument("--quick", action="store_true", help="B in {1, 16}, Mk in {8k, 128k} only")
+    ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse, where git works)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    commit = args.commit or _git_commit()
     meta = dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, commit=commit,
         date=datetime.date.today().isoformat(), D=D, dtype="bf16", note="",
