@@ -587,8 +587,14 @@ def _compose(a: AttentionBias, b: AttentionBias) -> AttentionBias:
         raise BiasCompositionError(
             f"cannot compose sliced biases ({a._family()}, {b._family()}): compose first, then slice"
         )
-    device = a.device if a.device == b.device else None
-    if device is None:
+    def holds_tensors(x: AttentionBias) -> bool:
+        return any(atom.tensors() for atom in x._atoms)
+
+    if a.device == b.device or not holds_tensors(b):
+        device = a.device
+    elif not holds_tensors(a):  # a bias made of sizes only (LowerTriangularMask()) follows the other
+        device = b.device
+    else:
         raise InputError(f"cannot compose biases on different devices: {a.device} and {b.device}")
     return AttentionBias._create.__func__(ComposedBias, a._atoms + b._atoms, device=device)  # type: ignore[attr-defined]
 
