@@ -13,6 +13,7 @@ additive tensors. Forward only. CUDA sm80+; on the CPU only under ``TRITON_INTER
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -21,6 +22,10 @@ import torch
 from ..inputs import AttentionInputs
 from .base import Operator
 
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 class TritonSplitKOperator(Operator):
     """Split-KV Triton forward for small query counts: ``q [B, Hq, Mq<=16, D]`` against long ``k``/``v``."""
@@ -38,7 +43,7 @@ class TritonSplitKOperator(Operator):
 
     def environment_reasons(self, device: torch.device | None = None) -> list[str]:
         """Triton must be installed; on the CPU the Triton interpreter must be on."""
-        if importlib.util.find_spec("triton") is None:
+        if not _triton_installed():
             return ["needs the triton package, which is not installed"]
         if device is not None and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             return ["runs on the CPU only under the Triton interpreter (TRITON_INTERPRET=1), which is not set"]
