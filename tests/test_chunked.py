@@ -195,3 +195,18 @@ def test_spec_lowering_no_device_sync_metadata():
     spec = lower(bias, 1, 1, 7, 7)
     assert spec.host.q_seqstart == (0, 3, 7) and spec.host.k_seqlen == (3, 3)
     assert spec.host.band_lo is not None
+
+
+def test_default_blocks_with_many_heads_use_short_row_tiles():
+    """Score tiles are capped at TILE_ELEMENTS: many batch rows × heads give short row blocks."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(4, 16, 70, 8, generator=gen, dtype=torch.float64)
+    k = torch.randn(4, 8, 600, 8, generator=gen, dtype=torch.float64)
+    bias = ba.LocalAttentionMask(300) & ba.PaddedKeysMask([600, 1, 0, 599])
+    op = ChunkedOperator()
+    rows = [i1 - i0 for i0, i1, _ in op._tiles(make_inputs(q, k, k, bias))]
+    assert max(rows) < op.block_q
+    ref, ref_lse = reference_attention(q, k, k, bias)
+    out, lse = ba.attention_with_lse(q, k, k, bias, op=op)
+    assert_close_to_reference(out, ref)
+    assert_close_to_reference(lse, ref_lse)

@@ -19,6 +19,9 @@ from .common import compute_dtype, dropout_keep, group_heads, new_seed, reduce_t
 from .tiles import key_range, layout_allows, tile_bias, tile_fully_visible
 
 
+TILE_ELEMENTS = 2**19  # 2 MiB of float32 scores per [B, H, rows, block_k] tile
+
+
 @dataclass(frozen=True)
 class ChunkedSaved:
     """What the chunked forward keeps for its backward: the dropout seed and the output before rounding."""
@@ -57,9 +60,11 @@ class ChunkedOperator(Operator):
 
     def _row_blocks(self, inp: AttentionInputs):
         """Query blocks ``(i0, i1)``; with a layout, aligned to its row blocks (about 64 rows or one block)."""
-        spec, step, first = inp.spec, self.block_q, 0
+        # Score tiles of at most TILE_ELEMENTS: they stay in cache and the allocator reuses them.
+        rows = max(16, TILE_ELEMENTS // max(1, inp.B * inp.Hq * self.block_k))
+        spec, step, first = inp.spec, min(self.block_q, rows), 0
         if spec.host.layout is not None:
-            step = spec.block_q * max(1, min(self.block_q, 64) // spec.block_q)
+            step = spec.block_q * max(1, min(step, 64) // spec.block_q)
             first = (-spec.layout_q_off) % step
         starts = ([0] if first else []) + list(range(first, inp.Mq, step))
         for i0, i1 in zip(starts, starts[1:] + [inp.Mq]):
@@ -140,19 +145,23 @@ class ChunkedOperator(Operator):
         lse = torch.empty((inp.B, inp.Hq, inp.Mq), dtype=dtype, device=inp.device)
         out_acc = None
         for bs, hs, _, sub in parts:
-            out[bs, hs], lse[bs, hs], saved = self._fwd(sub)
+            _, _, saved = self._fwd(sub, out[bs, hs], lse[bs, hs])
             if isinstance(saved, ChunkedSaved):
                 if out_acc is None:
                     out_acc = torch.empty(out.shape, dtype=dtype, device=inp.device)
                 out_acc[bs, hs] = saved.out
         return out, lse, 0 if out_acc is None else ChunkedSaved(0, out_acc)
 
-    def _fwd(self, inp: AttentionInputs):
+    def _fwd(self, inp: AttentionInputs, out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+        """Forward of one (sub-)problem, written into ``out``/``lse`` (views of the caller's) when given."""
         dtype = compute_dtype(inp.dtype)
         B, Hkv, G, Dv = inp.B, inp.Hkv, inp.groups, inp.Dv
         q = group_heads(inp.q, Hkv)  # [B, Hkv, G, Mq, D]
-        out = torch.zeros((B, Hkv, G, inp.Mq, Dv), dtype=inp.dtype, device=inp.device)
-        lse = torch.full((B, Hkv, G, inp.Mq), float("-inf"), dtype=dtype, device=inp.device)
+        if out is None:
+            out = torch.empty((B, inp.Hq, inp.Mq, Dv), dtype=inp.dtype, device=inp.device)
+            lse = torch.empty((B, inp.Hq, inp.Mq), dtype=dtype, device=inp.device)
+        out = out.view(B, Hkv, G, inp.Mq, Dv).zero_()  # rows that see no key stay 0
+        lse = lse.view(B, Hkv, G, inp.Mq).fill_(float("-inf"))
         seed = new_seed() if inp.dropout_p > 0 else 0
         # Low-precision outputs: keep the unrounded output for the backward's rowsum(dout * out).
         exact = inp.requires_grad and dtype != inp.dtype
