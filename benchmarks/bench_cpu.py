@@ -187,7 +187,8 @@ def main(argv=None) -> None:
             "",
             "Time in ms (effective GFLOP/s: FLOPs of the visible pairs only). Memory in MiB: the rise of the "
             "resident high-water mark during one call, in a fresh process; for SDPA the call plus the dense bool "
-            "mask that the user builds and keeps. Target: ≥ 2× faster or ≥ 4× less memory.",
+            "mask that the user builds and keeps. Target: ≥ 2× faster or ≥ 4× less memory. Times on a 2-core machine "
+            "shared with other jobs vary by about ±20% between runs; the memory figures are stable.",
             "",
             "| case | q [B, H, M, D] | chunked ms (GFLOP/s) | SDPA + mask ms (GFLOP/s) | speed-up "
             "| chunked MiB | SDPA MiB (call + mask) | memory ratio | target met | max abs diff |",

@@ -18,7 +18,6 @@ from .base import Operator
 from .common import compute_dtype, dropout_keep, group_heads, new_seed, reduce_to
 from .tiles import key_range, layout_allows, tile_bias, tile_fully_visible
 
-
 TILE_ELEMENTS = 2**19  # 2 MiB of float32 scores per [B, H, rows, block_k] tile
 
 
