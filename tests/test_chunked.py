@@ -10,7 +10,7 @@ import biasattn as ba
 from biasattn.bias import lower
 from biasattn.inputs import make_inputs
 from biasattn.ops.chunked import ChunkedOperator
-from biasattn.testing import assert_close_to_reference, reference_attention
+from biasattn.testing import assert_close_to_reference, poison_padding_, reference_attention
 from biasattn.testing import strategies as bst
 
 CHUNKED_SMALL = ChunkedOperator(block_q=8, block_k=8)
@@ -210,3 +210,50 @@ def test_default_blocks_with_many_heads_use_short_row_tiles():
     out, lse = ba.attention_with_lse(q, k, k, bias, op=op)
     assert_close_to_reference(out, ref)
     assert_close_to_reference(lse, ref_lse)
+
+
+POISONED = [
+    ("padded_kv_cache", 2, 9, 7, lambda: ba.PaddedKeysMask([3, 7]) & ba.LowerTriangularFromBottomRightMask()),
+    (
+        "packed_with_padding", 1, 8, 9,
+        lambda: ba.BlockDiagonalMask.from_seqlens([2, 0, 3, 3], [4, 2, 3, 0]) & ba.PaddedKeysMask([6]),
+    ),
+    ("bottom_right_more_queries", 1, 9, 4, lambda: ba.LocalAttentionMask(2) + ba.ALiBi(torch.ones(2))),
+]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("name,B,Mq,Mk,make", POISONED, ids=[p[0] for p in POISONED])
+def test_nan_in_hidden_queries_and_keys_never_reaches_the_result(name, B, Mq, Mk, make, op):
+    """Regression: NaN in padding (an uninitialized KV cache, packed padding rows) gave NaN outputs."""
+    bias = make()
+    dense = bias.materialize((B, 2, Mq, Mk), dtype=torch.float64)
+    hidden_rows = torch.isneginf(dense).all(-1).all(1)  # [B, Mq], hidden for every head
+    hidden_keys = torch.isneginf(dense).all(-2).all(1)  # [B, Mk]
+    assert hidden_rows.any() or hidden_keys.any()
+    gen = torch.Generator().manual_seed(0)
+    clean = [torch.randn(B, 2, M, 4, generator=gen, dtype=torch.float64) for M in (Mq, Mk, Mk)]
+    for t, hidden in zip(clean, (hidden_rows, hidden_keys, hidden_keys)):
+        t[hidden[:, None, :, None].expand_as(t)] = 0.0
+    dirty = [t.clone() for t in clean]
+    for t, hidden in zip(dirty, (hidden_rows, hidden_keys, hidden_keys)):
+        t.masked_fill_(hidden[:, None, :, None], float("nan"))
+    dirty = [t.requires_grad_() for t in dirty]
+    want, want_lse = ba.attention_with_lse(*clean, bias, op=op)
+    out, lse = ba.attention_with_lse(*dirty, bias, op=op)
+    assert_close_to_reference(out, want, atol=1e-12)
+    assert_close_to_reference(lse, want_lse, atol=1e-12)
+    (out.sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()).backward()
+    for t in dirty:
+        assert not torch.isnan(t.grad).any()
+    assert (dirty[0].grad[hidden_rows[:, None, :, None].expand_as(dirty[0])] == 0).all()
+    assert (dirty[1].grad[hidden_keys[:, None, :, None].expand_as(dirty[1])] == 0).all()
+
+
+def test_poison_padding_helper_with_chunked():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 6, 4, generator=gen) for _ in range(3))
+    bias = ba.PaddedKeysMask([2, 5])
+    want = ba.attention(q, k, v, bias, op=CHUNKED_SMALL)
+    out = ba.attention(q, poison_padding_(k.clone(), [2, 5]), poison_padding_(v.clone(), [2, 5]), bias, op=CHUNKED_SMALL)
+    assert_close_to_reference(out, want.double(), atol=1e-6)

@@ -121,13 +121,27 @@ class ChunkedOperator(Operator):
                 parts.append((bs, hs, hk, _sub_inputs(inp, bs, hs, hk)))
         return parts
 
-    def _scores(self, inp, qs, i0, i1, j0, j1, full, dtype):
-        """Scores ``[B, Hkv, G·bq, bk]`` of the tile plus its bias; ``qs``: scaled queries ``[B, Hkv, G·bq, D]``."""
-        s = qs @ inp.k[:, :, j0:j1].to(dtype).transpose(-1, -2)
+    def _tile(self, inp, qs, i0, i1, j0, j1, full, dtype):
+        """``(s, qs, k, v)`` of one tile: scores ``[B, Hkv, G·bq, bk]`` plus bias, and the operands used.
+
+        ``qs``: scaled queries ``[B, Hkv, G·bq, D]``. On masked tiles, queries that see no key of the
+        tile and keys that no query of it sees are zeroed, so that garbage (NaN in an uninitialized
+        KV cache or packed padding) reaches neither the output nor the gradients.
+        """
+        k = inp.k[:, :, j0:j1].to(dtype)
+        v = inp.v[:, :, j0:j1].to(dtype)
         tb = tile_bias(inp.spec, i0, i1, j0, j1, dtype, inp.device, masks=not full)
         if tb is not None:
-            s.view(inp.B, inp.Hkv, inp.groups, i1 - i0, j1 - j0).add_(group_heads(tb, inp.Hkv))
-        return s
+            tb = group_heads(tb, inp.Hkv)  # [B|1, Hkv|1, G|1, bq, bk]
+            if not full:
+                seen = ~torch.isneginf(tb)
+                keys = seen.any(-2).any(2)[..., None]  # [B|1, Hkv|1, bk, 1]
+                rows = seen.any(-1).expand(-1, -1, inp.groups, -1).reshape(seen.shape[0], seen.shape[1], -1, 1)
+                k, v, qs = torch.where(keys, k, 0.0), torch.where(keys, v, 0.0), torch.where(rows, qs, 0.0)
+        s = qs @ k.transpose(-1, -2)
+        if tb is not None:
+            s.view(inp.B, inp.Hkv, inp.groups, i1 - i0, j1 - j0).add_(tb)
+        return s, qs, k, v
 
     def _queries(self, q5, i0, i1, scale, dtype):
         """Scaled queries of rows ``[i0, i1)``: contiguous ``[B, Hkv, G·bq, D]`` in ``dtype``."""
@@ -174,7 +188,7 @@ class ChunkedOperator(Operator):
             l = torch.zeros_like(m)  # running sum of exp
             acc = torch.zeros((B, Hkv, G * bq, Dv), dtype=dtype, device=inp.device)
             for j0, j1, full in keys:
-                s = self._scores(inp, qs, i0, i1, j0, j1, full, dtype)  # [B, Hkv, G·bq, bk]
+                s, _, _, v = self._tile(inp, qs, i0, i1, j0, j1, full, dtype)  # s: [B, Hkv, G·bq, bk]
                 m_new = torch.maximum(m, s.amax(-1))
                 m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
                 p = s.sub_(m_safe[..., None]).exp_()
@@ -183,7 +197,7 @@ class ChunkedOperator(Operator):
                 if inp.dropout_p > 0:
                     keep = dropout_keep(seed, (i0, j0), (B, Hkv, G, bq, j1 - j0), inp.dropout_p, inp.device)
                     p.mul_(keep.to(dtype).view(p.shape))
-                acc.mul_(alpha[..., None]).add_(p @ inp.v[:, :, j0:j1].to(dtype))
+                acc.mul_(alpha[..., None]).add_(p @ v)
                 m = m_new
             pos = l > 0
             safe_l = torch.where(pos, l, 1.0)
@@ -250,9 +264,9 @@ class ChunkedOperator(Operator):
             delta_t = delta[:, :, :, i0:i1].reshape(B, Hkv, G * bq, 1)
             dq_t = torch.zeros_like(qs)
             for j0, j1, full in keys:
-                s = self._scores(inp, qs, i0, i1, j0, j1, full, dtype)
+                s, qt, k, v = self._tile(inp, qs, i0, i1, j0, j1, full, dtype)
                 p = s.sub_(lse_t).exp_()  # [B, Hkv, G·bq, bk]
-                dp = dot @ inp.v[:, :, j0:j1].to(dtype).transpose(-1, -2)
+                dp = dot @ v.transpose(-1, -2)
                 if inp.dropout_p > 0:
                     keep = dropout_keep(ctx, (i0, j0), (B, Hkv, G, bq, j1 - j0), inp.dropout_p, inp.device)
                     keep = keep.to(dtype).view(p.shape)
@@ -261,8 +275,8 @@ class ChunkedOperator(Operator):
                 else:
                     dv[:, :, j0:j1] += p.transpose(-1, -2) @ dot
                 ds = dp.sub_(delta_t).mul_(p)  # dS of the scaled scores
-                dq_t += ds @ inp.k[:, :, j0:j1].to(dtype)
-                dk[:, :, j0:j1] += ds.transpose(-1, -2) @ qs
+                dq_t += ds @ k
+                dk[:, :, j0:j1] += ds.transpose(-1, -2) @ qt
                 if dadd is not None:
                     ds_h = ds.view(B, inp.Hq, bq, j1 - j0)
                     rows = slice(i0, i1) if add.shape[2] != 1 else slice(None)

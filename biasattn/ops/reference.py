@@ -33,9 +33,14 @@ def softmax_attention(q, k, v, bias, scale: float, dtype: torch.dtype, dropout_k
     Differentiable (no NaN gradients on fully masked rows). Returns ``(out, lse)`` in ``dtype``.
     """
     g = q.shape[1] // k.shape[1]
+    q = q.to(dtype)
     k = k.to(dtype).repeat_interleave(g, dim=1)
     v = v.to(dtype).repeat_interleave(g, dim=1)
-    s = (q.to(dtype) @ k.transpose(-1, -2)) * scale
+    if bias is not None:  # hidden queries and keys may hold garbage (NaN padding): keep it out
+        seen = ~torch.isneginf(bias)
+        rows, keys = seen.any(-1)[..., None], seen.any(-2)[..., None]
+        q, k, v = torch.where(rows, q, 0.0), torch.where(keys, k, 0.0), torch.where(keys, v, 0.0)
+    s = (q @ k.transpose(-1, -2)) * scale
     if bias is not None:
         s = s + bias
     if s.shape[-1] == 0:  # no keys at all: every row sees nothing

@@ -59,9 +59,14 @@ def reference_attention(
     if bias_dense is None:
         bias_dense = dense_bias(attn_bias, (B, Hq, Mq, Mk), compute_dtype, q.device)
     groups = Hq // Hkv
+    q = q.to(compute_dtype)
     k = k.to(compute_dtype).repeat_interleave(groups, dim=1)
     v = v.to(compute_dtype).repeat_interleave(groups, dim=1)
-    s = (q.to(compute_dtype) @ k.transpose(-1, -2)) * scale
+    if bias_dense is not None:  # queries and keys that are hidden everywhere do not take part (NaN padding)
+        seen = ~torch.isneginf(bias_dense.detach())
+        rows, keys = seen.any(-1)[..., None], seen.any(-2)[..., None]
+        q, k, v = torch.where(rows, q, 0.0), torch.where(keys, k, 0.0), torch.where(keys, v, 0.0)
+    s = (q @ k.transpose(-1, -2)) * scale
     if bias_dense is not None:
         s = s + bias_dense.to(compute_dtype)
     m = s.detach().amax(-1, keepdim=True) if Mk > 0 else s.new_full((B, Hq, Mq, 1), float("-inf"))
