@@ -257,3 +257,14 @@ def test_poison_padding_helper_with_chunked():
     want = ba.attention(q, k, v, bias, op=CHUNKED_SMALL)
     out = ba.attention(q, poison_padding_(k.clone(), [2, 5]), poison_padding_(v.clone(), [2, 5]), bias, op=CHUNKED_SMALL)
     assert_close_to_reference(out, want.double(), atol=1e-6)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_empty_batch(op):
+    """Regression: a batch of size 0 failed in the chunked backward (reshape with -1 of 0 elements)."""
+    q = torch.randn(0, 2, 5, 8, requires_grad=True)
+    k = torch.randn(0, 2, 6, 8, requires_grad=True)
+    out, lse = ba.attention_with_lse(q, k, k, ba.LowerTriangularMask() + ba.ALiBi(torch.ones(2)), op=op)
+    assert out.shape == (0, 2, 5, 8) and lse.shape == (0, 2, 5)
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape

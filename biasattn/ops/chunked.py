@@ -136,7 +136,7 @@ class ChunkedOperator(Operator):
             if not full:
                 seen = ~torch.isneginf(tb)
                 keys = seen.any(-2).any(2)[..., None]  # [B|1, Hkv|1, bk, 1]
-                rows = seen.any(-1).expand(-1, -1, inp.groups, -1).reshape(seen.shape[0], seen.shape[1], -1, 1)
+                rows = seen.any(-1).expand(-1, -1, inp.groups, -1).reshape(*seen.shape[:2], inp.groups * (i1 - i0), 1)
                 k, v, qs = torch.where(keys, k, 0.0), torch.where(keys, v, 0.0), torch.where(rows, qs, 0.0)
         s = qs @ k.transpose(-1, -2)
         if tb is not None:
@@ -259,7 +259,7 @@ class ChunkedOperator(Operator):
                 continue
             bq = i1 - i0
             qs = self._queries(q, i0, i1, inp.scale, dtype)  # [B, Hkv, G·bq, D], scaled
-            dot = do[:, :, :, i0:i1].to(dtype).reshape(B, Hkv, G * bq, -1)
+            dot = do[:, :, :, i0:i1].to(dtype).reshape(B, Hkv, G * bq, inp.Dv)
             lse_t = lse[:, :, :, i0:i1].reshape(B, Hkv, G * bq, 1)
             delta_t = delta[:, :, :, i0:i1].reshape(B, Hkv, G * bq, 1)
             dq_t = torch.zeros_like(qs)
@@ -282,7 +282,7 @@ class ChunkedOperator(Operator):
                     rows = slice(i0, i1) if add.shape[2] != 1 else slice(None)
                     cols = slice(j0, j1) if add.shape[3] != 1 else slice(None)
                     dadd[:, :, rows, cols] += reduce_to(ds_h, add.shape)
-            dq[:, :, :, i0:i1] = (dq_t * inp.scale).view(B, Hkv, G, bq, -1)
+            dq[:, :, :, i0:i1] = (dq_t * inp.scale).view(B, Hkv, G, bq, inp.D)
         return dq.reshape(inp.q.shape), dk, dv, dadd
 
 
