@@ -126,3 +126,10 @@ def test_composition_keeps_the_additive_dtype():
     bias = ba.LowerTriangularMask() + ba.AdditiveBias(torch.zeros(3, 3, dtype=torch.float64))
     assert bias.dtype == torch.float64
     assert (ba.LowerTriangularMask() & ba.PaddedKeysMask([2])).dtype == torch.float32
+
+
+def test_composed_family_names_read_as_the_expression():
+    masks = ba.LowerTriangularMask() & ba.PaddedKeysMask([2])
+    assert masks._family() == "ComposedBias(LowerTriangularMask & PaddedKeysMask)"
+    assert (masks + ba.ALiBi(torch.ones(2)))._family() == "ComposedBias((LowerTriangularMask & PaddedKeysMask) + ALiBi)"
+    assert (ba.PaddedKeysMask([2]) + ba.ALiBi(torch.ones(2)))._family() == "ComposedBias(PaddedKeysMask + ALiBi)"
