@@ -3,7 +3,7 @@ sliced bias gives the same attention as the sliced dense mask."""
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import biasattn as ba
@@ -29,6 +29,7 @@ def sliced_case(draw, max_seqlen=40):
     return shape, bias, (a, b, c, d)
 
 
+@settings(max_examples=3 * settings().max_examples)
 @given(case=sliced_case())
 def test_slicing_commutes_with_materialize(case):
     shape, bias, (a, b, c, d) = case

@@ -3,7 +3,7 @@ dropout, and the tiling it uses to skip hidden key blocks."""
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import biasattn as ba
@@ -32,6 +32,7 @@ def _grads(out, lse, wrt, dout, dlse):
 
 
 @pytest.mark.parametrize("op", OPS)
+@settings(max_examples=3 * settings().max_examples)
 @given(
     case=bst.attention_inputs(
         min_terms=0, max_terms=3, max_seqlen=40, requires_grad=True, bias_requires_grad=True, allow_empty=True
