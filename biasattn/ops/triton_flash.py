@@ -144,12 +144,15 @@ class TritonOperator(Operator):
         return []
 
     def extra_reasons(self, inp: AttentionInputs, *, backward: bool) -> list[str]:
-        """Key segments must be ordered and disjoint (always true for BlockDiagonalMask)."""
+        """Key segments must be ordered and disjoint (always true for BlockDiagonalMask); B·Hq fits the grid."""
         from .triton.schedule import segments_disjoint
 
+        reasons = []
         if inp.spec.q_seqstart is not None and not segments_disjoint(inp.spec):
-            return ["needs ordered, non-overlapping key segments, got overlapping ones"]
-        return []
+            reasons.append("needs ordered, non-overlapping key segments, got overlapping ones")
+        if inp.B * inp.Hq > 65535:
+            reasons.append(f"launches one program row per (batch, head): B·Hq must be at most 65535, got {inp.B * inp.Hq}")
+        return reasons
 
     def fwd(self, inp: AttentionInputs):
         """Raw forward: ``(out, lse float32, None)``."""

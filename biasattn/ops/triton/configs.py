@@ -30,14 +30,14 @@ INTERPRETER_CONFIG = TileConfig(16, 16, 4, 1)
 
 # (kernel, largest padded head dim) -> candidates, best first (measured on an H200, see benchmarks/NOTES.md).
 _CANDIDATES: dict[tuple[str, int], tuple[TileConfig, ...]] = {
-    ("fwd", 64): (TileConfig(128, 128, 8, 3), TileConfig(128, 64, 4, 3), TileConfig(128, 128, 4, 3), TileConfig(64, 64, 4, 4)),
-    ("fwd", 128): (TileConfig(128, 128, 8, 3), TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(64, 64, 4, 3)),
+    ("fwd", 64): (TileConfig(128, 64, 4, 3), TileConfig(64, 64, 4, 4), TileConfig(128, 128, 4, 3), TileConfig(128, 128, 8, 3)),
+    ("fwd", 128): (TileConfig(128, 128, 8, 3), TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3), TileConfig(128, 128, 8, 2)),
     ("fwd", 256): (TileConfig(64, 64, 4, 2), TileConfig(128, 64, 8, 2), TileConfig(64, 32, 4, 2)),
-    ("dkdv", 64): (TileConfig(64, 128, 8, 2), TileConfig(64, 128, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(64, 64, 4, 3)),
-    ("dkdv", 128): (TileConfig(64, 128, 8, 2), TileConfig(64, 128, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(64, 64, 4, 3)),
+    ("dkdv", 64): (TileConfig(64, 64, 4, 3), TileConfig(64, 128, 8, 2), TileConfig(64, 128, 8, 3)),
+    ("dkdv", 128): (TileConfig(64, 128, 8, 2), TileConfig(64, 128, 8, 3), TileConfig(64, 64, 4, 3)),
     ("dkdv", 256): (TileConfig(32, 64, 4, 2), TileConfig(64, 64, 8, 1), TileConfig(16, 64, 4, 2)),
-    ("dq", 64): (TileConfig(128, 64, 8, 2), TileConfig(128, 128, 8, 2), TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 3)),
-    ("dq", 128): (TileConfig(128, 64, 8, 2), TileConfig(128, 128, 8, 2), TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 3)),
+    ("dq", 64): (TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(128, 64, 8, 2)),
+    ("dq", 128): (TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(128, 64, 8, 2)),
     ("dq", 256): (TileConfig(64, 32, 4, 2), TileConfig(64, 64, 8, 1), TileConfig(32, 64, 4, 2)),
 }
 
@@ -68,6 +68,13 @@ def override(**configs: TileConfig) -> Iterator[None]:
         _overrides.update(saved)
 
 
+def _candidates_for(kernel: str, head_dim: int, dtype: torch.dtype) -> tuple[TileConfig, ...]:
+    cands = candidates(kernel, head_dim)
+    if dtype == torch.float32:  # fp32 tiles take twice the shared memory
+        cands = tuple(TileConfig(min(c.block_m, 64), min(c.block_n, 64), c.num_warps, min(c.num_stages, 2)) for c in cands)
+    return cands
+
+
 def choose(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.device, features: tuple,
            run: Callable[[TileConfig], None] | None = None) -> TileConfig:
     """The config for one launch; ``run(config)`` launches the kernel (used only when tuning)."""
@@ -75,9 +82,7 @@ def choose(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.device,
         return _overrides[kernel]
     if device.type != "cuda" or interpreted():
         return INTERPRETER_CONFIG
-    cands = candidates(kernel, head_dim)
-    if dtype == torch.float32:  # fp32 tiles take twice the shared memory
-        cands = tuple(TileConfig(min(c.block_m, 64), min(c.block_n, 64), c.num_warps, min(c.num_stages, 2)) for c in cands)
+    cands = _candidates_for(kernel, head_dim, dtype)
     key = (kernel, head_dim, dtype, torch.cuda.get_device_capability(device), features)
     if key in _tuned:
         return _tuned[key]
@@ -94,3 +99,26 @@ def choose(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.device,
     best = min(times, key=times.get) if times else cands[0]
     _tuned[key] = best
     return best
+
+
+def launch(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.device, features: tuple,
+           run: Callable[[TileConfig], None]) -> TileConfig:
+    """Run ``run(config)`` with the chosen config; when it needs more shared memory than the device
+    has (an extra bias tile, say), fall back to the next candidate and remember it for this key."""
+    cfg = choose(kernel, head_dim, dtype, device, features, run)
+    if kernel in _overrides or device.type != "cuda" or interpreted():
+        run(cfg)
+        return cfg
+    from triton.runtime.errors import OutOfResources
+
+    key = (kernel, head_dim, dtype, torch.cuda.get_device_capability(device), features)
+    cfg = _tuned.get(key, cfg)
+    rest = [c for c in _candidates_for(kernel, head_dim, dtype) if c != cfg]
+    for attempt in [cfg, *rest]:
+        try:
+            run(attempt)
+        except OutOfResources:
+            continue
+        _tuned[key] = attempt
+        return attempt
+    raise RuntimeError(f"no tile config of the {kernel} kernel fits this device for head dim {head_dim}, {dtype}, {features}")

@@ -143,8 +143,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches(),
         )
 
-    cfg = configs.choose("fwd", max(hd, hdv), q.dtype, q.device, _features(spec), run)
-    run(cfg)
+    configs.launch("fwd", max(hd, hdv), q.dtype, q.device, _features(spec), run)
     return out, lse
 
 
@@ -238,8 +237,8 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         )
 
     hmax = max(hd, hdv)
-    run_dkdv(configs.choose("dkdv", hmax, q.dtype, dev, feats, run_dkdv))
-    run_dq(configs.choose("dq", hmax, q.dtype, dev, feats, run_dq))
+    configs.launch("dkdv", hmax, q.dtype, dev, feats, run_dkdv)
+    configs.launch("dq", hmax, q.dtype, dev, feats, run_dq)
     dadd = None
     if plan == "full":
         dadd = dbias
