@@ -319,8 +319,10 @@ def attention_inputs(
 ) -> AttentionCase:
     """A complete :class:`AttentionCase`: shape, q/k/v of one dtype, and a bias of 0–3 families.
 
-    ``requires_grad`` marks q, k, v as requiring grad; ``bias_requires_grad`` does so for the float
+    ``requires_grad`` marks q, k, v as requiring grad (they are then leaves, or transposed views of
+    leaves: read gradients with ``torch.autograd.grad``); ``bias_requires_grad`` does so for the float
     tensor of an additive term. ``tensor_bias`` sometimes passes an additive term as a plain tensor.
+    Half the draws give q, k, v as non-contiguous ``[B, M, H, D]``-memory views.
     """
     dtype = draw(st.sampled_from(list(dtypes)))
     n = draw(st.integers(min_terms, max_terms)) if families else 0
@@ -337,9 +339,13 @@ def attention_inputs(
         bias = bias.atoms[0].tensor
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
 
-    def make(*dims):
-        t = torch.randn(dims, generator=gen, dtype=torch.float64).to(dtype)
-        return t.requires_grad_(requires_grad)
+    # Half the cases use PyTorch's other common layout: [B, M, H, D] memory seen through a transpose.
+    transposed = draw(st.booleans())
+
+    def make(B, H, M, D):
+        t = torch.randn((B, M, H, D) if transposed else (B, H, M, D), generator=gen, dtype=torch.float64).to(dtype)
+        t = t.requires_grad_(requires_grad)
+        return t.transpose(1, 2) if transposed else t
 
     q = make(shape.B, shape.Hq, shape.Mq, shape.D)
     k = make(shape.B, shape.Hkv, shape.Mk, shape.D)
