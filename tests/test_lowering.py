@@ -97,6 +97,17 @@ PINNED = [
     ("additive_3d", 2, 3, 5, 17, ba.AdditiveBias(torch.randn(3, 1, 17, dtype=torch.float64))),
     ("additive_bool", 2, 3, 5, 17, ba.AdditiveBias(torch.rand(2, 1, 5, 17) < 0.5)),
     ("causal_and_padded_zero_length", 2, 1, 17, 17, ba.LowerTriangularMask() & ba.PaddedKeysMask([0, 9])),
+    (
+        "two_block_diagonal_bands",
+        1, 3, 23, 29,
+        ba.BlockDiagonalMask.from_seqlens([5, 0, 18], [9, 3, 17]).make_causal()
+        & ba.BlockDiagonalMask.from_seqlens([5, 0, 18], [9, 3, 17]).make_local_attention(4, 2),
+    ),
+    (
+        "two_layouts_broadcast_differently",
+        2, 3, 23, 29,
+        ba.BlockSparseMask(torch.rand(1, 3, 5, 4) < 0.6, (5, 8)) & ba.BlockSparseMask(torch.rand(2, 1, 5, 4) < 0.6, (5, 8)),
+    ),
 ]
 
 
