@@ -70,6 +70,7 @@ def _qkv(B, Hq, Mq, Mk, D=8, Hkv=None, seed=0):
     return q, k, v
 
 
+_GEN = torch.Generator().manual_seed(0)
 PINNED = [
     # (name, B, H, Mq, Mk, bias)
     ("bottom_right_more_queries", 1, 2, 17, 3, ba.LowerTriangularFromBottomRightMask()),
@@ -90,12 +91,12 @@ PINNED = [
         1, 1, 20, 20,
         ba.BlockDiagonalMask.from_seqlens([10, 10]) & ba.PaddedKeysMask([13]),
     ),
-    ("block_sparse_broadcast_batch", 2, 3, 17, 33, ba.BlockSparseMask(torch.rand(1, 3, 3, 5) < 0.5, (8, 7))),
-    ("block_sparse_broadcast_heads_2d", 1, 3, 17, 33, ba.BlockSparseMask(torch.rand(3, 5) < 0.5, (8, 7))),
-    ("alibi_per_batch", 2, 3, 17, 17, ba.ALiBi(torch.rand(2, 3))),
-    ("additive_1d", 2, 3, 5, 17, ba.AdditiveBias(torch.randn(17, dtype=torch.float64))),
-    ("additive_3d", 2, 3, 5, 17, ba.AdditiveBias(torch.randn(3, 1, 17, dtype=torch.float64))),
-    ("additive_bool", 2, 3, 5, 17, ba.AdditiveBias(torch.rand(2, 1, 5, 17) < 0.5)),
+    ("block_sparse_broadcast_batch", 2, 3, 17, 33, ba.BlockSparseMask(torch.rand(1, 3, 3, 5, generator=_GEN) < 0.5, (8, 7))),
+    ("block_sparse_broadcast_heads_2d", 1, 3, 17, 33, ba.BlockSparseMask(torch.rand(3, 5, generator=_GEN) < 0.5, (8, 7))),
+    ("alibi_per_batch", 2, 3, 17, 17, ba.ALiBi(torch.rand(2, 3, generator=_GEN))),
+    ("additive_1d", 2, 3, 5, 17, ba.AdditiveBias(torch.randn(17, dtype=torch.float64, generator=_GEN))),
+    ("additive_3d", 2, 3, 5, 17, ba.AdditiveBias(torch.randn(3, 1, 17, dtype=torch.float64, generator=_GEN))),
+    ("additive_bool", 2, 3, 5, 17, ba.AdditiveBias(torch.rand(2, 1, 5, 17, generator=_GEN) < 0.5)),
     ("causal_and_padded_zero_length", 2, 1, 17, 17, ba.LowerTriangularMask() & ba.PaddedKeysMask([0, 9])),
     (
         "two_block_diagonal_bands",
@@ -106,7 +107,7 @@ PINNED = [
     (
         "two_layouts_broadcast_differently",
         2, 3, 23, 29,
-        ba.BlockSparseMask(torch.rand(1, 3, 5, 4) < 0.6, (5, 8)) & ba.BlockSparseMask(torch.rand(2, 1, 5, 4) < 0.6, (5, 8)),
+        ba.BlockSparseMask(torch.rand(1, 3, 5, 4, generator=_GEN) < 0.6, (5, 8)) & ba.BlockSparseMask(torch.rand(2, 1, 5, 4, generator=_GEN) < 0.6, (5, 8)),
     ),
 ]
 
