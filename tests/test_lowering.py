@@ -107,7 +107,8 @@ PINNED = [
     (
         "two_layouts_broadcast_differently",
         2, 3, 23, 29,
-        ba.BlockSparseMask(torch.rand(1, 3, 5, 4, generator=_GEN) < 0.6, (5, 8)) & ba.BlockSparseMask(torch.rand(2, 1, 5, 4, generator=_GEN) < 0.6, (5, 8)),
+        ba.BlockSparseMask(torch.rand(1, 3, 5, 4, generator=_GEN) < 0.6, (5, 8))
+        & ba.BlockSparseMask(torch.rand(2, 1, 5, 4, generator=_GEN) < 0.6, (5, 8)),
     ),
 ]
 
