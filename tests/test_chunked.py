@@ -269,3 +269,25 @@ def test_empty_batch(op):
     assert out.shape == (0, 2, 5, 8) and lse.shape == (0, 2, 5)
     out.sum().backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape
+
+
+def test_reference_operator_runs_without_keys():
+    """Regression: the reference operator refused Mk = 0 (and its softmax failed on an empty key dim)."""
+    q = torch.randn(1, 2, 3, 4, requires_grad=True)
+    k = torch.randn(1, 2, 0, 4, requires_grad=True)
+    out, lse = ba.attention_with_lse(q, k, k, ba.LowerTriangularMask(), op="reference")
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    out.sum().backward()
+    assert (q.grad == 0).all()
+
+
+def test_low_precision_dq_uses_the_unrounded_output():
+    """Regression: the fp16 backward took rowsum(dout * out) from the rounded output, up to 7× the dtype's error in dq."""
+    gen = torch.Generator().manual_seed(37)
+    q, k, v = (torch.randn(1, 4, m, 16, generator=gen).half().requires_grad_() for m in (1, 39, 39))
+    dout = torch.randn(1, 4, 1, 16, generator=gen).half()
+    ref, _ = reference_attention(q, k, v, scale=2.0)
+    expected = torch.autograd.grad((ref * dout.double()).sum(), q)[0]
+    out = ba.attention(q, k, v, scale=2.0, op=CHUNKED_SMALL)
+    dq = torch.autograd.grad((out * dout).sum(), q)[0]
+    assert (dq.double() - expected).abs().max() <= 2e-3
