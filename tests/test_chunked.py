@@ -169,25 +169,41 @@ def test_tiles_cover_every_visible_element_and_full_tiles_have_no_mask(case):
     dense = bias.materialize(shape.bias_shape, dtype=torch.float64)
     covered = torch.zeros(shape.Mq, shape.Mk, dtype=torch.bool)
     for i0, i1, keys in ChunkedOperator(bq, bk)._tiles(inp):
-        for j0, j1, full in keys:
-            covered[i0:i1, j0:j1] = True
-            if full:
-                assert not torch.isneginf(dense[..., i0:i1, j0:j1]).any(), (i0, i1, j0, j1)
+        for kt in keys:
+            for j0, j1 in kt.ranges:
+                assert not covered[i0:i1, j0:j1].any(), "a key block is visited twice"
+                covered[i0:i1, j0:j1] = True
+                if kt.full:
+                    assert not torch.isneginf(dense[..., i0:i1, j0:j1]).any(), (i0, i1, j0, j1)
     visible = (~torch.isneginf(dense)).any(0).any(0)
     assert not (visible & ~covered).any()
 
 
+def _visited(inp, op=None):
+    """Number of (query, key) pairs the chunked operator computes."""
+    op = op or ChunkedOperator(8, 8)
+    return sum((i1 - i0) * kt.width for i0, i1, keys in op._tiles(inp) for kt in keys)
+
+
 def test_hidden_key_blocks_are_skipped():
     q = torch.zeros(1, 1, 64, 4)
-    inp = make_inputs(q, q, q, ba.LowerTriangularMask())
-    tiles = [(i0, j0) for i0, _, keys in ChunkedOperator(8, 8)._tiles(inp) for j0, _, _ in keys]
-    assert len(tiles) == 8 * 9 // 2  # only the lower triangle of 8 × 8 blocks
-    inp = make_inputs(q, q, q, ba.BlockDiagonalMask.from_seqlens([16] * 4))
-    tiles = [(i0, j0) for i0, _, keys in ChunkedOperator(8, 8)._tiles(inp) for j0, _, _ in keys]
-    assert len(tiles) == 4 * 4
+    assert _visited(make_inputs(q, q, q, ba.LowerTriangularMask())) == 64 * 8 * 9 // 2  # the lower 8 × 8 blocks
+    assert _visited(make_inputs(q, q, q, ba.BlockDiagonalMask.from_seqlens([16] * 4))) == 4 * 16 * 16
     layout = torch.eye(8, dtype=torch.bool)
+    assert _visited(make_inputs(q, q, q, ba.BlockSparseMask(layout, 8))) == 8 * 8 * 8
+    layout = torch.rand(1, 2, 8, 8, generator=torch.Generator().manual_seed(0)) < 0.3
+    q2 = torch.zeros(1, 2, 64, 4)
+    op = ChunkedOperator(8, 8)
+    parts = op._layout_parts(make_inputs(q2, q2, q2, ba.BlockSparseMask(layout, 8)))  # one per head
+    assert len(parts) == 2 and sum(_visited(sub, op) for *_, sub in parts) == 8 * 8 * int(layout.sum())
+
+
+def test_unmasked_blocks_are_gathered_into_wide_tiles():
+    q = torch.zeros(1, 1, 64, 4)
+    layout = torch.tensor([[True, False, True, True, False, False, True, False]] * 8)
     inp = make_inputs(q, q, q, ba.BlockSparseMask(layout, 8))
-    assert sum(len(keys) for _, _, keys in ChunkedOperator(8, 8)._tiles(inp)) == 8
+    for _, _, keys in ChunkedOperator(8, 8)._tiles(inp):
+        assert keys == [ba.ops.chunked.KeyTile(((0, 8), (16, 32), (48, 56)), True)]
 
 
 def test_spec_lowering_no_device_sync_metadata():

@@ -9,6 +9,7 @@ group (no repeat in memory). Backward recomputes the scores tile by tile.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -19,6 +20,21 @@ from .common import compute_dtype, dropout_keep, group_heads, new_seed, reduce_t
 from .tiles import key_range, layout_allows, tile_bias, tile_fully_visible
 
 TILE_ELEMENTS = 2**19  # 2 MiB of float32 scores per [B, H, rows, block_k] tile
+
+
+class KeyTile(NamedTuple):
+    """The keys of one score tile: ranges ``[j0, j1)`` taken in order (gathered when more than one)."""
+
+    ranges: tuple[tuple[int, int], ...]
+    full: bool  # no mask hides any element of the tile
+
+    @property
+    def j0(self) -> int:
+        return self.ranges[0][0]
+
+    @property
+    def width(self) -> int:
+        return sum(j1 - j0 for j0, j1 in self.ranges)
 
 
 @dataclass(frozen=True)
@@ -46,15 +62,32 @@ class ChunkedOperator(Operator):
         self.block_k = block_k
 
     def _tiles(self, inp: AttentionInputs):
-        """Yield ``(i0, i1, [(j0, j1, full), ...])``: every query block and its visible key blocks.
+        """Yield ``(i0, i1, [KeyTile, ...])``: every query block and the key tiles it must visit.
 
-        ``full`` is True when no mask hides any element of the tile (it then needs no mask). With a
-        block layout, tiles follow the layout's blocks so that hidden blocks are skipped one by one.
+        With a block layout, tiles follow the layout's blocks so that hidden blocks are skipped one
+        by one. Blocks that no mask touches (and, without additive terms, need no bias at all) are
+        gathered into wide tiles: one matmul instead of one per block.
         """
         spec = inp.spec
+        plain = spec.additive is None and spec.alibi_slopes is None
         for i0, i1 in self._row_blocks(inp):
             lo, hi = key_range(spec, i0, i1)
-            keys = [(j0, j1, tile_fully_visible(spec, i0, i1, j0, j1)) for j0, j1 in self._key_blocks(spec, i0, i1, lo, hi)]
+            keys, gather = [], []
+            cap = max(self.block_k, TILE_ELEMENTS // max(1, inp.B * inp.Hq * (i1 - i0)))
+            for j0, j1 in self._key_blocks(spec, i0, i1, lo, hi):
+                full = tile_fully_visible(spec, i0, i1, j0, j1)
+                if not (full and plain):
+                    keys.append(KeyTile(((j0, j1),), full))
+                    continue
+                if gather and sum(b - a for a, b in gather) + (j1 - j0) > cap:
+                    keys.append(KeyTile(tuple(gather), True))
+                    gather = []
+                if gather and gather[-1][1] == j0:
+                    gather[-1] = (gather[-1][0], j1)
+                else:
+                    gather.append((j0, j1))
+            if gather:
+                keys.append(KeyTile(tuple(gather), True))
             yield i0, i1, keys
 
     def _row_blocks(self, inp: AttentionInputs):
@@ -121,13 +154,18 @@ class ChunkedOperator(Operator):
                 parts.append((bs, hs, hk, _sub_inputs(inp, bs, hs, hk)))
         return parts
 
-    def _tile(self, inp, qs, i0, i1, j0, j1, full, dtype):
+    def _tile(self, inp, qs, i0, i1, kt: KeyTile, dtype):
         """``(s, qs, k, v)`` of one tile: scores ``[B, Hkv, G·bq, bk]`` plus bias, and the operands used.
 
         ``qs``: scaled queries ``[B, Hkv, G·bq, D]``. On masked tiles, queries that see no key of the
         tile and keys that no query of it sees are zeroed, so that garbage (NaN in an uninitialized
         KV cache or packed padding) reaches neither the output nor the gradients.
         """
+        if len(kt.ranges) > 1:  # gathered unmasked blocks: no bias
+            k = torch.cat([inp.k[:, :, a:b] for a, b in kt.ranges], 2).to(dtype)
+            v = torch.cat([inp.v[:, :, a:b] for a, b in kt.ranges], 2).to(dtype)
+            return qs @ k.transpose(-1, -2), qs, k, v
+        (j0, j1), full = kt.ranges[0], kt.full
         k = inp.k[:, :, j0:j1].to(dtype)
         v = inp.v[:, :, j0:j1].to(dtype)
         tb = tile_bias(inp.spec, i0, i1, j0, j1, dtype, inp.device, masks=not full)
@@ -187,15 +225,15 @@ class ChunkedOperator(Operator):
             m = torch.full(qs.shape[:-1], float("-inf"), dtype=dtype, device=inp.device)  # running max
             l = torch.zeros_like(m)  # running sum of exp
             acc = torch.zeros((B, Hkv, G * bq, Dv), dtype=dtype, device=inp.device)
-            for j0, j1, full in keys:
-                s, _, _, v = self._tile(inp, qs, i0, i1, j0, j1, full, dtype)  # s: [B, Hkv, G·bq, bk]
+            for kt in keys:
+                s, _, _, v = self._tile(inp, qs, i0, i1, kt, dtype)  # s: [B, Hkv, G·bq, bk]
                 m_new = torch.maximum(m, s.amax(-1))
                 m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
                 p = s.sub_(m_safe[..., None]).exp_()
                 alpha = torch.exp(m - m_safe)
                 l.mul_(alpha).add_(p.sum(-1))
                 if inp.dropout_p > 0:
-                    keep = dropout_keep(seed, (i0, j0), (B, Hkv, G, bq, j1 - j0), inp.dropout_p, inp.device)
+                    keep = dropout_keep(seed, (i0, kt.j0), (B, Hkv, G, bq, kt.width), inp.dropout_p, inp.device)
                     p.mul_(keep.to(dtype).view(p.shape))
                 acc.mul_(alpha[..., None]).add_(p @ v)
                 m = m_new
@@ -263,27 +301,37 @@ class ChunkedOperator(Operator):
             lse_t = lse[:, :, :, i0:i1].reshape(B, Hkv, G * bq, 1)
             delta_t = delta[:, :, :, i0:i1].reshape(B, Hkv, G * bq, 1)
             dq_t = torch.zeros_like(qs)
-            for j0, j1, full in keys:
-                s, qt, k, v = self._tile(inp, qs, i0, i1, j0, j1, full, dtype)
+            for kt in keys:
+                s, qt, k, v = self._tile(inp, qs, i0, i1, kt, dtype)
                 p = s.sub_(lse_t).exp_()  # [B, Hkv, G·bq, bk]
                 dp = dot @ v.transpose(-1, -2)
                 if inp.dropout_p > 0:
-                    keep = dropout_keep(ctx, (i0, j0), (B, Hkv, G, bq, j1 - j0), inp.dropout_p, inp.device)
+                    keep = dropout_keep(ctx, (i0, kt.j0), (B, Hkv, G, bq, kt.width), inp.dropout_p, inp.device)
                     keep = keep.to(dtype).view(p.shape)
-                    dv[:, :, j0:j1] += (p * keep).transpose(-1, -2) @ dot
+                    _add_to_keys(dv, kt, (p * keep).transpose(-1, -2) @ dot)
                     dp.mul_(keep)
                 else:
-                    dv[:, :, j0:j1] += p.transpose(-1, -2) @ dot
+                    _add_to_keys(dv, kt, p.transpose(-1, -2) @ dot)
                 ds = dp.sub_(delta_t).mul_(p)  # dS of the scaled scores
                 dq_t += ds @ k
-                dk[:, :, j0:j1] += ds.transpose(-1, -2) @ qt
-                if dadd is not None:
+                _add_to_keys(dk, kt, ds.transpose(-1, -2) @ qt)
+                if dadd is not None:  # additive terms: never gathered, one range
+                    (j0, j1), = kt.ranges
                     ds_h = ds.view(B, inp.Hq, bq, j1 - j0)
                     rows = slice(i0, i1) if add.shape[2] != 1 else slice(None)
                     cols = slice(j0, j1) if add.shape[3] != 1 else slice(None)
                     dadd[:, :, rows, cols] += reduce_to(ds_h, add.shape)
             dq[:, :, :, i0:i1] = (dq_t * inp.scale).view(B, Hkv, G, bq, inp.D)
         return dq.reshape(inp.q.shape), dk, dv, dadd
+
+
+def _add_to_keys(dst: torch.Tensor, kt: KeyTile, grad: torch.Tensor) -> None:
+    """``dst[:, :, keys of kt] += grad`` for ``grad: [B, Hkv, kt.width, ...]``."""
+    if len(kt.ranges) == 1:
+        dst[:, :, kt.ranges[0][0] : kt.ranges[0][1]] += grad
+        return
+    for (j0, j1), part in zip(kt.ranges, grad.split([j1 - j0 for j0, j1 in kt.ranges], dim=2)):
+        dst[:, :, j0:j1] += part
 
 
 def _lead(t: torch.Tensor, bs: slice, hs: slice) -> tuple[slice, slice]:
