@@ -1,9 +1,13 @@
 """The chunked operator: online softmax over key blocks in pure PyTorch, on any device.
 
-Memory is O(B·H·Mq·D) for the output plus one ``[B, H, block_q, block_k]`` score tile; no
-``Mq × Mk`` tensor is ever allocated. Key blocks that the spec hides entirely (band, segments,
-padded keys, block layout) are skipped using host metadata. GQA reads each K/V block once per
-group (no repeat in memory). Backward recomputes the scores tile by tile.
+Memory is O(B·H·Mq·D) for the output plus one ``[B, H, block_q, block_k]`` score tile (capped at
+:data:`TILE_ELEMENTS`); no ``Mq × Mk`` tensor is ever allocated. Key blocks that the spec hides
+entirely (band, segments, padded keys, block layout) are skipped using host metadata; when the
+layout or the padded lengths differ between heads or batch rows, each of them is its own
+sub-problem, so that it skips exactly its own blocks. Unmasked blocks are gathered into wide
+tiles, masks are evaluated only on boundary tiles, and queries or keys that a boundary tile hides
+entirely are zeroed there (NaN padding stays out). GQA reads each K/V block once per group (no
+repeat in memory). Backward recomputes the scores tile by tile.
 """
 
 from __future__ import annotations
