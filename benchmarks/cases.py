@@ -8,8 +8,8 @@ number of visible (query, key) pairs for "effective" FLOP counts.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 

@@ -8,8 +8,8 @@
 from . import dispatch, errors, inputs, ops
 from .api import attention, attention_with_lse, explain, merge_attentions
 from .bias import (
-    ALiBi,
     AdditiveBias,
+    ALiBi,
     AttentionBias,
     BiasSpec,
     BlockDiagonalMask,
@@ -43,7 +43,10 @@ __all__ = [
     "PaddedKeysMask",
     "attention",
     "attention_with_lse",
+    "dispatch",
+    "errors",
     "explain",
+    "inputs",
     "merge_attentions",
     "ops",
     "use_ops",

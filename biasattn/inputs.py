@@ -161,7 +161,8 @@ def make_inputs(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, requires_
         if not _same_device(bias.device, q.device) and _has_tensors(bias):
             raise InputTypeError(f"attn_bias is on {bias.device}, q is on {q.device}; move it with attn_bias.to(q.device)")
         bB, bH, bMq, bMk = bias.sizes
-        for name, got, want, what in (("batch size", bB, B, "q"), ("heads", bH, Hq, "q"), ("Mq", bMq, Mq, "q"), ("Mk", bMk, k.shape[2], "k")):
+        expected = (("batch size", bB, B, "q"), ("heads", bH, Hq, "q"), ("Mq", bMq, Mq, "q"), ("Mk", bMk, k.shape[2], "k"))
+        for name, got, want, what in expected:
             if got is not None and got != want:
                 raise InputError(f"attn_bias ({type(bias).__name__}) has {name} {got}, {what} has {want}")
     spec = lower(bias, B, Hq, Mq, k.shape[2], q.device)
