@@ -222,6 +222,21 @@ def test_composition_sliced():
     check(*qkv(B=1, Hq=2, Hkv=1, Mq=41, Mk=45), make, add)
 
 
+@pytest.mark.parametrize("case", ["composed", "additive_grad"])
+def test_64_bit_slice_offsets(monkeypatch, case):
+    """The 64-bit offset path (slices past 2**31 elements) computes the same as the 32-bit one."""
+    from biasattn.ops.triton import flash
+
+    monkeypatch.setattr(flash, "FORCE_INDEX_64", True)
+    if case == "composed":
+        layout = (torch.rand(1, 2, 5, 6, generator=torch.Generator().manual_seed(6)) < 0.6).to(DEVICE)
+        bias = (ba.BlockSparseMask(layout, 8) & ba.LocalAttentionMask(9, 2)) + ba.ALiBi(ba.ALiBi.standard_slopes(2).to(DEVICE))
+        check(*qkv(B=2, Hq=2, Hkv=1, Mq=37, Mk=45), const(bias))
+    else:
+        add = torch.randn(1, 2, 37, 45, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+        check(*qkv(B=2, Hq=2, Hkv=1, Mq=37, Mk=45), lambda a: ba.AdditiveBias(a), add)
+
+
 def test_head_dim_padding_and_scale():
     check(*qkv(Mq=20, Mk=33, D=12, Dv=20), const(ba.LowerTriangularMask()), scale=0.37)
 

@@ -115,6 +115,19 @@ def test_q_beyond_2_31_elements():
         assert_close("dq", dq[:, head : head + 1, rows], ref[2], low[2], factor=3.0)
 
 
+def test_one_slice_beyond_2_31_elements():
+    """A single (batch, head) slice of q past 2**31 elements: the kernels switch to 64-bit offsets."""
+    B, H, Mq, Mk, D = 1, 1, 2**23 + 77, 64, 256
+    assert Mq * D > 2**31
+    q = torch.randn(B, H, Mq, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(B, H, Mk, D, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+    out, lse = ba.attention_with_lse(q, k, v, op="triton")
+    dout = torch.randn_like(out)
+    (dq,) = torch.autograd.grad(out, (q,), dout)
+    rows = torch.cat([torch.arange(0, 32), torch.arange(Mq - 100, Mq)]).cuda()
+    _rows_check(q, k, v, None, out, lse, dq, None, dout, rows, 0)
+
+
 def test_additive_beyond_2_31_elements():
     """An additive bias (and its gradient) with more than 2**31 elements."""
     B, H, M, D = 1, 8, 16400, 64

@@ -55,11 +55,14 @@ def _dkdv_tile(
     Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
     MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
     FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr, COL_DBIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
 ):
     """Query tile ``[m0, m0 + BLOCK_M)`` against the program's key tile, in transposed form ``[BLOCK_N, BLOCK_M]``."""
     rows = m0 + tl.arange(0, BLOCK_M)
-    rows64 = rows.to(tl.int64)
+    if INDEX_64:
+        rows64 = rows.to(tl.int64)
+    else:
+        rows64 = rows
     dqd = tl.arange(0, HEAD_DIM)
     dvd = tl.arange(0, HEAD_DIM_V)
     q = _load_lines(Q_base + rows64[:, None] * stride_qm + dqd[None, :] * stride_qd, rows, Mq, dqd, D, MASKED, EVEN_D)
@@ -71,12 +74,14 @@ def _dkdv_tile(
         lse = tl.load(Lse + LD_off + rows64)
         delta = tl.load(Delta + LD_off + rows64)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # rows that saw nothing get p = 0
-    sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
-    if HAS_ADDITIVE or HAS_ALIBI:
-        sT += _bias_tile(
+    if HAS_ADDITIVE or HAS_ALIBI:  # the bias enters as the dot's accumulator, in the dot's own layout
+        biasT = _bias_tile(
             rows[None, :], cols[:, None], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
-            Slopes, stride_sb, stride_sh, alibi_shift, HAS_ADDITIVE, HAS_ALIBI,
+            Slopes, stride_sb, stride_sh, alibi_shift, HAS_ADDITIVE, HAS_ALIBI, INDEX_64,
         )
+        sT = tl.dot(k, tl.trans(q), acc=biasT * (1.0 / qk_scale), input_precision=DOT_PRECISION) * qk_scale
+    else:
+        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
     if MASKED:
         vis = (rows[None, :] >= ilo[:, None]) & (rows[None, :] < ihi[:, None])
         if LAYOUT_MASK:
@@ -91,8 +96,12 @@ def _dkdv_tile(
     dsT = pT * (dpT - delta[None, :])
     dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PRECISION)
     if FULL_DBIAS:
+        if INDEX_64:
+            gcols = cols.to(tl.int64)
+        else:
+            gcols = cols
         g_ptrs = (DBias + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
-                  + rows64[None, :] * stride_gm + cols.to(tl.int64)[:, None] * stride_gn)
+                  + rows64[None, :] * stride_gm + gcols[:, None] * stride_gn)
         g_mask = (rows[None, :] < Mq) & (cols[:, None] < col_end)
         if DBIAS_ACCUM:
             tl.store(g_ptrs, tl.load(g_ptrs, mask=g_mask, other=0.0) + dsT, mask=g_mask)
@@ -126,7 +135,7 @@ def _attn_bwd_dkdv_kernel(
     SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
     BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr,
-    COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
 ):
     """Grid ``(key tiles, (B / nb_loop) * (Hkv / nhk_loop))``. Writes ``DK``, ``DV`` ``[B, Hkv, Mk, D|Dv]``."""
     pid_n = tl.program_id(0)
@@ -143,7 +152,10 @@ def _attn_bwd_dkdv_kernel(
         n_end = tl.minimum(n0 + BLOCK_N, Mk)
         seg = 0
     cols = n0 + tl.arange(0, BLOCK_N)
-    cols64 = cols.to(tl.int64)
+    if INDEX_64:
+        cols64 = cols.to(tl.int64)
+    else:
+        cols64 = cols
     dkd = tl.arange(0, HEAD_DIM)
     dvd = tl.arange(0, HEAD_DIM_V)
     for bi in range(0, nb_loop):
@@ -184,7 +196,7 @@ def _attn_bwd_dkdv_kernel(
                                         Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                                         alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
                                         False, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
-                                        BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                                        BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                                     )
                                 else:
                                     dk, dv, dcol = _dkdv_tile(
@@ -193,7 +205,7 @@ def _attn_bwd_dkdv_kernel(
                                         Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                                         alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
                                         True, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
-                                        BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                                        BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                                     )
                             else:
                                 dk, dv, dcol = _dkdv_tile(
@@ -202,7 +214,7 @@ def _attn_bwd_dkdv_kernel(
                                     Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                                     alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
                                     True, True, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
-                                    BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                                    BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                                 )
                 else:
                     for t in range(0, a):
@@ -212,7 +224,7 @@ def _attn_bwd_dkdv_kernel(
                             Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                             alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
                             True, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
-                            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                         )
                     for t in range(a, e):
                         dk, dv, dcol = _dkdv_tile(
@@ -221,7 +233,7 @@ def _attn_bwd_dkdv_kernel(
                             Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                             alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
                             False, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
-                            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                         )
                     for t in range(e, n):
                         dk, dv, dcol = _dkdv_tile(
@@ -230,7 +242,7 @@ def _attn_bwd_dkdv_kernel(
                             Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                             alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
                             True, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
-                            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                         )
                 if COL_DBIAS:
                     tl.store(DCol + (b64 * H + h64) * Mk + cols64, dcol, mask=cvalid)
@@ -247,21 +259,26 @@ def _dq_tile(
     Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
     Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
     MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, ROW_DBIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
 ):
     """Key tile ``[n0, n0 + BLOCK_N)`` of the program's query tile: accumulates ``dS @ K``."""
     cols = n0 + tl.arange(0, BLOCK_N)
-    cols64 = cols.to(tl.int64)
+    if INDEX_64:
+        cols64 = cols.to(tl.int64)
+    else:
+        cols64 = cols
     dkd = tl.arange(0, HEAD_DIM)
     dvd = tl.arange(0, HEAD_DIM_V)
     k = _load_lines(K_base + cols64[:, None] * stride_kn + dkd[None, :] * stride_kd, cols, Mk, dkd, D, MASKED, EVEN_D)
     v = _load_lines(V_base + cols64[:, None] * stride_vn + dvd[None, :] * stride_vd, cols, Mk, dvd, Dv, MASKED, EVEN_D)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-    if HAS_ADDITIVE or HAS_ALIBI:
-        s += _bias_tile(
+    if HAS_ADDITIVE or HAS_ALIBI:  # the bias enters as the dot's accumulator, in the dot's own layout
+        bias = _bias_tile(
             rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
-            Slopes, stride_sb, stride_sh, alibi_shift, HAS_ADDITIVE, HAS_ALIBI,
+            Slopes, stride_sb, stride_sh, alibi_shift, HAS_ADDITIVE, HAS_ALIBI, INDEX_64,
         )
+        s = tl.dot(q, tl.trans(k), acc=bias * (1.0 / qk_scale), input_precision=DOT_PRECISION) * qk_scale
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
         vis = (cols[None, :] >= klo[:, None]) & (cols[None, :] < khi[:, None])
         if LAYOUT_MASK:
@@ -298,7 +315,7 @@ def _attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
     SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
     BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr,
-    HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, ROW_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, ROW_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
 ):
     """Grid ``(query tiles, B * Hq)``. Writes ``DQ [B, Hq, Mq, D]`` (and ``DRow [B, Hq, Mq]`` row sums of dS)."""
     pid_m = tl.program_id(0)
@@ -323,7 +340,10 @@ def _attn_bwd_dq_kernel(
     lo, hi, full_lo, full_hi = _span(klo, khi, valid)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
-    rows64 = rows.to(tl.int64)
+    if INDEX_64:
+        rows64 = rows.to(tl.int64)
+    else:
+        rows64 = rows
     dqd = tl.arange(0, HEAD_DIM)
     dvd = tl.arange(0, HEAD_DIM_V)
     q = _load_lines(Q + b64 * stride_qb + h64 * stride_qh + rows64[:, None] * stride_qm + dqd[None, :] * stride_qd, rows, Mq, dqd, D, True, EVEN_D)
@@ -348,21 +368,21 @@ def _attn_bwd_dq_kernel(
                             dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                             Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                             alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                            False, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                            False, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                         )
                     else:
                         dq, drow = _dq_tile(
                             dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                             Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                             alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                            True, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                            True, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                         )
                 else:
                     dq, drow = _dq_tile(
                         dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                         Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                         alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                        True, True, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                        True, True, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                     )
     else:
         n, a, e = _tile_split(lo, hi, full_lo, full_hi, BLOCK_N)
@@ -371,21 +391,21 @@ def _attn_bwd_dq_kernel(
                 dq, drow, q, do, lse2, delta, rows, klo, khi, lo + t * BLOCK_N, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                True, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                True, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
             )
         for t in range(a, e):
             dq, drow = _dq_tile(
                 dq, drow, q, do, lse2, delta, rows, klo, khi, lo + t * BLOCK_N, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                False, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                False, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
             )
         for t in range(e, n):
             dq, drow = _dq_tile(
                 dq, drow, q, do, lse2, delta, rows, klo, khi, lo + t * BLOCK_N, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                True, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                True, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
             )
     keep = valid & (rows < Mq)
     dq_ptrs = DQ + b64 * stride_dqb + h64 * stride_dqh + rows64[:, None] * stride_dqm + dqd[None, :] * stride_dqd

@@ -97,13 +97,16 @@ def _tile_split(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
 @triton.jit
 def _bias_tile(
     ii, jj, b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
-    HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, INDEX_64: tl.constexpr,
 ):
     """Additive tensor plus ALiBi at rows ``ii`` and columns ``jj`` (broadcastable 2-D), in base-2 units."""
     bias = tl.zeros(ii.shape, dtype=tl.float32) + tl.zeros(jj.shape, dtype=tl.float32)
     if HAS_ADDITIVE:
         base = Add + b.to(tl.int64) * stride_ab + h.to(tl.int64) * stride_ah
-        ptrs = base + ii.to(tl.int64) * stride_am + jj.to(tl.int64) * stride_an
+        if INDEX_64:  # offsets inside one (batch, head) slice may pass 2**31
+            ptrs = base + ii.to(tl.int64) * stride_am + jj.to(tl.int64) * stride_an
+        else:
+            ptrs = base + ii * stride_am + jj * stride_an
         bias += tl.load(ptrs, mask=(ii < Mq) & (jj < Mk), other=0.0).to(tl.float32) * LOG2E
     if HAS_ALIBI:
         slope = tl.load(Slopes + b * stride_sb + h * stride_sh).to(tl.float32)
@@ -115,8 +118,8 @@ def _bias_tile(
 def _layout_visible(ii, jj, b, h, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k):
     """Element visibility from the block layout at rows ``ii`` and columns ``jj`` (broadcastable 2-D)."""
     base = Layout + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh
-    r = ((ii + layout_q_off) // block_q).to(tl.int64)
-    c = ((jj + layout_k_off) // block_k).to(tl.int64)
+    r = (ii + layout_q_off) // block_q  # layouts hold far fewer than 2**31 blocks per (batch, head)
+    c = (jj + layout_k_off) // block_k
     return tl.load(base + r * stride_lq + c * stride_lk) != 0
 
 

@@ -68,8 +68,10 @@ def override(**configs: TileConfig) -> Iterator[None]:
         _overrides.update(saved)
 
 
-def _candidates_for(kernel: str, head_dim: int, dtype: torch.dtype) -> tuple[TileConfig, ...]:
+def _candidates_for(kernel: str, head_dim: int, dtype: torch.dtype, features: tuple = ()) -> tuple[TileConfig, ...]:
     cands = candidates(kernel, head_dim)
+    if kernel == "fwd" and "additive" in features:  # the bias tile adds registers: narrower key tiles first
+        cands = tuple(sorted(cands, key=lambda c: c.block_n > 64))
     if dtype == torch.float32:  # fp32 tiles take twice the shared memory
         cands = tuple(TileConfig(min(c.block_m, 64), min(c.block_n, 64), c.num_warps, min(c.num_stages, 2)) for c in cands)
     return cands
@@ -82,7 +84,7 @@ def choose(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.device,
         return _overrides[kernel]
     if device.type != "cuda" or interpreted():
         return INTERPRETER_CONFIG
-    cands = _candidates_for(kernel, head_dim, dtype)
+    cands = _candidates_for(kernel, head_dim, dtype, features)
     key = (kernel, head_dim, dtype, torch.cuda.get_device_capability(device), features)
     if key in _tuned:
         return _tuned[key]
@@ -113,7 +115,7 @@ def launch(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.device,
 
     key = (kernel, head_dim, dtype, torch.cuda.get_device_capability(device), features)
     cfg = _tuned.get(key, cfg)
-    rest = [c for c in _candidates_for(kernel, head_dim, dtype) if c != cfg]
+    rest = [c for c in _candidates_for(kernel, head_dim, dtype, features) if c != cfg]
     for attempt in [cfg, *rest]:
         try:
             run(attempt)

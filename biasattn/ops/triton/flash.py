@@ -20,6 +20,7 @@ from .fwd_kernels import _attn_fwd_kernel
 INTERPRETED = configs.interpreted()
 LOG2E = 1.4426950408889634
 POISON_OUTPUTS = False  # tests set this: fresh outputs start as NaN, so a skipped write shows
+FORCE_INDEX_64 = False  # tests set this: 64-bit offsets inside a (batch, head) slice even when not needed
 
 _dummies: dict = {}
 
@@ -109,6 +110,19 @@ class _SpecArgs:
         return count, index, cs, ts, exact
 
 
+def _slice_span(t: torch.Tensor | None, strides=None) -> int:
+    """Largest element offset inside one (batch, head) slice of ``t`` (dims 2 and 3)."""
+    if t is None:
+        return 0
+    strides = t.stride() if strides is None else strides
+    return sum((n - 1) * abs(st) for n, st in zip(t.shape[2:], strides[2:]) if n > 0)
+
+
+def _index_64(*spans: int) -> bool:
+    """Offsets inside a slice need 64 bits when any slice spans 2**31 elements (base offsets always have them)."""
+    return FORCE_INDEX_64 or max(spans, default=0) >= 2**31
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -125,6 +139,8 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
         return out.zero_(), lse.fill_(float("-inf"))
     args = _SpecArgs(spec, B, H, q.device)
     hd, hdv = _pow2(D), _pow2(Dv)
+    add_span = (Mq - 1) * abs(args.add_strides[2]) + (Mk - 1) * abs(args.add_strides[3])
+    index_64 = _index_64(_slice_span(q), _slice_span(k), _slice_span(v), _slice_span(out), add_span)
 
     def run(cfg: configs.TileConfig) -> None:
         sched = schedule.query_schedule(spec, cfg.block_m, q.device)
@@ -140,7 +156,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=(D == hd and Dv == hdv),
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, DOT_PRECISION=_dot_precision(q.dtype),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches(),
+            INDEX_64=index_64, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches(),
         )
 
     configs.launch("fwd", max(hd, hdv), q.dtype, q.device, _features(spec), run)
@@ -197,6 +213,9 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     common = (
         *args.add_strides, *args.slope_strides, *args.layout_strides,
     )
+    add_span = (Mq - 1) * abs(args.add_strides[2]) + (Mk - 1) * abs(args.add_strides[3])
+    g_span = (Mq - 1) * abs(g_strides[2]) + (Mk - 1) * abs(g_strides[3])
+    index_64 = _index_64(*(_slice_span(t) for t in (q, k, v, out, dout, dq, dk, dv)), add_span, g_span)
     feats = _features(spec) + ((plan,) if plan else ())
 
     def run_dkdv(cfg: configs.TileConfig) -> None:
@@ -216,7 +235,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, FULL_DBIAS=plan == "full",
             DBIAS_ACCUM=nb_loop > 1 or h_bcast, COL_DBIAS=plan == "col", DOT_PRECISION=_dot_precision(q.dtype),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches(),
+            INDEX_64=index_64, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches(),
         )
 
     def run_dq(cfg: configs.TileConfig) -> None:
@@ -232,7 +251,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, ROW_DBIAS=plan == "row",
-            DOT_PRECISION=_dot_precision(q.dtype),
+            DOT_PRECISION=_dot_precision(q.dtype), INDEX_64=index_64,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches(),
         )
 

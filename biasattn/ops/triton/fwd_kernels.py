@@ -19,20 +19,25 @@ def _fwd_tile(
     Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
     Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
     MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
 ):
     """One key tile ``[n0, n0 + BLOCK_N)`` of the online softmax."""
     cols = n0 + tl.arange(0, BLOCK_N)
-    cols64 = cols.to(tl.int64)
+    if INDEX_64:
+        cols64 = cols.to(tl.int64)
+    else:
+        cols64 = cols
     dk = tl.arange(0, HEAD_DIM)
     dv = tl.arange(0, HEAD_DIM_V)
     k = _load_lines(K_base + cols64[:, None] * stride_kn + dk[None, :] * stride_kd, cols, Mk, dk, D, MASKED, EVEN_D)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-    if HAS_ADDITIVE or HAS_ALIBI:
-        s += _bias_tile(
+    if HAS_ADDITIVE or HAS_ALIBI:  # the bias enters as the dot's accumulator, in the dot's own layout
+        bias = _bias_tile(
             rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
-            Slopes, stride_sb, stride_sh, alibi_shift, HAS_ADDITIVE, HAS_ALIBI,
+            Slopes, stride_sb, stride_sh, alibi_shift, HAS_ADDITIVE, HAS_ALIBI, INDEX_64,
         )
+        s = tl.dot(q, tl.trans(k), acc=bias * (1.0 / qk_scale), input_precision=DOT_PRECISION) * qk_scale
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
         vis = (cols[None, :] >= klo[:, None]) & (cols[None, :] < khi[:, None])
         if LAYOUT_MASK:
@@ -72,7 +77,7 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
     SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
     BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr,
-    HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
 ):
     """Grid ``(query tiles, B * Hq)``. Writes ``Out [B, Hq, Mq, Dv]`` and ``Lse [B, Hq, Mq]`` (natural log)."""
     pid_m = tl.program_id(0)
@@ -97,7 +102,10 @@ def _attn_fwd_kernel(
     lo, hi, full_lo, full_hi = _span(klo, khi, valid)
 
     b64 = b.to(tl.int64)
-    rows64 = rows.to(tl.int64)
+    if INDEX_64:
+        rows64 = rows.to(tl.int64)
+    else:
+        rows64 = rows
     dq = tl.arange(0, HEAD_DIM)
     q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh
     q = _load_lines(q_base + rows64[:, None] * stride_qm + dq[None, :] * stride_qd, rows, Mq, dq, D, True, EVEN_D)
@@ -119,21 +127,21 @@ def _attn_fwd_kernel(
                             acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                             Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                             alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                            False, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                            False, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                         )
                     else:
                         acc, m_i, l_i = _fwd_tile(
                             acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                             Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                             alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                            True, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                            True, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                         )
                 else:
                     acc, m_i, l_i = _fwd_tile(
                         acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                         Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                         alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                        True, True, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                        True, True, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                     )
     else:  # masked tiles at the span's left edge, unmasked middle, masked right edge
         n, a, e = _tile_split(lo, hi, full_lo, full_hi, BLOCK_N)
@@ -142,21 +150,21 @@ def _attn_fwd_kernel(
                 acc, m_i, l_i, q, rows, klo, khi, lo + t * BLOCK_N, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                True, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                True, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
             )
         for t in range(a, e):
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, rows, klo, khi, lo + t * BLOCK_N, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                False, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                False, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
             )
         for t in range(e, n):
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, rows, klo, khi, lo + t * BLOCK_N, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                True, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                True, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
             )
 
     # rows that saw no key: out 0, lse -inf
