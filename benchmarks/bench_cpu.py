@@ -91,6 +91,7 @@ def measure_memory(name: str, provider: str, M: int, D: int) -> dict:
 
 def memory_in_subprocess(name: str, provider: str, M: int, D: int) -> dict:
     cmd = [sys.executable, __file__, "--measure-memory", name, provider, "--M", str(M), "--D", str(D)]
+    cmd += ["--threads", str(torch.get_num_threads())]
     res = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -151,9 +152,13 @@ def main(argv=None) -> None:
     ap.add_argument("--M", type=int, default=4096)
     ap.add_argument("--D", type=int, default=64)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--append", action="store_true", help="add the table to the markdown file instead of replacing it")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu.md"), help="markdown file, or - for stdout")
     ap.add_argument("--measure-memory", nargs=2, metavar=("CASE", "PROVIDER"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.measure_memory:
         print(json.dumps(measure_memory(*args.measure_memory, args.M, args.D)))
         return
@@ -177,9 +182,11 @@ def main(argv=None) -> None:
         print(rows[-1], flush=True)
 
     cmd = "python benchmarks/bench_cpu.py" + ("" if argv is None else " " + " ".join(argv))
+    title = "# CPU: `chunked` vs `F.scaled_dot_product_attention` with a dense mask"
     text = "\n".join(
         [
-            "# CPU: `chunked` vs `F.scaled_dot_product_attention` with a dense mask",
+            *([] if args.append else [title, ""]),
+            f"## {torch.get_num_threads()} thread(s)",
             "",
             f"Command: `{cmd}` (M={args.M}, D={args.D}, float32, forward, median of {args.reps} alternating runs).",
             "",
@@ -188,7 +195,9 @@ def main(argv=None) -> None:
             "Time in ms (effective GFLOP/s: FLOPs of the visible pairs only). Memory in MiB: the rise of the "
             "resident high-water mark during one call, in a fresh process; for SDPA the call plus the dense bool "
             "mask that the user builds and keeps. Target: ≥ 2× faster or ≥ 4× less memory. Times on a 2-core machine "
-            "shared with other jobs vary by about ±20% between runs; the memory figures are stable.",
+            "shared with other jobs vary by about ±20% between runs; the memory figures are stable. With more than one "
+            "thread, another busy process on the machine stalls each of chunked's many small parallel regions (they "
+            "wait for the descheduled thread), so multi-thread timings are only meaningful on an idle machine.",
             "",
             "| case | q [B, H, M, D] | chunked ms (GFLOP/s) | SDPA + mask ms (GFLOP/s) | speed-up "
             "| chunked MiB | SDPA MiB (call + mask) | memory ratio | target met | max abs diff |",
@@ -201,6 +210,8 @@ def main(argv=None) -> None:
         print(text)
     else:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        if args.append and Path(args.out).exists():
+            text = Path(args.out).read_text() + "\n" + text
         Path(args.out).write_text(text)
         print(f"wrote {args.out}")
 
