@@ -136,8 +136,11 @@ def measure(fn, inputs, mode: str):
 
 def _warm(job) -> str:
     """Run one case's forward and backward at a small size, so its kernels land in Triton's disk cache."""
-    case_name, D, B = job
+    case_name, D, B, *index_64 = job
     try:
+        from biasattn.ops.triton import flash
+
+        flash.FORCE_INDEX_64 = bool(index_64 and index_64[0])
         case = make_case(case_name, B=B, H=2, M=512, D=D, requires_grad=True)
         bias = case.bias.to(case.q.device) if case.bias is not None else None
         out = ba.attention(case.q, case.k, case.v, bias, op="triton")
@@ -148,12 +151,12 @@ def _warm(job) -> str:
     return f"{case_name} D={D} B={B}: ok"
 
 
-def precompile(cases, head_dims, workers: int) -> None:
+def precompile(cases, head_dims, workers: int, index_64=(False,)) -> None:
     """Compile every (case, head dim) kernel set in parallel processes (Triton compiles one kernel at a time)."""
     import concurrent.futures
     import multiprocessing
 
-    jobs = [(c, D, B) for c in cases for D in head_dims for B in ((1, 2) if c == "additive" else (2,))]
+    jobs = [(c, D, B, i) for c in cases for D in head_dims for B in ((1, 2) if c == "additive" else (2,)) for i in index_64]
     t0 = time.time()
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
@@ -328,6 +331,30 @@ def _tune_call(case, dout, fwd_only: bool):
     return lambda: torch.autograd.grad(ba.attention(q, k, v, case.bias, op="triton"), (q, k, v), dout)
 
 
+def ab_offsets(args) -> None:
+    """``triton`` with 32-bit against 64-bit offsets inside a (batch, head) slice, same process, same inputs."""
+    from biasattn.ops.triton import flash
+
+    precompile(args.cases, args.head_dims, args.precompile or 8, index_64=(False, True))
+    for D in args.head_dims:
+        for M in args.seqlens:
+            for case_name in args.cases:
+                for mode in args.modes:
+                    case = make_case(case_name, B=max(1, TOKENS // M), H=HEADS, M=M, D=D, requires_grad=mode != "fwd")
+                    inputs = [case.q, case.k, case.v]
+                    if case.name == "additive" and mode != "fwd":
+                        inputs.append(case.dense_mask())
+                    fn = provider_fn("triton", case, None)
+                    ms = {}
+                    for flag in (False, True):
+                        flash.FORCE_INDEX_64 = flag
+                        ms[flag] = measure(fn, inputs, mode)[0]
+                    flash.FORCE_INDEX_64 = False
+                    print(f"ab D={D} M={M} {case_name} {mode}: 32-bit {ms[False]:.3f} ms, 64-bit {ms[True]:.3f} ms, "
+                          f"64/32 time {ms[True] / ms[False]:.2f}", flush=True)
+                    del case
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="benchmarks/results/h200")
@@ -345,6 +372,7 @@ def main(argv=None) -> int:
     p.add_argument("--render", help="only write attention.md and the PNGs from this attention.csv")
     p.add_argument("--quick", action="store_true", help="causal and no bias at M=2048, D=128")
     p.add_argument("--tune", action="store_true", help="time each kernel's candidate tile configs")
+    p.add_argument("--ab-offsets", action="store_true", help="32-bit against 64-bit in-slice offsets (triton only)")
     args = p.parse_args(argv)
     if args.quick:
         args.cases, args.seqlens, args.head_dims = ["none", "causal"], [2048], [128]
@@ -354,6 +382,9 @@ def main(argv=None) -> int:
         with open(args.render) as f:
             rows = [_typed(r) for r in csv.DictReader(f)]
         return _report(rows, args)
+    if args.ab_offsets:
+        ab_offsets(args)
+        return 0
     if args.precompile:
         precompile(args.cases, args.head_dims, args.precompile)
     if args.tune:
