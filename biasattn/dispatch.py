@@ -38,11 +38,6 @@ def priority(device_type: str, inp: AttentionInputs | None = None) -> tuple[str,
     if longest > SPLITK_MAX_MQ and "triton_splitk" in order:  # not a decode shape: try it last of the compiled ops
         order.remove("triton_splitk")
         order.insert(order.index("cutlass") + 1 if "cutlass" in order else len(order), "triton_splitk")
-    if longest == 1 and not segments and {"cudnn", "triton_splitk"} <= set(order):
-        # One query per sequence over a full cache: cuDNN's single launch measured 0.97x median (0.70x worst)
-        # of triton_splitk's time (benchmarks/results/h200/decode.md); it refuses padded keys, which stay ours.
-        order.remove("cudnn")
-        order.insert(order.index("triton_splitk"), "cudnn")
     if segments and {"flash2", "triton"} <= set(order):  # packed varlen: FlashAttention-2 first
         order.remove("flash2")
         order.insert(order.index("triton"), "flash2")
