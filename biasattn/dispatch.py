@@ -111,7 +111,7 @@ def choose(inp: AttentionInputs, *, need_lse: bool = False, op=None) -> tuple[Op
 
 
 def explanation(inp: AttentionInputs, *, need_lse: bool = False) -> str:
-    """Human-readable report: every candidate operator with 'chosen' or its reasons."""
+    """Human-readable report: every registered operator with 'chosen' or its reasons, in priority order."""
     lines = [f"inputs: {inp.describe()}"]
     try:
         fwd, bwd = choose(inp, need_lse=need_lse)
@@ -122,7 +122,12 @@ def explanation(inp: AttentionInputs, *, need_lse: bool = False) -> str:
         chosen = fwd if not backward else bwd
         lines.append(f"{title}:")
         same_op = inp.requires_grad and inp.dropout_p > 0
-        for name, why in _reasons(inp, need_lse, backward=backward or same_op).items():
+        reasons = _reasons(inp, need_lse, backward=backward or same_op)
+        for name in ops.available():  # operators outside this device's priority list, with their reasons
+            if name not in reasons:
+                why = ops.get(name).not_supported_reasons(inp, need_lse=need_lse, backward=backward or same_op)
+                reasons[name] = why or ["not in this device's priority list; force it with op= or use_ops()"]
+        for name, why in reasons.items():
             if chosen is not None and name == chosen.NAME:
                 lines.append(f"  {name:<14} chosen")
             elif not why:

@@ -152,6 +152,14 @@ def test_explain_lists_chosen_and_reasons():
         assert "reference      chosen" in ba.explain(q, k, v)
 
 
+def test_explain_names_every_registered_operator():
+    """explain() reports every registered operator, also those outside the device's priority list."""
+    q, k, v = qkv()
+    text = ba.explain(q, k, v)
+    for name in ba.ops.available():
+        assert f"  {name:<14} " in text
+
+
 def test_explain_reports_no_operator():
     q, k, v = qkv()
     if "flash2" not in ba.ops.available():

@@ -12,7 +12,7 @@ from biasattn.testing import assert_close_to_reference, reference_attention
 from biasattn.testing import strategies as bst
 
 CHUNKED_SMALL = ChunkedOperator(block_q=8, block_k=8)
-MERGE_ATOL = 2e-5  # merge_attentions combines in float32
+MERGE_ATOL = 1e-10  # float64 inputs merge in float64
 
 
 @st.composite
@@ -74,3 +74,15 @@ def test_merge_argument_errors():
         ba.merge_attentions([o, torch.randn(1, 2, 3, 5)], [l, l])
     with pytest.raises(ba.InputError, match=r"lses\[0\] must have shape \[1, 2, 3\], got \[1, 2, 4\]"):
         ba.merge_attentions([o], [torch.randn(1, 2, 4)])
+
+
+def test_merge_keeps_float64():
+    """Regression: merge_attentions combined float64 partial results in float32 (errors near 1e-7)."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 7, 8, dtype=torch.float64, generator=gen)
+    k = torch.randn(1, 2, 40, 8, dtype=torch.float64, generator=gen)
+    v = torch.randn(1, 2, 40, 8, dtype=torch.float64, generator=gen)
+    parts = [ba.attention_with_lse(q, k[:, :, a:b], v[:, :, a:b]) for a, b in ((0, 13), (13, 40))]
+    out, lse = ba.merge_attentions([p[0] for p in parts], [p[1] for p in parts])
+    assert out.dtype == lse.dtype == torch.float64
+    assert (out - ba.attention(q, k, v)).abs().max() < 1e-13

@@ -25,14 +25,15 @@ def _use_triton(outs: torch.Tensor, lses: torch.Tensor) -> bool:
 
 def merge_partials_torch(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype | None = None):
     """The PyTorch path of :func:`merge_partials`: differentiable, any device and dtype."""
-    lses = lses.float()
+    dtype = torch.float64 if torch.float64 in (outs.dtype, lses.dtype) else torch.float32
+    lses = lses.to(dtype)
     m = lses.amax(0)
     m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m).detach()
     w = torch.exp(lses - m_safe)  # [S, ..., M]
     total = w.sum(0)
     pos = total > 0
     safe = torch.where(pos, total, torch.ones_like(total))
-    out = (w[..., None] * outs.float()).sum(0) / safe[..., None]
+    out = (w[..., None] * outs.to(dtype)).sum(0) / safe[..., None]
     lse = torch.where(pos, m_safe + torch.log(safe), torch.full_like(total, float("-inf")))
     return out.to(out_dtype or outs.dtype), lse
 
@@ -40,7 +41,8 @@ def merge_partials_torch(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torc
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype | None = None):
     """Merge ``outs [S, ..., M, Dv]`` computed over disjoint key sets with their ``lses [S, ..., M]``.
 
-    Returns ``(out [..., M, Dv], lse [..., M] float32)``. Rows with every ``lse = -inf`` give 0 and
+    Returns ``(out [..., M, Dv], lse [..., M] float32)`` (float64 when the inputs are float64).
+    Rows with every ``lse = -inf`` give 0 and
     ``-inf``; differentiable, with no NaN gradients on such rows.
     """
     if _use_triton(outs, lses):
