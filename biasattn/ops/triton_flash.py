@@ -13,9 +13,6 @@ float32 inputs are computed in full float32 (no tf32). Dropout is not supported.
 # ruff: noqa: UP045  (torch.library infers custom-op schemas from typing.Optional)
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 from typing import Optional
 
 import torch
@@ -23,6 +20,7 @@ import torch
 from ..bias.spec import FEATURES, BiasSpec, SpecHost
 from ..inputs import AttentionInputs
 from .base import Operator
+from .triton.environment import environment_reasons as triton_environment_reasons
 
 _FLASH = "biasattn.ops.triton.flash"
 
@@ -106,13 +104,6 @@ def _(q, k, v, out, lse, dout, dlse, additive, *args):
             torch.empty_like(additive) if need else q.new_empty((0,)))
 
 
-def _interpreted() -> bool:
-    mod = sys.modules.get(_FLASH)
-    if mod is not None:
-        return mod.INTERPRETED
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 class TritonOperator(Operator):
     """Flash attention in Triton: every bias feature, forward and backward, GQA, head dims up to 256."""
 
@@ -134,14 +125,7 @@ class TritonOperator(Operator):
 
     def environment_reasons(self, device: torch.device | None = None) -> list[str]:
         """Triton must be installed; on the CPU the Triton interpreter must be on."""
-        if importlib.util.find_spec("triton") is None:
-            return ["needs the triton package, which is not installed"]
-        if device is not None and device.type == "cpu" and not _interpreted():
-            return [
-                "runs on the CPU only under the Triton interpreter "
-                "(TRITON_INTERPRET=1 set before biasattn's kernels load), which is off"
-            ]
-        return []
+        return triton_environment_reasons(device)
 
     def extra_reasons(self, inp: AttentionInputs, *, backward: bool) -> list[str]:
         """Key segments must be ordered and disjoint (always true for BlockDiagonalMask); B·Hq fits the grid."""

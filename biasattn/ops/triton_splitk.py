@@ -13,19 +13,12 @@ additive tensors. Forward only. CUDA sm80+; on the CPU only under ``TRITON_INTER
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
-
 import torch
 
 from ..inputs import AttentionInputs
 from .base import Operator
+from .triton.environment import environment_reasons as triton_environment_reasons
 
-
-@functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 class TritonSplitKOperator(Operator):
     """Split-KV Triton forward for small query counts: ``q [B, Hq, Mq<=16, D]`` against long ``k``/``v``."""
@@ -43,11 +36,7 @@ class TritonSplitKOperator(Operator):
 
     def environment_reasons(self, device: torch.device | None = None) -> list[str]:
         """Triton must be installed; on the CPU the Triton interpreter must be on."""
-        if not _triton_installed():
-            return ["needs the triton package, which is not installed"]
-        if device is not None and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            return ["runs on the CPU only under the Triton interpreter (TRITON_INTERPRET=1), which is not set"]
-        return []
+        return triton_environment_reasons(device)
 
     def not_supported_reasons(self, inp: AttentionInputs, *, need_lse: bool = False, backward: bool | None = None) -> list[str]:
         """The declared checks, with ``MAX_MQ`` applied per sequence when queries are packed (segments)."""
