@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError, InputTypeError
-from .base import Atom, AttentionBias, Geometry, visible_to_additive
+from .atoms import Atom, Geometry, visible_to_additive
+from .base import AttentionBias
 
 
 @dataclass(frozen=True, eq=False)

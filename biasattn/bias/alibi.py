@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
-from .base import Atom, AttentionBias, Geometry
+from .atoms import Atom, Geometry
+from .base import AttentionBias
 
 
 @dataclass(frozen=True, eq=False)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Atom, Geometry, visible_to_additive
+from .atoms import Atom, Geometry, visible_to_additive
 
 TOP_LEFT = "top_left"
 BOTTOM_RIGHT = "bottom_right"

@@ -16,104 +16,16 @@ import importlib
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import BiasCompositionError, InputError
+from .atoms import Atom, Geometry, as_lengths, visible_to_additive  # noqa: F401  (kept importable from here)
 
 MATERIALIZE_WARN_BYTES = 256 * 2**20
 _warned_large_materialize = False
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """Where a bias is evaluated: the call's sizes and the bias' slicing offsets.
-
-    Query row ``i`` of the call is row ``i + q_off`` of the bias; ``Mq_full``/``Mk_full`` are the
-    sizes the bias is aligned to (bottom-right alignment and ALiBi use them).
-    """
-
-    B: int
-    H: int
-    Mq: int
-    Mk: int
-    q_off: int = 0
-    k_off: int = 0
-    Mq_full: int = 0
-    Mk_full: int = 0
-    full_known: tuple[bool, bool] = (True, True)  # False: a slice with an end of an unsized bias
-
-    def rows(self, device) -> torch.Tensor:
-        """Global query indices ``[Mq, 1]`` (int64)."""
-        return (torch.arange(self.Mq, device=device) + self.q_off)[:, None]
-
-    def cols(self, device) -> torch.Tensor:
-        """Global key indices ``[1, Mk]`` (int64)."""
-        return (torch.arange(self.Mk, device=device) + self.k_off)[None, :]
-
-
-def visible_to_additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Turn a bool visibility tensor into the additive form (0 visible, -inf hidden)."""
-    zero = torch.zeros((), dtype=dtype, device=visible.device)
-    return torch.where(visible, zero, torch.full((), float("-inf"), dtype=dtype, device=visible.device))
-
-
-class Atom:
-    """One indivisible term of a bias. Subclasses are frozen dataclasses in the family modules."""
-
-    family: ClassVar[str] = "AttentionBias"
-    kind: ClassVar[str] = ""
-    is_mask: ClassVar[bool] = True
-
-    def sizes(self) -> tuple[int | None, int | None, int | None, int | None]:
-        """``(B, H, Mq_full, Mk_full)`` this atom fixes; None where it broadcasts or is unsized."""
-        return (None, None, None, None)
-
-    @property
-    def needs_full_size(self) -> bool:
-        """True when the atom's meaning depends on the full (unsliced) Mq/Mk."""
-        return False
-
-    def dense(self, g: Geometry, dtype: torch.dtype, device) -> torch.Tensor:
-        """Additive tensor broadcastable to ``[B, H, Mq, Mk]`` in the call's coordinates."""
-        raise NotImplementedError
-
-    def lower(self, builder) -> None:
-        """Record this atom in a :class:`~biasattn.bias.spec.SpecBuilder`."""
-        raise NotImplementedError
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Tensors this atom holds, by field name."""
-        return {}
-
-    def combinable_with(self, other: Atom) -> bool:
-        """Whether an atom of the same kind can be composed with this one."""
-        return True
-
-    def incompatibility(self, other: Atom) -> str:
-        """One sentence saying why :meth:`combinable_with` is False."""
-        return ""
-
-    def to(self, device=None, dtype=None) -> Atom:
-        """Same atom with its tensors moved (and floating tensors cast)."""
-        changes = {}
-        for name, t in self.tensors().items():
-            cast = dtype if (dtype is not None and t.is_floating_point()) else None
-            changes[name] = t.to(device=device, dtype=cast)
-        return replace(self, **changes) if changes else self
-
-    def detach(self) -> Atom:
-        """Same atom with detached tensors."""
-        changes = {name: t.detach() for name, t in self.tensors().items()}
-        return replace(self, **changes) if changes else self
-
-    def clone(self) -> Atom:
-        """Same atom with cloned tensors."""
-        changes = {name: t.clone() for name, t in self.tensors().items()}
-        return replace(self, **changes) if changes else self
 
 
 def _merge_size(name: str, a: int | None, b: int | None, who: str) -> int | None:
@@ -648,25 +560,3 @@ def _foreign(func, args, kwargs) -> Any:
     args = tuple(dense(a) for a in args)
     kwargs = {k: dense(v) for k, v in kwargs.items()}
     return func(*args, **kwargs)
-
-
-def as_lengths(name: str, values, *, allow_empty: bool = False) -> list[int]:
-    """Validate a 1-D sequence of non-negative integer lengths and return it as a Python list."""
-    if isinstance(values, torch.Tensor):
-        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
-            raise InputError(f"{name} must hold integers, got dtype {values.dtype}")
-        if values.dim() != 1:
-            raise InputError(f"{name} must be 1-D, got shape {list(values.shape)}")
-        values = values.tolist()
-    try:
-        out = [v if isinstance(v, int) else int(v) if float(v).is_integer() else None for v in values]
-    except TypeError:
-        raise InputError(f"{name} must be a sequence of ints, got {type(values).__name__}") from None
-    if any(v is None or isinstance(v, bool) for v in out):
-        raise InputError(f"{name} must hold integers, got {list(values)}")
-    if not out and not allow_empty:
-        raise InputError(f"{name} must not be empty")
-    for k, v in enumerate(out):
-        if v < 0:
-            raise InputError(f"{name}[{k}] must be >= 0, got {v}")
-    return out

@@ -16,8 +16,9 @@ from itertools import accumulate
 import torch
 
 from ..errors import InputError
+from .atoms import Atom, Geometry, as_lengths, visible_to_additive
 from .band import BOTTOM_RIGHT, TOP_LEFT
-from .base import Atom, AttentionBias, Geometry, as_lengths, visible_to_additive
+from .base import AttentionBias
 from .local import check_window
 
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
-from .base import Atom, AttentionBias, Geometry, visible_to_additive
+from .atoms import Atom, Geometry, visible_to_additive
+from .base import AttentionBias
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
-from .base import Atom, AttentionBias, Geometry, as_lengths, visible_to_additive
+from .atoms import Atom, Geometry, as_lengths, visible_to_additive
+from .base import AttentionBias
 
 
 @dataclass(frozen=True, eq=False)

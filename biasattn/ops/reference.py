@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..bias.base import Geometry
+from ..bias.atoms import Geometry
 from ..inputs import AttentionInputs
 from .base import Operator
 from .common import compute_dtype, dropout_keep, new_seed
