@@ -30,3 +30,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def attention_spy(monkeypatch):
+    """``install(module)`` wraps ``module.attention`` and returns the list of biases it receives."""
+
+    def install(module):
+        seen = []
+        real = module.attention
+
+        def spy(q, k, v, bias=None, **kw):
+            seen.append(bias)
+            return real(q, k, v, bias, **kw)
+
+        monkeypatch.setattr(module, "attention", spy)
+        return seen
+
+    return install

@@ -151,16 +151,9 @@ def test_gradients_flow_through_fused_sites():
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_lazy_biases_reach_attention(monkeypatch):
+def test_lazy_biases_reach_attention(attention_spy):
     """Causal buffers and padding masks arrive as lazy biases, not as dense tensors."""
-    seen = []
-    real = bfx.attention
-
-    def spy(q, k, v, bias=None, **kw):
-        seen.append(bias)
-        return real(q, k, v, bias, **kw)
-
-    monkeypatch.setattr(bfx, "attention", spy)
+    seen = attention_spy(bfx)
     gm, _ = bfx.fuse_attention(Block().eval())
     gm(*block_inputs())
     causal, cross, bert, rel = seen

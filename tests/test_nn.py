@@ -113,15 +113,9 @@ def test_unbatched_input():
     torch.testing.assert_close(mod(x, x, x)[0], ref(x, x, x)[0], **TOL)
 
 
-def test_right_padding_becomes_padded_keys_mask(monkeypatch):
+def test_right_padding_becomes_padded_keys_mask(attention_spy):
     """A right-padding key_padding_mask reaches attention as key lengths, not as a dense mask."""
-    seen = []
-
-    def spy(q, k, v, bias=None, **kw):
-        seen.append(bias)
-        return ba.attention(q, k, v, bias, **kw)
-
-    monkeypatch.setattr(multihead, "attention", spy)
+    seen = attention_spy(multihead)
     mod = MultiheadAttention(E, H).eval()
     x = torch.randn(S, B, E)
     mod(x, x, x, key_padding_mask=right_padding([9, 4, 6]), is_causal=True)

@@ -84,19 +84,12 @@ def test_generation_with_cache_matches_sdpa(make):
     assert torch.equal(out["biasattn"], out["sdpa"])
 
 
-def test_packed_sequences_become_block_diagonal(monkeypatch):
+def test_packed_sequences_become_block_diagonal(attention_spy):
     torch.manual_seed(0)
     model = llama().eval()
     ids = torch.randint(0, VOCAB, (1, 12))
     pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])
-    seen = []
-    real = bt.attention
-
-    def spy(q, k, v, bias=None, **kw):
-        seen.append(bias)
-        return real(q, k, v, bias, **kw)
-
-    monkeypatch.setattr(bt, "attention", spy)
+    seen = attention_spy(bt)
     with torch.no_grad():
         ours = logits(model, "biasattn", input_ids=ids, position_ids=pos, use_cache=False)
         ref = logits(model, "sdpa", input_ids=ids, position_ids=pos, use_cache=False)
@@ -104,16 +97,9 @@ def test_packed_sequences_become_block_diagonal(monkeypatch):
     assert isinstance(seen[0], ba.BlockDiagonalMask) and seen[0].q_seqlens == [5, 3, 4]
 
 
-def test_padding_reaches_attention_as_lengths(monkeypatch):
+def test_padding_reaches_attention_as_lengths(attention_spy):
     """No dense mask: right padding arrives as PaddedKeysMask lengths with the causal band."""
-    seen = []
-    real = bt.attention
-
-    def spy(q, k, v, bias=None, **kw):
-        seen.append(bias)
-        return real(q, k, v, bias, **kw)
-
-    monkeypatch.setattr(bt, "attention", spy)
+    seen = attention_spy(bt)
     model = llama().eval()
     with torch.no_grad():
         logits(model, "biasattn", input_ids=torch.randint(0, VOCAB, RIGHT.shape), attention_mask=RIGHT)
