@@ -136,28 +136,31 @@ def measure(fn, inputs, mode: str):
 
 
 def _warm(job) -> str:
-    """Run one case's forward and backward at a small size, so its kernels land in Triton's disk cache."""
-    case_name, D, B, *index_64 = job
-    try:
-        from biasattn.ops.triton import flash
+    """Run one case's forward and backward at a small size, so its kernels land in Triton's disk cache.
 
-        flash.FORCE_INDEX_64 = bool(index_64 and index_64[0])
+    ``job`` is ``(case, D, B[, index_64[, {kernel: TileConfig}]])``."""
+    case_name, D, B, *rest = job
+    index_64 = bool(rest and rest[0])
+    forced = rest[1] if len(rest) > 1 else {}
+    try:
+        from biasattn.ops.triton import configs, flash
+
+        flash.FORCE_INDEX_64 = index_64
         case = make_case(case_name, B=B, H=2, M=512, D=D, requires_grad=True)
         bias = case.bias.to(case.q.device) if case.bias is not None else None
-        out = ba.attention(case.q, case.k, case.v, bias, op="triton")
-        out.sum().backward()
+        with configs.override(**forced):
+            out = ba.attention(case.q, case.k, case.v, bias, op="triton")
+            out.sum().backward()
         torch.cuda.synchronize()
     except Exception as e:  # reported; the sweep records the error where it matters
-        return f"{case_name} D={D} B={B}: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
+        return f"{case_name} D={D} B={B} {forced}: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
     return f"{case_name} D={D} B={B}: ok"
 
 
-def precompile(cases, head_dims, workers: int, index_64=(False,)) -> None:
-    """Compile every (case, head dim) kernel set in parallel processes (Triton compiles one kernel at a time)."""
+def _pool_map(jobs, workers: int) -> None:
     import concurrent.futures
     import multiprocessing
 
-    jobs = [(c, D, B, i) for c in cases for D in head_dims for B in ((1, 2) if c == "additive" else (2,)) for i in index_64]
     t0 = time.time()
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
@@ -165,6 +168,12 @@ def precompile(cases, head_dims, workers: int, index_64=(False,)) -> None:
             if not line.endswith(": ok"):
                 print("precompile", line, flush=True)
     print(f"precompiled {len(jobs)} kernel sets in {time.time() - t0:.0f} s", flush=True)
+
+
+def precompile(cases, head_dims, workers: int, index_64=(False,)) -> None:
+    """Compile every (case, head dim) kernel set in parallel processes (Triton compiles one kernel at a time)."""
+    jobs = [(c, D, B, i) for c in cases for D in head_dims for B in ((1, 2) if c == "additive" else (2,)) for i in index_64]
+    _pool_map(jobs, workers)
 
 
 def run_sweep(args) -> list[dict]:
@@ -306,6 +315,9 @@ def tune(args) -> None:
     """Time every candidate tile config of each kernel on the first case and print a table."""
     from biasattn.ops.triton import configs
 
+    jobs = [(c, D, 1 if c == "additive" else 2, False, {kernel: cfg}) for c in args.cases for D in args.head_dims
+            for kernel in args.kernels for cfg in configs.candidates(kernel, D)]
+    _pool_map(jobs, args.precompile or 8)
     for case_name in args.cases:
         for D in args.head_dims:
             M = args.seqlens[0]
@@ -315,7 +327,7 @@ def tune(args) -> None:
             q, k, v = case.q, case.k, case.v
             out = ba.attention(q, k, v, case.bias, op="triton")
             dout = torch.randn_like(out)
-            for kernel in ("fwd", "dkdv", "dq"):
+            for kernel in args.kernels:
                 for cfg in configs.candidates(kernel, D):
                     with configs.override(**{kernel: cfg}):
                         try:
@@ -373,6 +385,8 @@ def main(argv=None) -> int:
     p.add_argument("--render", help="only write attention.md and the PNGs from this attention.csv")
     p.add_argument("--quick", action="store_true", help="causal and no bias at M=2048, D=128")
     p.add_argument("--tune", action="store_true", help="time each kernel's candidate tile configs")
+    p.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"],
+                   help="kernels whose configs --tune times")
     p.add_argument("--ab-offsets", action="store_true", help="32-bit against 64-bit in-slice offsets (triton only)")
     args = p.parse_args(argv)
     if args.quick:
@@ -386,11 +400,11 @@ def main(argv=None) -> int:
     if args.ab_offsets:
         ab_offsets(args)
         return 0
-    if args.precompile:
-        precompile(args.cases, args.head_dims, args.precompile)
     if args.tune:
         tune(args)
         return 0
+    if args.precompile:
+        precompile(args.cases, args.head_dims, args.precompile)
     t0 = time.time()
     rows = run_sweep(args)
     write_csv(rows, args.csv_path)

@@ -113,6 +113,158 @@ def _dkdv_tile(
     return dk, dv, dcol
 
 
+@triton.jit
+def _dkdv_head(
+    dk, dv, k, v, cols, cols64, n_end, cvalid, ilo, ihi, lo, hi, full_lo, full_hi, n, a, e, pid_n, b, b64, h,
+    Q, DO, Lse, Delta, DBias, DCol, Add, Slopes, Layout, TileCount, TileIdx,
+    qk_scale, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_gb, stride_gh, stride_gm, stride_gn, stride_ab, stride_ah, stride_am, stride_an, stride_sb, stride_sh,
+    stride_lb, stride_lh, stride_lq, stride_lk, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
+    H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
+    HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr, COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INDEX_64: tl.constexpr,
+):
+    """Accumulate query head ``h``'s contribution to the program's dK/dV tile (and write its bias gradient)."""
+    h64 = h.to(tl.int64)
+    Q_base = Q + b64 * stride_qb + h64 * stride_qh
+    DO_base = DO + b64 * stride_dob + h64 * stride_doh
+    LD_off = (b64 * H + h64) * Mq
+    dcol = tl.zeros_like(cols).to(tl.float32)
+    if HAS_LAYOUT:
+        count = tl.load(TileCount + b * stride_cb + h * stride_ch + pid_n)
+        tiles = TileIdx + b64 * stride_tb + h64 * stride_th + pid_n.to(tl.int64) * stride_tp
+        for t in range(0, count):
+            m0 = tl.load(tiles + t) * BLOCK_M
+            if (m0 < hi) & (m0 + BLOCK_M > lo):
+                if LAYOUT_EXACT:  # kernel tiles lie inside layout blocks: the list settles the layout
+                    if (m0 >= full_lo) & (m0 + BLOCK_M <= full_hi):
+                        dk, dv, dcol = _dkdv_tile(
+                            dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
+                            Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
+                            Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                            False, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                        )
+                    else:
+                        dk, dv, dcol = _dkdv_tile(
+                            dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
+                            Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
+                            Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                            True, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                        )
+                else:
+                    dk, dv, dcol = _dkdv_tile(
+                        dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
+                        Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
+                        Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                        alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                        True, True, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                        BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                    )
+    else:
+        for t in range(0, a):
+            dk, dv, dcol = _dkdv_tile(
+                dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo + t * BLOCK_M, b, h, Q_base, DO_base, LD_off,
+                Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
+                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                True, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+            )
+        for t in range(a, e):
+            dk, dv, dcol = _dkdv_tile(
+                dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo + t * BLOCK_M, b, h, Q_base, DO_base, LD_off,
+                Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
+                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                False, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+            )
+        for t in range(e, n):
+            dk, dv, dcol = _dkdv_tile(
+                dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo + t * BLOCK_M, b, h, Q_base, DO_base, LD_off,
+                Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
+                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                True, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+            )
+    if COL_DBIAS:
+        tl.store(DCol + (b64 * H + h64) * Mk + cols64, dcol, mask=cvalid)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_program(
+    b, hk, G, K, V, DK, DV, QSeqStart, KvLens, BandLo, BandHi, cols, n_end, seg, pid_n,
+    stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, sm_scale,
+    Q, DO, Lse, Delta, DBias, DCol, Add, Slopes, Layout, TileCount, TileIdx,
+    qk_scale, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_gb, stride_gh, stride_gm, stride_gn, stride_ab, stride_ah, stride_am, stride_an, stride_sb, stride_sh,
+    stride_lb, stride_lh, stride_lq, stride_lk, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
+    H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
+    BLOCK_N: tl.constexpr, GQA: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr,
+    HAS_BAND: tl.constexpr, BAND_PER_SEGMENT: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
+    HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr, COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INDEX_64: tl.constexpr,
+):
+    """dK and dV of one key tile of KV head ``hk`` in batch row ``b``: loops over its query heads and tiles."""
+    b64 = b.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    if INDEX_64:
+        cols64 = cols.to(tl.int64)
+    else:
+        cols64 = cols
+    dkd = tl.arange(0, HEAD_DIM)
+    dvd = tl.arange(0, HEAD_DIM_V)
+    ilo, ihi, cvalid = _col_row_bounds(
+        cols, n_end, seg, b, Mq, QSeqStart, KvLens, BandLo, BandHi, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT
+    )
+    lo, hi, full_lo, full_hi = _span(ilo, ihi, cvalid)
+    n, a, e = _tile_split(lo, hi, full_lo, full_hi, BLOCK_M)
+    k = _load_lines(K + b64 * stride_kb + hk64 * stride_kh + cols64[:, None] * stride_kn + dkd[None, :] * stride_kd,
+                    cols, n_end, dkd, D, True, EVEN_D)
+    v = _load_lines(V + b64 * stride_vb + hk64 * stride_vh + cols64[:, None] * stride_vn + dvd[None, :] * stride_vd,
+                    cols, n_end, dvd, Dv, True, EVEN_D)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
+    if GQA:  # a runtime loop around the tile loops costs registers: only where there is a group
+        for g in range(0, G):
+            dk, dv = _dkdv_head(
+                dk, dv, k, v, cols, cols64, n_end, cvalid, ilo, ihi, lo, hi, full_lo, full_hi, n, a, e, pid_n, b, b64, hk * G + g,
+                Q, DO, Lse, Delta, DBias, DCol, Add, Slopes, Layout, TileCount, TileIdx,
+    qk_scale, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_gb, stride_gh, stride_gm, stride_gn, stride_ab, stride_ah, stride_am, stride_an, stride_sb, stride_sh,
+    stride_lb, stride_lh, stride_lq, stride_lk, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
+    H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
+                BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, HAS_ADDITIVE, HAS_ALIBI,
+    FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
+            )
+    else:
+        dk, dv = _dkdv_head(
+            dk, dv, k, v, cols, cols64, n_end, cvalid, ilo, ihi, lo, hi, full_lo, full_hi, n, a, e, pid_n, b, b64, hk,
+            Q, DO, Lse, Delta, DBias, DCol, Add, Slopes, Layout, TileCount, TileIdx,
+    qk_scale, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_gb, stride_gh, stride_gm, stride_gn, stride_ab, stride_ah, stride_am, stride_an, stride_sb, stride_sh,
+    stride_lb, stride_lh, stride_lq, stride_lk, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
+    H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
+            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, HAS_ADDITIVE, HAS_ALIBI,
+    FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
+        )
+    dk_ptrs = DK + b64 * stride_dkb + hk64 * stride_dkh + cols64[:, None] * stride_dkn + dkd[None, :] * stride_dkd
+    dv_ptrs = DV + b64 * stride_dvb + hk64 * stride_dvh + cols64[:, None] * stride_dvn + dvd[None, :] * stride_dvd
+    tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=cvalid[:, None] & (dkd[None, :] < D))
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=cvalid[:, None] & (dvd[None, :] < Dv))
+
+
 @triton.jit(do_not_specialize=["nb_loop", "nhk_loop", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift"])  # sizes that vary per call: no recompiles
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, DBias, DCol,
@@ -136,6 +288,7 @@ def _attn_bwd_dkdv_kernel(
     BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr,
     COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+    GQA: tl.constexpr, OUTER_LOOPS: tl.constexpr,
 ):
     """Grid ``(key tiles, (B / nb_loop) * (Hkv / nhk_loop))``. Writes ``DK``, ``DV`` ``[B, Hkv, Mk, D|Dv]``."""
     pid_n = tl.program_id(0)
@@ -152,104 +305,36 @@ def _attn_bwd_dkdv_kernel(
         n_end = tl.minimum(n0 + BLOCK_N, Mk)
         seg = 0
     cols = n0 + tl.arange(0, BLOCK_N)
-    if INDEX_64:
-        cols64 = cols.to(tl.int64)
+    if OUTER_LOOPS:  # a bias gradient shared by batch rows or heads: one program owns them all
+        for bi in range(0, nb_loop):
+            for hki in range(0, nhk_loop):
+                _dkdv_program(
+                    bg * nb_loop + bi, hg * nhk_loop + hki, G, K, V, DK, DV, QSeqStart, KvLens, BandLo, BandHi, cols, n_end, seg, pid_n,
+            stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+            stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, sm_scale,
+            Q, DO, Lse, Delta, DBias, DCol, Add, Slopes, Layout, TileCount, TileIdx,
+            qk_scale, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
+            stride_gb, stride_gh, stride_gm, stride_gn, stride_ab, stride_ah, stride_am, stride_an, stride_sb, stride_sh,
+            stride_lb, stride_lh, stride_lq, stride_lk, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
+            H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
+            BLOCK_N, GQA, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT,
+            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, HAS_ADDITIVE, HAS_ALIBI,
+            FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
+                )
     else:
-        cols64 = cols
-    dkd = tl.arange(0, HEAD_DIM)
-    dvd = tl.arange(0, HEAD_DIM_V)
-    for bi in range(0, nb_loop):
-        b = bg * nb_loop + bi
-        b64 = b.to(tl.int64)
-        ilo, ihi, cvalid = _col_row_bounds(
-            cols, n_end, seg, b, Mq, QSeqStart, KvLens, BandLo, BandHi, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT
+        _dkdv_program(
+            bg, hg, G, K, V, DK, DV, QSeqStart, KvLens, BandLo, BandHi, cols, n_end, seg, pid_n,
+            stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+            stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, sm_scale,
+            Q, DO, Lse, Delta, DBias, DCol, Add, Slopes, Layout, TileCount, TileIdx,
+            qk_scale, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
+            stride_gb, stride_gh, stride_gm, stride_gn, stride_ab, stride_ah, stride_am, stride_an, stride_sb, stride_sh,
+            stride_lb, stride_lh, stride_lq, stride_lk, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
+            H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
+            BLOCK_N, GQA, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT,
+            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, HAS_ADDITIVE, HAS_ALIBI,
+            FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
         )
-        lo, hi, full_lo, full_hi = _span(ilo, ihi, cvalid)
-        n, a, e = _tile_split(lo, hi, full_lo, full_hi, BLOCK_M)
-        for hki in range(0, nhk_loop):
-            hk = hg * nhk_loop + hki
-            hk64 = hk.to(tl.int64)
-            k = _load_lines(K + b64 * stride_kb + hk64 * stride_kh + cols64[:, None] * stride_kn + dkd[None, :] * stride_kd,
-                            cols, n_end, dkd, D, True, EVEN_D)
-            v = _load_lines(V + b64 * stride_vb + hk64 * stride_vh + cols64[:, None] * stride_vn + dvd[None, :] * stride_vd,
-                            cols, n_end, dvd, Dv, True, EVEN_D)
-            dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-            dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
-            for g in range(0, G):
-                h = hk * G + g
-                h64 = h.to(tl.int64)
-                Q_base = Q + b64 * stride_qb + h64 * stride_qh
-                DO_base = DO + b64 * stride_dob + h64 * stride_doh
-                LD_off = (b64 * H + h64) * Mq
-                dcol = tl.zeros([BLOCK_N], dtype=tl.float32)
-                if HAS_LAYOUT:
-                    count = tl.load(TileCount + b * stride_cb + h * stride_ch + pid_n)
-                    tiles = TileIdx + b64 * stride_tb + h64 * stride_th + pid_n.to(tl.int64) * stride_tp
-                    for t in range(0, count):
-                        m0 = tl.load(tiles + t) * BLOCK_M
-                        if (m0 < hi) & (m0 + BLOCK_M > lo):
-                            if LAYOUT_EXACT:  # kernel tiles lie inside layout blocks: the list settles the layout
-                                if (m0 >= full_lo) & (m0 + BLOCK_M <= full_hi):
-                                    dk, dv, dcol = _dkdv_tile(
-                                        dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
-                                        Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
-                                        Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                                        alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                                        False, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
-                                        BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                                    )
-                                else:
-                                    dk, dv, dcol = _dkdv_tile(
-                                        dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
-                                        Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
-                                        Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                                        alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                                        True, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
-                                        BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                                    )
-                            else:
-                                dk, dv, dcol = _dkdv_tile(
-                                    dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
-                                    Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
-                                    Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                                    alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                                    True, True, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
-                                    BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                                )
-                else:
-                    for t in range(0, a):
-                        dk, dv, dcol = _dkdv_tile(
-                            dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo + t * BLOCK_M, b, h, Q_base, DO_base, LD_off,
-                            Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
-                            Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                            True, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
-                            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                        )
-                    for t in range(a, e):
-                        dk, dv, dcol = _dkdv_tile(
-                            dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo + t * BLOCK_M, b, h, Q_base, DO_base, LD_off,
-                            Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
-                            Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                            False, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
-                            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                        )
-                    for t in range(e, n):
-                        dk, dv, dcol = _dkdv_tile(
-                            dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo + t * BLOCK_M, b, h, Q_base, DO_base, LD_off,
-                            Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
-                            Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                            True, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
-                            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                        )
-                if COL_DBIAS:
-                    tl.store(DCol + (b64 * H + h64) * Mk + cols64, dcol, mask=cvalid)
-            dk_ptrs = DK + b64 * stride_dkb + hk64 * stride_dkh + cols64[:, None] * stride_dkn + dkd[None, :] * stride_dkd
-            dv_ptrs = DV + b64 * stride_dvb + hk64 * stride_dvh + cols64[:, None] * stride_dvn + dvd[None, :] * stride_dvd
-            tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=cvalid[:, None] & (dkd[None, :] < D))
-            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=cvalid[:, None] & (dvd[None, :] < Dv))
 
 
 @triton.jit
@@ -385,24 +470,25 @@ def _attn_bwd_dq_kernel(
                         True, True, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                     )
     else:
+        lo = lo // 16 * 16  # 16-aligned tile starts: a bias row is read in 16-byte vectors
         n, a, e = _tile_split(lo, hi, full_lo, full_hi, BLOCK_N)
         for t in range(0, a):
             dq, drow = _dq_tile(
-                dq, drow, q, do, lse2, delta, rows, klo, khi, lo + t * BLOCK_N, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                dq, drow, q, do, lse2, delta, rows, klo, khi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
                 True, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
             )
         for t in range(a, e):
             dq, drow = _dq_tile(
-                dq, drow, q, do, lse2, delta, rows, klo, khi, lo + t * BLOCK_N, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                dq, drow, q, do, lse2, delta, rows, klo, khi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
                 False, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
             )
         for t in range(e, n):
             dq, drow = _dq_tile(
-                dq, drow, q, do, lse2, delta, rows, klo, khi, lo + t * BLOCK_N, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                dq, drow, q, do, lse2, delta, rows, klo, khi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
                 True, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,

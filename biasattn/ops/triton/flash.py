@@ -235,7 +235,9 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, FULL_DBIAS=plan == "full",
             DBIAS_ACCUM=nb_loop > 1 or h_bcast, COL_DBIAS=plan == "col", DOT_PRECISION=_dot_precision(q.dtype),
-            INDEX_64=index_64, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches(),
+            INDEX_64=index_64, GQA=H != Hkv, OUTER_LOOPS=nb_loop * nhk_loop > 1,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **args.switches(),
         )
 
     def run_dq(cfg: configs.TileConfig) -> None:

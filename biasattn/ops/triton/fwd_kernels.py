@@ -144,24 +144,25 @@ def _attn_fwd_kernel(
                         True, True, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                     )
     else:  # masked tiles at the span's left edge, unmasked middle, masked right edge
+        lo = lo // 16 * 16  # 16-aligned tile starts: a bias row is read in 16-byte vectors
         n, a, e = _tile_split(lo, hi, full_lo, full_hi, BLOCK_N)
         for t in range(0, a):
             acc, m_i, l_i = _fwd_tile(
-                acc, m_i, l_i, q, rows, klo, khi, lo + t * BLOCK_N, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                acc, m_i, l_i, q, rows, klo, khi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
                 True, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
             )
         for t in range(a, e):
             acc, m_i, l_i = _fwd_tile(
-                acc, m_i, l_i, q, rows, klo, khi, lo + t * BLOCK_N, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                acc, m_i, l_i, q, rows, klo, khi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
                 False, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
             )
         for t in range(e, n):
             acc, m_i, l_i = _fwd_tile(
-                acc, m_i, l_i, q, rows, klo, khi, lo + t * BLOCK_N, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                acc, m_i, l_i, q, rows, klo, khi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
                 True, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,

@@ -1,0 +1,149 @@
+"""Registers, spill stack and shared memory of the ``triton`` kernels, compiled for a GPU target on any machine.
+
+Runs the launchers on small CPU tensors with every kernel launch intercepted, compiles each launch
+for the target (default sm_90) with the installed Triton, and reads the resource usage of the cubin
+with ``cuobjdump``. No GPU is needed; the numbers are those of the installed Triton, which may
+differ from the Triton on the GPU machine.
+
+    python benchmarks/kernel_resources.py --case none --D 128
+    python benchmarks/kernel_resources.py --case causal --kernel dkdv --config 64,128,8,2 --config 32,128,4,3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+import biasattn as ba  # noqa: E402
+from biasattn.bias.spec import lower  # noqa: E402
+from biasattn.ops.triton import configs, flash  # noqa: E402
+
+
+def _biases(M: int) -> dict:
+    return {
+        "none": None,
+        "causal": ba.LowerTriangularMask(),
+        "window": ba.LocalAttentionMask(window_left=64),
+        "varlen": ba.BlockDiagonalMask.from_seqlens([M // 2, M // 4, M // 4]),
+        "padded": ba.PaddedKeysMask([M, M // 2]),
+        "alibi": "alibi",
+        "additive": "additive",
+    }
+
+
+def capture(case: str, D: int, dtype, kernel: str, cfg: configs.TileConfig) -> list[tuple]:
+    """``[(jit function, args, kwargs)]`` of the launches of one forward or backward call."""
+    B, H, M = 2, 2, 256
+    q, k, v = (torch.randn(B, H, M, D, dtype=dtype) for _ in range(3))
+    bias = _biases(M)[case]
+    if isinstance(bias, str) and bias == "additive":
+        bias = ba.AdditiveBias(torch.randn(1, H, M, M, dtype=dtype))
+    elif isinstance(bias, str) and bias == "alibi":
+        bias = ba.ALiBi(torch.rand(H))
+    spec = lower(bias, B, H, M, M)
+    launches = []
+    real_run = JITFunction.run
+
+    def fake_run(self, *args, grid, warmup, **kwargs):
+        launches.append((self, args, kwargs))
+
+    JITFunction.run = fake_run
+    try:
+        with configs.override(**{kernel: cfg}):
+            if kernel == "fwd":
+                flash.attn_fwd(q, k, v, spec, D ** -0.5)
+            else:
+                out = torch.zeros_like(q)
+                lse = torch.zeros(B, H, M)
+                flash.attn_bwd(q, k, v, out, lse, torch.zeros_like(q), None, spec, D ** -0.5, isinstance(bias, ba.AdditiveBias))
+    finally:
+        JITFunction.run = real_run
+    return launches
+
+
+def _signature(fn: JITFunction, args, kwargs) -> tuple[dict, dict, dict, dict]:
+    """Signature, constexprs, attributes and options as Triton's launcher would specialize them
+    (an integer equal to 1 becomes a constant; pointers and integers divisible by 16 say so)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    sig, constexprs, attrs, options = {}, {}, {}, {}
+    for key in ("num_warps", "num_stages"):
+        if key in kwargs:
+            options[key] = kwargs[key]
+    bound = dict(zip(fn.arg_names, args))
+    bound.update({k: v for k, v in kwargs.items() if k in fn.arg_names})
+    for i, name in enumerate(fn.arg_names):
+        value, param = bound[name], fn.params[i]
+        if param.is_constexpr:
+            constexprs[name] = value
+            sig[name] = "constexpr"
+            continue
+        kind, attr = native_specialize_impl(BaseBackend, value, False, not param.do_not_specialize,
+                                            not param.do_not_specialize_on_alignment)
+        sig[name] = kind
+        if kind == "constexpr":
+            constexprs[name] = value
+        elif attr == "D":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, constexprs, attrs, options
+
+
+def resources(fn: JITFunction, args, kwargs, arch: int) -> dict:
+    """``{"regs", "stack", "shared"}`` of one launch compiled for ``sm_<arch>``."""
+    sig, constexprs, attrs, options = _signature(fn, args, kwargs)
+    compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", arch, 32), options=options)
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        text = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([cuobjdump, "--dump-sass", f.name], capture_output=True, text=True).stdout
+    found = dict(re.findall(r"(REG|STACK|SHARED):(\d+)", text))
+    return {"regs": int(found.get("REG", 0)), "stack": int(found.get("STACK", 0)),
+            "shared": compiled.metadata.shared, "spill_ops": len(re.findall(r"\b(?:LDL|STL)\b", sass))}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--case", nargs="+", default=["none"], choices=list(_biases(8)))
+    p.add_argument("--D", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--kernel", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"])
+    p.add_argument("--config", action="append", help="block_m,block_n,num_warps,num_stages (default: the candidates)")
+    p.add_argument("--arch", type=int, default=90)
+    args = p.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    names = {"fwd": "_attn_fwd_kernel", "dkdv": "_attn_bwd_dkdv_kernel", "dq": "_attn_bwd_dq_kernel"}
+    for case in args.case:
+        for kernel in args.kernel:
+            cfgs = ([configs.TileConfig(*map(int, c.split(","))) for c in args.config] if args.config
+                    else configs.candidates(kernel, args.D))
+            for cfg in cfgs:
+                for fn, fargs, fkwargs in capture(case, args.D, dtype, kernel, cfg):
+                    if fn.__name__ != names[kernel]:
+                        continue
+                    try:
+                        r = resources(fn, fargs, fkwargs, args.arch)
+                        tile = f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+                        print(f"{case:9s} D={args.D} {kernel:5s} {tile}: {r['regs']} regs, {r['stack']} B stack, "
+                              f"{r['spill_ops']} LDL/STL, {r['shared'] // 1024} KiB shared", flush=True)
+                    except Exception as e:  # a config that does not fit is reported, not fatal
+                        print(f"{case:9s} D={args.D} {kernel:5s} {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

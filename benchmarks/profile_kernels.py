@@ -1,0 +1,84 @@
+"""Where the time of one call goes: GPU time per kernel for ``triton`` and its peers, from the profiler.
+
+For each case and provider, runs the call (forward, or forward+backward) ``--iters`` times under
+``torch.profiler`` and prints every GPU kernel's time per call, largest first, with the call's total
+GPU time and its wall time (the difference is host time the GPU waited for).
+
+    PYTHONPATH=. python benchmarks/profile_kernels.py --cases none varlen --M 2048 --mode fwd+bwd
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_attention import HEADS, TOKENS, Flex, provider_fn  # noqa: E402
+from cases import CASE_NAMES, make_case  # noqa: E402
+
+
+def _call(fn, inputs, mode):
+    if mode == "fwd":
+        return fn
+    dout = torch.randn_like(fn())
+
+    def call():
+        return torch.autograd.grad(fn(), inputs, dout)
+
+    return call
+
+
+def profile_call(call, iters: int) -> tuple[list[tuple[str, float, int]], float]:
+    """``([(kernel, µs per call, launches per call)], wall µs per call)``."""
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            call()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / iters * 1e6
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if t > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
+            rows.append((e.key, t / iters, round(e.count / iters)))
+    return sorted(rows, key=lambda r: -r[1]), wall
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", nargs="+", default=["none", "causal", "varlen", "block_sparse"], choices=CASE_NAMES)
+    p.add_argument("--providers", nargs="+", default=["triton", "flex"])
+    p.add_argument("--M", type=int, default=2048)
+    p.add_argument("--D", type=int, default=128)
+    p.add_argument("--modes", nargs="+", default=["fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args(argv)
+    flex = Flex() if "flex" in args.providers else None
+    for case_name, mode in itertools.product(args.cases, args.modes):
+        case = make_case(case_name, B=max(1, TOKENS // args.M), H=HEADS, M=args.M, D=args.D, requires_grad=mode != "fwd")
+        inputs = [case.q, case.k, case.v]
+        if case.name == "additive" and mode != "fwd":
+            inputs.append(case.dense_mask())
+        for name in args.providers:
+            fn = provider_fn(name, case, flex)
+            if fn is None:
+                continue
+            rows, wall = profile_call(_call(fn, inputs, mode), args.iters)
+            total = sum(r[1] for r in rows)
+            print(f"\n== {case_name} M={args.M} D={args.D} {mode} {name}: GPU {total:.0f} µs, wall {wall:.0f} µs per call")
+            for key, us, count in rows[:12]:
+                print(f"  {us:9.1f} µs  x{count:<3d} {key[:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
