@@ -53,6 +53,64 @@ def profile_call(call, iters: int) -> tuple[list[tuple[str, float, int]], float]
     return sorted(rows, key=lambda r: -r[1]), wall
 
 
+def host_time(call, iters: int = 30) -> float:
+    """µs of host time per call: calls queued while the GPU is still busy with earlier work."""
+    call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        call()
+    host = (time.perf_counter() - t0) / iters * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def host_profile(call, iters: int = 30, top: int = 25) -> None:
+    """Print the functions with the most host time over ``iters`` calls (``cProfile``)."""
+    import cProfile
+    import pstats
+
+    call()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
+def sync_check(call) -> int:
+    """Run ``call`` twice with CUDA's sync debug mode on; print each synchronizing operation with its stack."""
+    import traceback
+    import warnings
+
+    call()
+    torch.cuda.synchronize()
+    seen = []
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        seen.append(f"{message}\n" + "".join(traceback.format_stack(limit=14)[:-2]))
+
+    saved = warnings.showwarning
+    warnings.showwarning = show
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            for _ in range(2):
+                call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = saved
+    torch.cuda.synchronize()
+    for s in seen:
+        print("SYNC", s)
+    return len(seen)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", default=["none", "causal", "varlen", "block_sparse"], choices=CASE_NAMES)
@@ -61,6 +119,8 @@ def main(argv=None) -> int:
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--modes", nargs="+", default=["fwd+bwd"], choices=["fwd", "fwd+bwd"])
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--host-profile", action="store_true", help="also print cProfile's top host functions per call")
+    p.add_argument("--sync-check", action="store_true", help="also report operations that synchronize with the GPU")
     args = p.parse_args(argv)
     flex = Flex() if "flex" in args.providers else None
     for case_name, mode in itertools.product(args.cases, args.modes):
@@ -72,9 +132,16 @@ def main(argv=None) -> int:
             fn = provider_fn(name, case, flex)
             if fn is None:
                 continue
-            rows, wall = profile_call(_call(fn, inputs, mode), args.iters)
+            call = _call(fn, inputs, mode)
+            rows, wall = profile_call(call, args.iters)
             total = sum(r[1] for r in rows)
-            print(f"\n== {case_name} M={args.M} D={args.D} {mode} {name}: GPU {total:.0f} µs, wall {wall:.0f} µs per call")
+            host = host_time(call)
+            print(f"\n== {case_name} M={args.M} D={args.D} {mode} {name}: GPU {total:.0f} µs, "
+                  f"wall {wall:.0f} µs, host {host:.0f} µs per call")
+            if args.host_profile:
+                host_profile(call)
+            if args.sync_check:
+                print(f"   synchronizing operations in two calls: {sync_check(call)}")
             for key, us, count in rows[:12]:
                 print(f"  {us:9.1f} µs  x{count:<3d} {key[:110]}")
     return 0
