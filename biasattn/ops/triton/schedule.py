@@ -68,45 +68,47 @@ def _segment_programs(starts: tuple[int, ...], ends: tuple[int, ...], total: int
     return tuple(progs[n] for n in idx)
 
 
-_DEVICE_TABLES: dict = {}
+_SEGMENTED: dict = {}
 
 
-def _to_device(key, progs, device) -> torch.Tensor:
+def _segmented(key, progs, device) -> Schedule:
+    """The schedule of ``progs``, its table copied to ``device`` once per key (a bounded cache)."""
     k = (key, str(device))
-    t = _DEVICE_TABLES.get(k)
-    if t is None:
-        if len(_DEVICE_TABLES) > 64:
-            _DEVICE_TABLES.clear()
-        t = torch.tensor(progs, dtype=torch.int32).reshape(-1, 3).to(device)
-        _DEVICE_TABLES[k] = t
-    return t
+    sched = _SEGMENTED.get(k)
+    if sched is None:
+        if len(_SEGMENTED) > 64:
+            _SEGMENTED.clear()
+        table = torch.tensor(progs, dtype=torch.int32).reshape(-1, 3).to(device)
+        sched = Schedule(len(progs), table, tuple(p[0] for p in progs), tuple(p[1] for p in progs))
+        _SEGMENTED[k] = sched
+    return sched
+
+
+@functools.lru_cache(maxsize=256)
+def _regular(total: int, block: int) -> Schedule:
+    starts = tuple(range(0, total, block))
+    return Schedule(cdiv(total, block), None, starts, tuple(min(a + block, total) for a in starts))
 
 
 def query_schedule(spec: BiasSpec, block_m: int, device) -> Schedule:
     """Query-tile programs: the regular grid, or per-segment tiles when the spec has segments."""
     if spec.q_seqstart is None:
-        n = cdiv(spec.Mq, block_m)
-        starts = tuple(range(0, spec.Mq, block_m))
-        return Schedule(n, None, starts, tuple(min(a + block_m, spec.Mq) for a in starts))
+        return _regular(spec.Mq, block_m)
     h = spec.host
     qs = h.q_seqstart
     progs = _segment_programs(tuple(qs[:-1]), tuple(qs[1:]), spec.Mq, block_m, tuple(h.k_seqlen))
-    table = _to_device(("q", qs, spec.Mq, block_m, h.k_seqlen), progs, device)
-    return Schedule(len(progs), table, tuple(p[0] for p in progs), tuple(p[1] for p in progs))
+    return _segmented(("q", qs, spec.Mq, block_m, h.k_seqlen), progs, device)
 
 
 def key_schedule(spec: BiasSpec, block_n: int, device) -> Schedule:
     """Key-tile programs: the regular grid, or per-segment tiles when the spec has segments."""
     if spec.q_seqstart is None:
-        n = cdiv(spec.Mk, block_n)
-        starts = tuple(range(0, spec.Mk, block_n))
-        return Schedule(n, None, starts, tuple(min(a + block_n, spec.Mk) for a in starts))
+        return _regular(spec.Mk, block_n)
     h = spec.host
     qs, ks, kl = h.q_seqstart, h.k_seqstart, h.k_seqlen
     ends = tuple(a + n for a, n in zip(ks, kl))
     progs = _segment_programs(tuple(ks), ends, spec.Mk, block_n, tuple(b - a for a, b in zip(qs, qs[1:])))
-    table = _to_device(("k", ks, kl, qs, spec.Mk, block_n), progs, device)
-    return Schedule(len(progs), table, tuple(p[0] for p in progs), tuple(p[1] for p in progs))
+    return _segmented(("k", ks, kl, qs, spec.Mk, block_n), progs, device)
 
 
 def segments_disjoint(spec: BiasSpec) -> bool:
