@@ -74,6 +74,8 @@ class AttentionInputs:
 
     def with_tensors(self, q, k, v, additive) -> AttentionInputs:
         """Same inputs with the tensors replaced (inside autograd functions)."""
+        if q is self.q and k is self.k and v is self.v and additive is self.spec.additive:
+            return self
         spec = self.spec if additive is self.spec.additive else replace(self.spec, additive=additive)
         return replace(self, q=q, k=k, v=v, spec=spec)
 

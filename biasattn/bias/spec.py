@@ -62,6 +62,9 @@ class BiasSpec:
     alibi_slopes: torch.Tensor | None = None
     alibi_shift: int = 0
     host: SpecHost = field(default_factory=SpecHost)
+    # What an operator derives from this spec for its launches (filled on first use, never copied by
+    # dataclasses.replace): the backward of a call reuses what its forward built.
+    derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def features(self) -> frozenset[str]:

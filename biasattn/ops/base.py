@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..inputs import AttentionInputs
+from .common import cuda_capability
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -63,7 +64,7 @@ class Operator:
         if dev.type not in self.DEVICES:
             reasons.append(f"runs on {'/'.join(sorted(self.DEVICES))} tensors, the inputs are on {dev}")
         elif dev.type == "cuda" and self.MIN_CAPABILITY > (0, 0):
-            cap = torch.cuda.get_device_capability(dev)
+            cap = cuda_capability(dev)
             if cap < self.MIN_CAPABILITY:
                 need = ".".join(map(str, self.MIN_CAPABILITY))
                 reasons.append(f"needs compute capability {need}+, the device has {cap[0]}.{cap[1]}")

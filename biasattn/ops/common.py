@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -35,3 +37,14 @@ def dropout_keep(seed: int, tile: tuple[int, int], shape, p: float, device) -> t
 def new_seed() -> int:
     """A dropout seed drawn from torch's default CPU generator (so torch.manual_seed reproduces it)."""
     return int(torch.randint(0, 2**62, (1,)).item())
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability of a CUDA device, read once per device (it is asked on every call)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..common import cuda_capability
+
 
 @dataclass(frozen=True)
 class TileConfig:
@@ -90,7 +92,7 @@ def choose(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.device,
     if device.type != "cuda" or interpreted():
         return INTERPRETER_CONFIG
     cands = _candidates_for(kernel, head_dim, dtype, features)
-    key = (kernel, head_dim, dtype, torch.cuda.get_device_capability(device), features)
+    key = (kernel, head_dim, dtype, cuda_capability(device), features)
     if key in _tuned:
         return _tuned[key]
     if run is None or os.environ.get("BIASATTN_TRITON_TUNE", "0") != "1":
@@ -118,7 +120,7 @@ def launch(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.device,
         return cfg
     from triton.runtime.errors import OutOfResources
 
-    key = (kernel, head_dim, dtype, torch.cuda.get_device_capability(device), features)
+    key = (kernel, head_dim, dtype, cuda_capability(device), features)
     cfg = _tuned.get(key, cfg)
     rest = [c for c in _candidates_for(kernel, head_dim, dtype, features) if c != cfg]
     for attempt in [cfg, *rest]:

@@ -51,17 +51,17 @@ def _pow2(n: int) -> int:
     return max(16, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
-def _features(spec: BiasSpec) -> tuple:
-    return tuple(sorted(spec.features))
-
-
 class _SpecArgs:
     """The spec's device tensors (dummies where absent) and constexpr switches, shared by every kernel."""
 
-    def __init__(self, spec: BiasSpec, B: int, H: int, device):
+    def __init__(self, spec: BiasSpec, device):
+        B, H = spec.B, spec.H
         d32 = _dummy(device)
         i32 = dict(device=device, dtype=torch.int32)
         self.spec = spec
+        self.d32 = d32
+        self.f32 = _dummy(device, torch.float32)
+        self.features = tuple(sorted(spec.features))
         self.has_segments = spec.q_seqstart is not None
         self.qs = spec.q_seqstart.to(**i32) if self.has_segments else d32
         self.ks = spec.k_seqstart.to(**i32) if self.has_segments else d32
@@ -82,27 +82,26 @@ class _SpecArgs:
             self.layout = _dummy(device, torch.uint8)
             self.layout_strides = (0, 0, 0, 0)
         self.has_additive = spec.additive is not None
-        self.add = spec.additive if self.has_additive else _dummy(device, torch.float32)
+        self.add = spec.additive if self.has_additive else self.f32
         self.add_strides = _bcast_strides(spec.additive, (B, H, spec.Mq, spec.Mk))
+        self.add_span = (spec.Mq - 1) * abs(self.add_strides[2]) + (spec.Mk - 1) * abs(self.add_strides[3])
         self.has_alibi = spec.alibi_slopes is not None
         f32 = torch.float32
-        self.slopes = spec.alibi_slopes.to(device=device, dtype=f32) if self.has_alibi else _dummy(device, f32)
+        self.slopes = spec.alibi_slopes.to(device=device, dtype=f32) if self.has_alibi else self.f32
         self.slope_strides = _bcast_strides(spec.alibi_slopes, (B, H)) if self.has_alibi else (0, 0)
         self.block_q = spec.block_q or 1
         self.block_k = spec.block_k or 1
-
-    def switches(self) -> dict:
-        return dict(
+        self.switches = dict(
             HAS_SEGMENTS=self.has_segments, HAS_PADDED=self.has_padded, HAS_BAND=self.has_band,
             BAND_PER_SEGMENT=self.band_per_segment, HAS_LAYOUT=self.has_layout,
             HAS_ADDITIVE=self.has_additive, HAS_ALIBI=self.has_alibi,
         )
 
-    def tile_lists(self, sched, block_other: int, along_keys: bool, B: int, H: int, device):
+    def tile_lists(self, sched, block_other: int, along_keys: bool, device):
         """``(count, index, count strides (b, h), index strides (b, h, program), exact)`` for the layout."""
         if not self.has_layout:
-            d = _dummy(device)
-            return d, d, (0, 0), (0, 0, 0), True
+            return self.d32, self.d32, (0, 0), (0, 0, 0), True
+        B, H = self.spec.B, self.spec.H
         count, index = schedule.layout_tile_lists(self.spec, sched, block_other, along_keys, device)
         cs = _bcast_strides(count, (B, H, count.shape[2]))[:2]
         ts = _bcast_strides(index, (B, H, index.shape[2], index.shape[3]))[:3]
@@ -110,12 +109,20 @@ class _SpecArgs:
         return count, index, cs, ts, exact
 
 
-def _slice_span(t: torch.Tensor | None, strides=None) -> int:
+def _spec_args(spec: BiasSpec, device) -> _SpecArgs:
+    """The launch arguments of ``spec``, built once per spec and device (a backward reuses its forward's)."""
+    key = ("triton", str(device))
+    args = spec.derived.get(key)
+    if args is None:
+        args = spec.derived[key] = _SpecArgs(spec, device)
+    return args
+
+
+def _slice_span(t: torch.Tensor) -> int:
     """Largest element offset inside one (batch, head) slice of ``t`` (dims 2 and 3)."""
-    if t is None:
-        return 0
-    strides = t.stride() if strides is None else strides
-    return sum((n - 1) * abs(st) for n, st in zip(t.shape[2:], strides[2:]) if n > 0)
+    _, _, m, d = t.shape
+    _, _, sm, sd = t.stride()
+    return max(m - 1, 0) * abs(sm) + max(d - 1, 0) * abs(sd)
 
 
 def _index_64(*spans: int) -> bool:
@@ -137,18 +144,17 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
         return out, lse
     if Mk == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    args = _SpecArgs(spec, B, H, q.device)
+    args = _spec_args(spec, q.device)
     hd, hdv = _pow2(D), _pow2(Dv)
-    add_span = (Mq - 1) * abs(args.add_strides[2]) + (Mk - 1) * abs(args.add_strides[3])
-    index_64 = _index_64(_slice_span(q), _slice_span(k), _slice_span(v), _slice_span(out), add_span)
+    index_64 = _index_64(_slice_span(q), _slice_span(k), _slice_span(v), _slice_span(out), args.add_span)
 
     def run(cfg: configs.TileConfig) -> None:
         sched = schedule.query_schedule(spec, cfg.block_m, q.device)
-        count, index, cs, ts, exact = args.tile_lists(sched, cfg.block_n, True, B, H, q.device)
+        count, index, cs, ts, exact = args.tile_lists(sched, cfg.block_n, True, q.device)
         _attn_fwd_kernel[(sched.n, B * H)](
             q, k, v, out, lse,
             args.add, args.slopes, args.layout, args.qs, args.ks, args.kl, args.kv, args.band_lo, args.band_hi,
-            sched.table if sched.table is not None else _dummy(q.device), count, index,
+            sched.table if sched.table is not None else args.d32, count, index,
             scale * LOG2E,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *args.add_strides, *args.slope_strides,
             *args.layout_strides, *cs, *ts,
@@ -156,10 +162,10 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=(D == hd and Dv == hdv),
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, DOT_PRECISION=_dot_precision(q.dtype),
-            INDEX_64=index_64, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches(),
+            INDEX_64=index_64, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
         )
 
-    configs.launch("fwd", max(hd, hdv), q.dtype, q.device, _features(spec), run)
+    configs.launch("fwd", max(hd, hdv), q.dtype, q.device, args.features, run)
     return out, lse
 
 
@@ -190,19 +196,19 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     if B * H * Mq == 0 or Mk == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
         return dq, dk, dv, (torch.zeros_like(add) if need_dbias else None)
-    args = _SpecArgs(spec, B, H, dev)
+    args = _spec_args(spec, dev)
     hd, hdv = _pow2(D), _pow2(Dv)
     even = D == hd and Dv == hdv
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     delta = torch.empty((B, H, Mq), dtype=torch.float32, device=dev)
-    dlse_t = dlse.to(torch.float32).contiguous() if dlse is not None else _dummy(dev, torch.float32)
+    dlse_t = dlse.to(torch.float32).contiguous() if dlse is not None else args.f32
     pre_bm = 16 if INTERPRETED else 64
     _attn_bwd_preprocess_kernel[(triton.cdiv(Mq, pre_bm), B * H)](
         out, dout, dlse_t, delta, *out.stride(), *dout.stride(), H, Mq, Dv,
         BLOCK_M=pre_bm, HEAD_DIM_V=hdv, HAS_DLSE=dlse is not None,
     )
     plan = _dbias_plan(add, B, H, Mq, Mk) if need_dbias else None
-    d32 = _dummy(dev, torch.float32)
+    d32 = args.f32
     dbias = torch.zeros(add.shape, dtype=torch.float32, device=dev) if plan == "full" else d32
     dcol = torch.zeros((B, H, Mk), dtype=torch.float32, device=dev) if plan == "col" else d32
     drow = torch.zeros((B, H, Mq), dtype=torch.float32, device=dev) if plan == "row" else d32
@@ -213,21 +219,23 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     common = (
         *args.add_strides, *args.slope_strides, *args.layout_strides,
     )
-    add_span = (Mq - 1) * abs(args.add_strides[2]) + (Mk - 1) * abs(args.add_strides[3])
     g_span = (Mq - 1) * abs(g_strides[2]) + (Mk - 1) * abs(g_strides[3])
-    index_64 = _index_64(*(_slice_span(t) for t in (q, k, v, out, dout, dq, dk, dv)), add_span, g_span)
-    feats = _features(spec) + ((plan,) if plan else ())
+    index_64 = _index_64(
+        _slice_span(q), _slice_span(k), _slice_span(v), _slice_span(out), _slice_span(dout), _slice_span(dq),
+        _slice_span(dk), _slice_span(dv), args.add_span, g_span,
+    )
+    feats = args.features + ((plan,) if plan else ())
 
     def run_dkdv(cfg: configs.TileConfig) -> None:
         if plan == "full" and nb_loop * nhk_loop > 1:
             dbias.zero_()
         sched = schedule.key_schedule(spec, cfg.block_n, dev)
-        count, index, cs, ts, exact = args.tile_lists(sched, cfg.block_m, False, B, H, dev)
+        count, index, cs, ts, exact = args.tile_lists(sched, cfg.block_m, False, dev)
         grid = (sched.n, (B // nb_loop) * (Hkv // nhk_loop))
         _attn_bwd_dkdv_kernel[grid](
             q, k, v, dout, lse, delta, dk, dv, dbias, dcol,
             args.add, args.slopes, args.layout, args.qs, args.kv, args.band_lo, args.band_hi,
-            sched.table if sched.table is not None else _dummy(dev), count, index,
+            sched.table if sched.table is not None else args.d32, count, index,
             scale * LOG2E, scale,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(), *g_strides, *common, *cs, *ts,
             H, H // Hkv, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop,
@@ -237,16 +245,16 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             DBIAS_ACCUM=nb_loop > 1 or h_bcast, COL_DBIAS=plan == "col", DOT_PRECISION=_dot_precision(q.dtype),
             INDEX_64=index_64, GQA=H != Hkv, OUTER_LOOPS=nb_loop * nhk_loop > 1,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **args.switches(),
+            **args.switches,
         )
 
     def run_dq(cfg: configs.TileConfig) -> None:
         sched = schedule.query_schedule(spec, cfg.block_m, dev)
-        count, index, cs, ts, exact = args.tile_lists(sched, cfg.block_n, True, B, H, dev)
+        count, index, cs, ts, exact = args.tile_lists(sched, cfg.block_n, True, dev)
         _attn_bwd_dq_kernel[(sched.n, B * H)](
             q, k, v, dout, lse, delta, dq, drow,
             args.add, args.slopes, args.layout, args.ks, args.kl, args.kv, args.band_lo, args.band_hi,
-            sched.table if sched.table is not None else _dummy(dev), count, index,
+            sched.table if sched.table is not None else args.d32, count, index,
             scale * LOG2E, scale,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *common, *cs, *ts,
             H, H // Hkv, Mq, Mk, D, Dv, sched.n,
@@ -254,7 +262,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, ROW_DBIAS=plan == "row",
             DOT_PRECISION=_dot_precision(q.dtype), INDEX_64=index_64,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
         )
 
     hmax = max(hd, hdv)

@@ -128,11 +128,16 @@ def segments_disjoint(spec: BiasSpec) -> bool:
 
 def layout_exact(spec: BiasSpec, sched: Schedule, block_other: int, along_keys: bool) -> bool:
     """True when every (program, tile) pair lies inside one layout block (no element mask needed)."""
-    bq, bk, qo, ko = spec.block_q, spec.block_k, spec.layout_q_off, spec.layout_k_off
+    return _layout_exact(spec.block_q, spec.block_k, spec.layout_q_off, spec.layout_k_off, spec.Mq, spec.Mk,
+                         sched, block_other, along_keys)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_exact(bq, bk, qo, ko, Mq, Mk, sched: Schedule, block_other: int, along_keys: bool) -> bool:
     if along_keys:  # programs over queries, tiles over keys
-        pb, po, tb, to, tlen = bq, qo, bk, ko, spec.Mk
+        pb, po, tb, to, tlen = bq, qo, bk, ko, Mk
     else:
-        pb, po, tb, to, tlen = bk, ko, bq, qo, spec.Mq
+        pb, po, tb, to, tlen = bk, ko, bq, qo, Mq
     for a, e in zip(sched.starts, sched.ends):
         if e > a and (a + po) // pb != (e - 1 + po) // pb:
             return False

@@ -1,0 +1,138 @@
+"""Host time of one attention call, layer by layer, on shapes so small that the GPU never waits.
+
+Each layer is timed as the mean over many back-to-back calls with one synchronization at the end;
+with tiny tensors every kernel finishes before the host issues the next, so the figure is the host
+cost of that layer and everything beneath it:
+
+- ``launch fwd`` / ``launch bwd``: the Triton launchers (:mod:`biasattn.ops.triton.flash`);
+- ``custom op fwd``: the ``torch.library`` op around the forward launcher (what traced code calls);
+- ``operator fwd``: the ``triton`` operator's ``fwd`` (eager: the launcher itself);
+- ``attention fwd``: :func:`biasattn.attention` without gradients, forced and dispatched;
+- ``attention fwd+bwd``: the same with ``torch.autograd.grad``;
+- ``sdpa ...``: torch's SDPA flash backend on the same shapes, for scale.
+
+    PYTHONPATH=. python benchmarks/host_overhead.py --cases none causal varlen --profile causal
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import biasattn as ba
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cases import CASE_NAMES, make_case  # noqa: E402
+
+
+def per_call_us(call, iters: int) -> float:
+    """Mean µs per call over ``iters`` back-to-back calls (after a warm-up)."""
+    for _ in range(10):
+        call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def layers(case) -> dict:
+    """``{layer name: zero-argument call}`` for one case."""
+    from biasattn.inputs import make_inputs
+    from biasattn.ops.triton import flash
+    from biasattn.ops.triton_flash import TritonOperator, _spec_to_args, triton_flash_fwd
+
+    q, k, v = case.q, case.k, case.v
+    bias = case.bias.to(q.device) if case.bias is not None else None
+    inp = make_inputs(q, k, v, bias, requires_grad=False)
+    spec, scale = inp.spec, inp.scale
+    out, lse = flash.attn_fwd(q, k, v, spec, scale)
+    dout = torch.randn_like(out)
+    op = TritonOperator()
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def fwd_bwd(**kw):
+        o = ba.attention(qg, kg, vg, bias, **kw)
+        return torch.autograd.grad(o, (qg, kg, vg), dout)
+
+    calls = {
+        "launch fwd": lambda: flash.attn_fwd(q, k, v, spec, scale),
+        "launch bwd": lambda: flash.attn_bwd(q, k, v, out, lse, dout, None, spec, scale, False),
+        "custom op fwd": lambda: triton_flash_fwd(q, k, v, *_spec_to_args(spec), scale),
+        "operator fwd": lambda: op.fwd(inp),
+        "attention fwd (op=triton)": lambda: ba.attention(q, k, v, bias, op="triton"),
+        "attention fwd (dispatched)": lambda: ba.attention(q, k, v, bias),
+        "attention fwd+bwd (op=triton)": lambda: fwd_bwd(op="triton"),
+        "attention fwd+bwd (dispatched)": lambda: fwd_bwd(),
+    }
+    def fwd_with_graph():
+        return ba.attention(qg, kg, vg, bias, op="triton")
+
+    def single_threaded():
+        with torch.autograd.set_multithreading_enabled(False):
+            return fwd_bwd(op="triton")
+
+    calls["attention fwd with grad (op=triton)"] = fwd_with_graph
+    calls["attention fwd+bwd, backward on the caller's thread"] = single_threaded
+    if case.name in ("none", "causal"):
+        def sdpa_fwd_bwd():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=case.is_causal)
+            return torch.autograd.grad(o, (qg, kg, vg), dout)
+
+        def sdpa_fwd():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=case.is_causal)
+
+        calls["sdpa flash fwd"] = sdpa_fwd
+        calls["sdpa flash fwd+bwd"] = sdpa_fwd_bwd
+    return calls
+
+
+def profile(call, iters: int, top: int) -> None:
+    """cProfile of ``iters`` calls: the top functions by own time and by cumulative time."""
+    import cProfile
+    import pstats
+
+    call()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        call()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", nargs="+", default=["none", "causal", "varlen", "block_sparse", "additive"], choices=CASE_NAMES)
+    p.add_argument("--M", type=int, default=256)
+    p.add_argument("--D", type=int, default=128)
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--profile", nargs="*", default=[], choices=CASE_NAMES, help="cases to also profile (fwd+bwd)")
+    p.add_argument("--top", type=int, default=30)
+    args = p.parse_args(argv)
+    for name in args.cases:
+        case = make_case(name, B=1, H=2, M=args.M, D=args.D, docs=(2, 4))
+        print(f"\n== {name}, B=1 H=2 M={args.M} D={args.D} bf16: host µs per call")
+        calls = layers(case)
+        for layer, call in calls.items():
+            print(f"  {per_call_us(call, args.iters):8.1f}  {layer}")
+        if name in args.profile:
+            profile(calls["attention fwd+bwd (op=triton)"], args.iters // 4, args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
