@@ -29,6 +29,7 @@ import biasattn as ba
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cases import CASE_NAMES, make_case  # noqa: E402
+from profile_kernels import host_profile  # noqa: E402
 
 
 def per_call_us(call, iters: int) -> float:
@@ -96,24 +97,6 @@ def layers(case) -> dict:
     return calls
 
 
-def profile(call, iters: int, top: int) -> None:
-    """cProfile of ``iters`` calls: the top functions by own time and by cumulative time."""
-    import cProfile
-    import pstats
-
-    call()
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(iters):
-        call()
-    torch.cuda.synchronize()
-    prof.disable()
-    stats = pstats.Stats(prof)
-    stats.sort_stats("tottime").print_stats(top)
-    stats.sort_stats("cumulative").print_stats(top)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", default=["none", "causal", "varlen", "block_sparse", "additive"], choices=CASE_NAMES)
@@ -130,7 +113,7 @@ def main(argv=None) -> int:
         for layer, call in calls.items():
             print(f"  {per_call_us(call, args.iters):8.1f}  {layer}")
         if name in args.profile:
-            profile(calls["attention fwd+bwd (op=triton)"], args.iters // 4, args.top)
+            host_profile(calls["attention fwd+bwd (op=triton)"], args.iters // 4, args.top)
     return 0
 
 
