@@ -48,6 +48,9 @@ MATH_LIMIT_BYTES = 4 * 2**30
 
 
 def _git_commit() -> str:
+    """The commit measured: ``BIASATTN_COMMIT`` when set (a copy of the tree without its history), else git's."""
+    if os.environ.get("BIASATTN_COMMIT"):
+        return os.environ["BIASATTN_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
     except Exception:

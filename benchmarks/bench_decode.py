@@ -206,6 +206,9 @@ def plot(rows, path):
 
 
 def _git_commit() -> str:
+    """The commit measured: ``BIASATTN_COMMIT`` when set (a copy of the tree without its history), else git's."""
+    if os.environ.get("BIASATTN_COMMIT"):
+        return os.environ["BIASATTN_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:

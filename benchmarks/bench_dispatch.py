@@ -22,7 +22,6 @@ import argparse
 import csv
 import datetime
 import os
-import subprocess
 import sys
 import time
 import warnings
@@ -198,10 +197,9 @@ def summarize(rows) -> str:
 
 
 def _commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
+    from bench_attention import _git_commit
+
+    return _git_commit()
 
 
 def main(argv=None) -> None:
