@@ -15,12 +15,12 @@ from .errors import NotSupportedError
 from .inputs import AttentionInputs
 from .ops.base import Operator
 
-# Measured on the H200 (benchmarks/results/h200/dispatch.md, bf16, D=128, B·S=16384): cudnn is fastest
-# wherever it runs (no mask, causal, additive bias forward); triton beats flash2 (no mask, causal,
-# window, padded keys) except on packed segments, and its backward beats cutlass's with a bias
-# gradient. ``priority`` applies the segment exception and keeps triton_splitk for decode shapes.
-# Run at 7a8435a: flash2's window forward+backward (1.78 ms) edged triton's (1.96 ms), whose sub-2 ms
-# calls are bound by host time; the order stays until triton's host path is cut (benchmarks/NOTES.md).
+# Measured on the H200 (benchmarks/results/h200/dispatch.md, bf16, D=128, B·S=16384, S=2048 and 8192,
+# commit 185889f): cudnn is fastest wherever it runs (no mask, causal, additive bias forward); triton
+# beats flash2 everywhere both run (window 0.33 vs 0.48 ms forward, 1.31 vs 1.79 ms forward+backward;
+# packed varlen 0.28 vs 0.33 ms and 1.01 vs 1.24 ms), and its backward beats cutlass's with a bias
+# gradient. ``priority`` keeps triton_splitk for decode shapes. (At 7a8435a flash2 was first on
+# packed segments; triton's host time per call has since been cut, see benchmarks/NOTES.md.)
 PRIORITY: dict[str, tuple[str, ...]] = {
     "cuda": ("triton_splitk", "cudnn", "triton", "flash2", "cutlass", "chunked", "reference"),
     "cpu": ("chunked", "reference"),
@@ -30,19 +30,15 @@ SPLITK_MAX_MQ = 16  # triton_splitk is a decode kernel: only tried first for seq
 
 
 def priority(device_type: str, inp: AttentionInputs | None = None) -> tuple[str, ...]:
-    """``PRIORITY[device_type]`` adjusted to the inputs by the measured exceptions (see the comment above)."""
+    """``PRIORITY[device_type]`` adjusted to the inputs: ``triton_splitk`` is tried first only for decode shapes."""
     order = list(PRIORITY.get(device_type, DEFAULT_PRIORITY))
     if inp is None or device_type != "cuda":
         return tuple(order)
     qs = inp.spec.host.q_seqstart
     longest = max((b - a for a, b in zip(qs, qs[1:])), default=0) if qs is not None else inp.Mq
-    segments = inp.spec.q_seqstart is not None
     if longest > SPLITK_MAX_MQ and "triton_splitk" in order:  # not a decode shape: try it last of the compiled ops
         order.remove("triton_splitk")
         order.insert(order.index("cutlass") + 1 if "cutlass" in order else len(order), "triton_splitk")
-    if segments and {"flash2", "triton"} <= set(order):  # packed varlen: FlashAttention-2 first
-        order.remove("flash2")
-        order.insert(order.index("triton"), "flash2")
     return tuple(order)
 
 _allowed: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("biasattn_allowed_ops", default=None)
