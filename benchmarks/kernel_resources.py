@@ -38,6 +38,7 @@ def _biases(M: int) -> dict:
         "window": ba.LocalAttentionMask(window_left=64),
         "varlen": ba.BlockDiagonalMask.from_seqlens([M // 2, M // 4, M // 4]),
         "padded": ba.PaddedKeysMask([M, M // 2]),
+        "block_sparse": "block_sparse",
         "alibi": "alibi",
         "additive": "additive",
     }
@@ -50,6 +51,8 @@ def capture(case: str, D: int, dtype, kernel: str, cfg: configs.TileConfig) -> l
     bias = _biases(M)[case]
     if isinstance(bias, str) and bias == "additive":
         bias = ba.AdditiveBias(torch.randn(1, H, M, M, dtype=dtype))
+    elif isinstance(bias, str) and bias == "block_sparse":
+        bias = ba.BlockSparseMask(torch.rand(1, H, M // 128, M // 128) < 0.5, 128)
     elif isinstance(bias, str) and bias == "alibi":
         bias = ba.ALiBi(torch.rand(H))
     spec = lower(bias, B, H, M, M)

@@ -173,6 +173,25 @@ def test_block_sparse(layout_shape, block):
     check(*qkv(B=2, Hq=2, Hkv=1, Mq=Mq, Mk=Mk), const(ba.BlockSparseMask(layout, block)))
 
 
+def test_block_sparse_list_only(monkeypatch):
+    """Layout alone, kernel tiles inside its blocks, lengths in whole tiles: the branch-free list loops."""
+    from biasattn.ops.triton import flash
+
+    taken = []
+    real = flash._SpecArgs.tile_lists
+
+    def spy(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        taken.append(out[-1])
+        return out
+
+    monkeypatch.setattr(flash._SpecArgs, "tile_lists", spy)
+    layout = (torch.rand((2, 2, 3, 4), generator=torch.Generator().manual_seed(2)) < 0.5).to(DEVICE)
+    layout[..., 0, 0] = False  # a query block that sees nothing in some heads
+    check(*qkv(B=2, Hq=2, Hkv=1, Mq=48, Mk=64), const(ba.BlockSparseMask(layout, 16)))
+    assert len(taken) == 3 and all(taken)  # forward, dK/dV and dQ
+
+
 @pytest.mark.parametrize(
     "shape",
     [(2, 2, 37, 45), (1, 2, 37, 45), (2, 1, 37, 45), (1, 1, 37, 45), (2, 2, 1, 45), (1, 2, 37, 1), (1, 1, 1, 1)],

@@ -122,7 +122,7 @@ def _dkdv_head(
     stride_lb, stride_lh, stride_lq, stride_lk, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
     H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
     FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr, COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INDEX_64: tl.constexpr,
 ):
@@ -135,37 +135,49 @@ def _dkdv_head(
     if HAS_LAYOUT:
         count = tl.load(TileCount + b * stride_cb + h * stride_ch + pid_n)
         tiles = TileIdx + b64 * stride_tb + h64 * stride_th + pid_n.to(tl.int64) * stride_tp
-        for t in range(0, count):
-            m0 = tl.load(tiles + t) * BLOCK_M
-            if (m0 < hi) & (m0 + BLOCK_M > lo):
-                if LAYOUT_EXACT:  # kernel tiles lie inside layout blocks: the list settles the layout
-                    if (m0 >= full_lo) & (m0 + BLOCK_M <= full_hi):
-                        dk, dv, dcol = _dkdv_tile(
-                            dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
-                            Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
-                            Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                            False, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
-                            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                        )
+        if LIST_ONLY:  # every listed tile is fully visible: a loop without branches, which Triton pipelines
+            for t in range(0, count):
+                m0 = tl.load(tiles + t) * BLOCK_M
+                dk, dv, dcol = _dkdv_tile(
+                    dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
+                    Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
+                    Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                    alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                    False, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                    BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                )
+        else:
+            for t in range(0, count):
+                m0 = tl.load(tiles + t) * BLOCK_M
+                if (m0 < hi) & (m0 + BLOCK_M > lo):
+                    if LAYOUT_EXACT:  # kernel tiles lie inside layout blocks: the list settles the layout
+                        if (m0 >= full_lo) & (m0 + BLOCK_M <= full_hi):
+                            dk, dv, dcol = _dkdv_tile(
+                                dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
+                                Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
+                                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                                False, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                                BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                            )
+                        else:
+                            dk, dv, dcol = _dkdv_tile(
+                                dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
+                                Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
+                                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                                True, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                                BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                            )
                     else:
                         dk, dv, dcol = _dkdv_tile(
                             dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
                             Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
                             Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                             alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                            True, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                            True, True, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
                             BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                         )
-                else:
-                    dk, dv, dcol = _dkdv_tile(
-                        dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
-                        Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
-                        Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                        alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                        True, True, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
-                        BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                    )
     else:
         for t in range(0, a):
             dk, dv, dcol = _dkdv_tile(
@@ -212,7 +224,7 @@ def _dkdv_program(
     BLOCK_N: tl.constexpr, GQA: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr,
     HAS_BAND: tl.constexpr, BAND_PER_SEGMENT: tl.constexpr,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
     FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr, COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INDEX_64: tl.constexpr,
 ):
@@ -245,7 +257,7 @@ def _dkdv_program(
     stride_gb, stride_gh, stride_gm, stride_gn, stride_ab, stride_ah, stride_am, stride_an, stride_sb, stride_sh,
     stride_lb, stride_lh, stride_lq, stride_lk, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
     H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
-                BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, HAS_ADDITIVE, HAS_ALIBI,
+                BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, HAS_ADDITIVE, HAS_ALIBI,
     FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
             )
     else:
@@ -256,7 +268,7 @@ def _dkdv_program(
     stride_gb, stride_gh, stride_gm, stride_gn, stride_ab, stride_ah, stride_am, stride_an, stride_sb, stride_sh,
     stride_lb, stride_lh, stride_lq, stride_lk, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
     H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
-            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, HAS_ADDITIVE, HAS_ALIBI,
+            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, HAS_ADDITIVE, HAS_ALIBI,
     FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
         )
     dk_ptrs = DK + b64 * stride_dkb + hk64 * stride_dkh + cols64[:, None] * stride_dkn + dkd[None, :] * stride_dkd
@@ -285,7 +297,7 @@ def _attn_bwd_dkdv_kernel(
     layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
     SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
-    BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr,
+    BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr,
     COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
     GQA: tl.constexpr, OUTER_LOOPS: tl.constexpr,
@@ -318,7 +330,7 @@ def _attn_bwd_dkdv_kernel(
             stride_lb, stride_lh, stride_lq, stride_lk, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
             H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
             BLOCK_N, GQA, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT,
-            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, HAS_ADDITIVE, HAS_ALIBI,
+            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, HAS_ADDITIVE, HAS_ALIBI,
             FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
                 )
     else:
@@ -332,7 +344,7 @@ def _attn_bwd_dkdv_kernel(
             stride_lb, stride_lh, stride_lq, stride_lk, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
             H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
             BLOCK_N, GQA, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT,
-            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, HAS_ADDITIVE, HAS_ALIBI,
+            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, HAS_ADDITIVE, HAS_ALIBI,
             FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
         )
 
@@ -399,7 +411,7 @@ def _attn_bwd_dq_kernel(
     layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
     SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
-    BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr,
+    BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, ROW_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
 ):
     """Grid ``(query tiles, B * Hq)``. Writes ``DQ [B, Hq, Mq, D]`` (and ``DRow [B, Hq, Mq]`` row sums of dS)."""
@@ -444,31 +456,41 @@ def _attn_bwd_dq_kernel(
     if HAS_LAYOUT:
         count = tl.load(TileCount + b * stride_cb + h * stride_ch + prog)
         tiles = TileIdx + b64 * stride_tb + h64 * stride_th + prog.to(tl.int64) * stride_tp
-        for t in range(0, count):
-            n0 = tl.load(tiles + t) * BLOCK_N
-            if (n0 < hi) & (n0 + BLOCK_N > lo):
-                if LAYOUT_EXACT:  # kernel tiles lie inside layout blocks: the list settles the layout
-                    if (n0 >= full_lo) & (n0 + BLOCK_N <= full_hi):
-                        dq, drow = _dq_tile(
-                            dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                            Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                            False, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                        )
+        if LIST_ONLY:  # every listed tile is fully visible: a loop without branches, which Triton pipelines
+            for t in range(0, count):
+                n0 = tl.load(tiles + t) * BLOCK_N
+                dq, drow = _dq_tile(
+                    dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                    Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                    alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                    False, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                )
+        else:
+            for t in range(0, count):
+                n0 = tl.load(tiles + t) * BLOCK_N
+                if (n0 < hi) & (n0 + BLOCK_N > lo):
+                    if LAYOUT_EXACT:  # kernel tiles lie inside layout blocks: the list settles the layout
+                        if (n0 >= full_lo) & (n0 + BLOCK_N <= full_hi):
+                            dq, drow = _dq_tile(
+                                dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                                False, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                            )
+                        else:
+                            dq, drow = _dq_tile(
+                                dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                                True, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                            )
                     else:
                         dq, drow = _dq_tile(
                             dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                             Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                             alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                            True, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                            True, True, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                         )
-                else:
-                    dq, drow = _dq_tile(
-                        dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                        Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                        alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                        True, True, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                    )
     else:
         lo = lo // 16 * 16  # 16-aligned tile starts: a bias row is read in 16-byte vectors
         n, a, e = _tile_split(lo, hi, full_lo, full_hi, BLOCK_N)

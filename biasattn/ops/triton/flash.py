@@ -98,15 +98,21 @@ class _SpecArgs:
         )
 
     def tile_lists(self, sched, block_other: int, along_keys: bool, device):
-        """``(count, index, count strides (b, h), index strides (b, h, program), exact)`` for the layout."""
+        """``(count, index, count strides (b, h), index strides (b, h, program), exact, list only)`` for the layout.
+
+        ``list only``: the layout is the only mask, its blocks hold whole kernel tiles and the other
+        axis divides into tiles, so every listed tile is visible in every element.
+        """
         if not self.has_layout:
-            return self.d32, self.d32, (0, 0), (0, 0, 0), True
+            return self.d32, self.d32, (0, 0), (0, 0, 0), True, False
         B, H = self.spec.B, self.spec.H
         count, index = schedule.layout_tile_lists(self.spec, sched, block_other, along_keys, device)
         cs = _bcast_strides(count, (B, H, count.shape[2]))[:2]
         ts = _bcast_strides(index, (B, H, index.shape[2], index.shape[3]))[:3]
         exact = schedule.layout_exact(self.spec, sched, block_other, along_keys)
-        return count, index, cs, ts, exact
+        other = self.spec.Mk if along_keys else self.spec.Mq
+        alone = not (self.has_segments or self.has_padded or self.has_band)
+        return count, index, cs, ts, exact, exact and alone and other % block_other == 0
 
 
 def _spec_args(spec: BiasSpec, device) -> _SpecArgs:
@@ -150,7 +156,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
 
     def run(cfg: configs.TileConfig) -> None:
         sched = schedule.query_schedule(spec, cfg.block_m, q.device)
-        count, index, cs, ts, exact = args.tile_lists(sched, cfg.block_n, True, q.device)
+        count, index, cs, ts, exact, list_only = args.tile_lists(sched, cfg.block_n, True, q.device)
         _attn_fwd_kernel[(sched.n, B * H)](
             q, k, v, out, lse,
             args.add, args.slopes, args.layout, args.qs, args.ks, args.kl, args.kv, args.band_lo, args.band_hi,
@@ -161,7 +167,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
             H, H // Hkv, Mq, Mk, D, Dv, sched.n,
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=(D == hd and Dv == hdv),
-            SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, DOT_PRECISION=_dot_precision(q.dtype),
+            SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only, DOT_PRECISION=_dot_precision(q.dtype),
             INDEX_64=index_64, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
         )
 
@@ -230,7 +236,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         if plan == "full" and nb_loop * nhk_loop > 1:
             dbias.zero_()
         sched = schedule.key_schedule(spec, cfg.block_n, dev)
-        count, index, cs, ts, exact = args.tile_lists(sched, cfg.block_m, False, dev)
+        count, index, cs, ts, exact, list_only = args.tile_lists(sched, cfg.block_m, False, dev)
         grid = (sched.n, (B // nb_loop) * (Hkv // nhk_loop))
         _attn_bwd_dkdv_kernel[grid](
             q, k, v, dout, lse, delta, dk, dv, dbias, dcol,
@@ -241,7 +247,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             H, H // Hkv, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop,
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
-            SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, FULL_DBIAS=plan == "full",
+            SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only, FULL_DBIAS=plan == "full",
             DBIAS_ACCUM=nb_loop > 1 or h_bcast, COL_DBIAS=plan == "col", DOT_PRECISION=_dot_precision(q.dtype),
             INDEX_64=index_64, GQA=H != Hkv, OUTER_LOOPS=nb_loop * nhk_loop > 1,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -250,7 +256,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
 
     def run_dq(cfg: configs.TileConfig) -> None:
         sched = schedule.query_schedule(spec, cfg.block_m, dev)
-        count, index, cs, ts, exact = args.tile_lists(sched, cfg.block_n, True, dev)
+        count, index, cs, ts, exact, list_only = args.tile_lists(sched, cfg.block_n, True, dev)
         _attn_bwd_dq_kernel[(sched.n, B * H)](
             q, k, v, dout, lse, delta, dq, drow,
             args.add, args.slopes, args.layout, args.ks, args.kl, args.kv, args.band_lo, args.band_hi,
@@ -260,7 +266,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             H, H // Hkv, Mq, Mk, D, Dv, sched.n,
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
-            SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, ROW_DBIAS=plan == "row",
+            SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only, ROW_DBIAS=plan == "row",
             DOT_PRECISION=_dot_precision(q.dtype), INDEX_64=index_64,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
         )

@@ -76,7 +76,7 @@ def _attn_fwd_kernel(
     layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
     SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
-    BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr,
+    BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
 ):
     """Grid ``(query tiles, B * Hq)``. Writes ``Out [B, Hq, Mq, Dv]`` and ``Lse [B, Hq, Mq]`` (natural log)."""
@@ -118,31 +118,41 @@ def _attn_fwd_kernel(
     if HAS_LAYOUT:  # walk the precomputed list of key tiles the layout leaves visible
         count = tl.load(TileCount + b * stride_cb + h * stride_ch + prog)
         tiles = TileIdx + b64 * stride_tb + h.to(tl.int64) * stride_th + prog.to(tl.int64) * stride_tp
-        for t in range(0, count):
-            n0 = tl.load(tiles + t) * BLOCK_N
-            if (n0 < hi) & (n0 + BLOCK_N > lo):
-                if LAYOUT_EXACT:  # kernel tiles lie inside layout blocks: the list settles the layout
-                    if (n0 >= full_lo) & (n0 + BLOCK_N <= full_hi):
-                        acc, m_i, l_i = _fwd_tile(
-                            acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                            Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                            False, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                        )
+        if LIST_ONLY:  # every listed tile is fully visible: a loop without branches, which Triton pipelines
+            for t in range(0, count):
+                acc, m_i, l_i = _fwd_tile(
+                    acc, m_i, l_i, q, rows, klo, khi, tl.load(tiles + t) * BLOCK_N, b, h, K_base, V_base, stride_kn, stride_kd,
+                    stride_vn, stride_vd, Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes,
+                    stride_sb, stride_sh, alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off,
+                    layout_k_off, block_q, block_k,
+                    False, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                )
+        else:
+            for t in range(0, count):
+                n0 = tl.load(tiles + t) * BLOCK_N
+                if (n0 < hi) & (n0 + BLOCK_N > lo):
+                    if LAYOUT_EXACT:  # kernel tiles lie inside layout blocks: the list settles the layout
+                        if (n0 >= full_lo) & (n0 + BLOCK_N <= full_hi):
+                            acc, m_i, l_i = _fwd_tile(
+                                acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                                False, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                            )
+                        else:
+                            acc, m_i, l_i = _fwd_tile(
+                                acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
+                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
+                                True, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                            )
                     else:
                         acc, m_i, l_i = _fwd_tile(
                             acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                             Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                             alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                            True, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                            True, True, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                         )
-                else:
-                    acc, m_i, l_i = _fwd_tile(
-                        acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                        Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                        alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                        True, True, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                    )
     else:  # masked tiles at the span's left edge, unmasked middle, masked right edge
         lo = lo // 16 * 16  # 16-aligned tile starts: a bias row is read in 16-byte vectors
         n, a, e = _tile_split(lo, hi, full_lo, full_hi, BLOCK_N)
