@@ -18,6 +18,7 @@ from .common_kernels import (
     _col_row_bounds,
     _layout_visible,
     _load_lines,
+    _program_ids,
     _row_key_bounds,
     _span,
     _tile_split,
@@ -393,7 +394,7 @@ def _dq_tile(
     return dq, drow
 
 
-@triton.jit(do_not_specialize=["n_prog_m", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift"])  # sizes that vary per call: no recompiles
+@triton.jit(do_not_specialize=["B", "n_prog_m", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift"])  # sizes that vary per call: no recompiles
 def _attn_bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, DRow,
     Add, Slopes, Layout, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, Sched, TileCount, TileIdx,
@@ -407,18 +408,16 @@ def _attn_bwd_dq_kernel(
     stride_sb, stride_sh,
     stride_lb, stride_lh, stride_lq, stride_lk,
     stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
-    H, G, Mq, Mk, D, Dv, n_prog_m,
+    B, H, G, Mq, Mk, D, Dv, n_prog_m,
     layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
     SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
     BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, ROW_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+    BATCH_INNER: tl.constexpr,
 ):
-    """Grid ``(query tiles, B * Hq)``. Writes ``DQ [B, Hq, Mq, D]`` (and ``DRow [B, Hq, Mq]`` row sums of dS)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    """Grid ``(query tiles, B * Hq)`` (``(query tiles * B, Hq)`` with ``BATCH_INNER``). Writes ``DQ [B, Hq, Mq, D]`` (and ``DRow [B, Hq, Mq]`` row sums of dS)."""
+    pid_m, b, h, pid_bh = _program_ids(B, H, BATCH_INNER)
     hk = h // G
     if SCHEDULED:
         prog = pid_m

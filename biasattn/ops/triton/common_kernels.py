@@ -19,6 +19,27 @@ BIG = tl.constexpr(1073741824)  # 2**30, "unbounded" in band terms
 
 
 @triton.jit
+def _program_ids(B, H, BATCH_INNER: tl.constexpr):
+    """``(tile program, batch, head, batch·H + head)`` of a query-tile program.
+
+    Grid ``(tiles, B·H)``, or with ``BATCH_INNER`` ``(tiles·B, H)`` with the batch varying fastest:
+    then the programs of one head and tile run side by side, and a bias tile broadcast over the
+    batch is read from memory once for all of them (the others hit the L2 cache).
+    """
+    if BATCH_INNER:
+        pid = tl.program_id(0)
+        pid_m = pid // B
+        b = pid % B
+        h = tl.program_id(1)
+    else:
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+    return pid_m, b, h, b * H + h
+
+
+@triton.jit
 def _row_key_bounds(
     rows, row_end, seg, b, Mk, KSeqStart, KSeqLen, KvLens, BandLo, BandHi,
     HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr, BAND_PER_SEGMENT: tl.constexpr,

@@ -84,6 +84,8 @@ class _SpecArgs:
         self.has_additive = spec.additive is not None
         self.add = spec.additive if self.has_additive else self.f32
         self.add_strides = _bcast_strides(spec.additive, (B, H, spec.Mq, spec.Mk))
+        # a bias tile that every batch row reads (stride 0 over the batch): programs run batch-innermost
+        self.batch_shared_bias = self.has_additive and self.add_strides[0] == 0
         self.add_span = (spec.Mq - 1) * abs(self.add_strides[2]) + (spec.Mk - 1) * abs(self.add_strides[3])
         self.has_alibi = spec.alibi_slopes is not None
         f32 = torch.float32
@@ -152,21 +154,24 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
         return out.zero_(), lse.fill_(float("-inf"))
     args = _spec_args(spec, q.device)
     hd, hdv = _pow2(D), _pow2(Dv)
+    batch_inner = args.batch_shared_bias and B > 1
     index_64 = _index_64(_slice_span(q), _slice_span(k), _slice_span(v), _slice_span(out), args.add_span)
 
     def run(cfg: configs.TileConfig) -> None:
         sched = schedule.query_schedule(spec, cfg.block_m, q.device)
         count, index, cs, ts, exact, list_only = args.tile_lists(sched, cfg.block_n, True, q.device)
-        _attn_fwd_kernel[(sched.n, B * H)](
+        grid = (sched.n * B, H) if batch_inner else (sched.n, B * H)
+        _attn_fwd_kernel[grid](
             q, k, v, out, lse,
             args.add, args.slopes, args.layout, args.qs, args.ks, args.kl, args.kv, args.band_lo, args.band_hi,
             sched.table if sched.table is not None else args.d32, count, index,
             scale * LOG2E,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *args.add_strides, *args.slope_strides,
             *args.layout_strides, *cs, *ts,
-            H, H // Hkv, Mq, Mk, D, Dv, sched.n,
+            B, H, H // Hkv, Mq, Mk, D, Dv, sched.n,
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=(D == hd and Dv == hdv),
+            BATCH_INNER=batch_inner,
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only, DOT_PRECISION=_dot_precision(q.dtype),
             INDEX_64=index_64, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
         )
@@ -205,6 +210,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     args = _spec_args(spec, dev)
     hd, hdv = _pow2(D), _pow2(Dv)
     even = D == hd and Dv == hdv
+    batch_inner = args.batch_shared_bias and B > 1
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     delta = torch.empty((B, H, Mq), dtype=torch.float32, device=dev)
     dlse_t = dlse.to(torch.float32).contiguous() if dlse is not None else args.f32
@@ -257,15 +263,16 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     def run_dq(cfg: configs.TileConfig) -> None:
         sched = schedule.query_schedule(spec, cfg.block_m, dev)
         count, index, cs, ts, exact, list_only = args.tile_lists(sched, cfg.block_n, True, dev)
-        _attn_bwd_dq_kernel[(sched.n, B * H)](
+        grid = (sched.n * B, H) if batch_inner else (sched.n, B * H)
+        _attn_bwd_dq_kernel[grid](
             q, k, v, dout, lse, delta, dq, drow,
             args.add, args.slopes, args.layout, args.ks, args.kl, args.kv, args.band_lo, args.band_hi,
             sched.table if sched.table is not None else args.d32, count, index,
             scale * LOG2E, scale,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *common, *cs, *ts,
-            H, H // Hkv, Mq, Mk, D, Dv, sched.n,
+            B, H, H // Hkv, Mq, Mk, D, Dv, sched.n,
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even, BATCH_INNER=batch_inner,
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only, ROW_DBIAS=plan == "row",
             DOT_PRECISION=_dot_precision(q.dtype), INDEX_64=index_64,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,

@@ -9,7 +9,16 @@ an element mask; with a block layout the program walks a precomputed list of vis
 import triton
 import triton.language as tl
 
-from .common_kernels import LN2, _bias_tile, _layout_visible, _load_lines, _row_key_bounds, _span, _tile_split
+from .common_kernels import (
+    LN2,
+    _bias_tile,
+    _layout_visible,
+    _load_lines,
+    _program_ids,
+    _row_key_bounds,
+    _span,
+    _tile_split,
+)
 
 
 @triton.jit
@@ -59,7 +68,7 @@ def _fwd_tile(
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["n_prog_m", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift"])  # sizes that vary per call: no recompiles
+@triton.jit(do_not_specialize=["B", "n_prog_m", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift"])  # sizes that vary per call: no recompiles
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse,
     Add, Slopes, Layout, QSeqStart, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, Sched, TileCount, TileIdx,
@@ -72,18 +81,16 @@ def _attn_fwd_kernel(
     stride_sb, stride_sh,
     stride_lb, stride_lh, stride_lq, stride_lk,
     stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
-    H, G, Mq, Mk, D, Dv, n_prog_m,
+    B, H, G, Mq, Mk, D, Dv, n_prog_m,
     layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
     SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
     BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+    BATCH_INNER: tl.constexpr,
 ):
-    """Grid ``(query tiles, B * Hq)``. Writes ``Out [B, Hq, Mq, Dv]`` and ``Lse [B, Hq, Mq]`` (natural log)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    """Grid ``(query tiles, B * Hq)`` (``(query tiles * B, Hq)`` with ``BATCH_INNER``). Writes ``Out [B, Hq, Mq, Dv]`` and ``Lse [B, Hq, Mq]`` (natural log)."""
+    pid_m, b, h, pid_bh = _program_ids(B, H, BATCH_INNER)
     hk = h // G
     if SCHEDULED:  # packed segments: the host table gives (first row, end row, segment)
         prog = pid_m
