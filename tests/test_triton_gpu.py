@@ -140,3 +140,39 @@ def test_additive_beyond_2_31_elements():
     dq, dadd = torch.autograd.grad(out, (q, add), dout)
     rows = torch.arange(M - 50, M, device="cuda")
     _rows_check(q, k, v, add, out, lse, dq, dadd, dout, rows, H - 1)
+
+
+SYNC_FREE = {
+    "causal": lambda M: ba.LowerTriangularMask(),
+    "window": lambda M: ba.LocalAttentionMask(257, 3),
+    "padded": lambda M: ba.PaddedKeysMask([M, M // 2 + 1], device="cuda"),
+    "varlen_causal": lambda M: ba.BlockDiagonalMask.from_seqlens([1, 17, 113, 2 * M - 131], device="cuda").make_causal(),
+    "block_sparse": lambda M: ba.BlockSparseMask(_layout((1, 4, M // 128, M // 128), 0.3), 128),
+    "alibi": lambda M: ba.ALiBi(ba.ALiBi.standard_slopes(4).cuda()),
+    "additive": lambda M: ba.AdditiveBias(torch.randn(1, 4, M, M, device="cuda", dtype=torch.bfloat16)),
+}
+
+
+@pytest.mark.parametrize("name", list(SYNC_FREE))
+def test_calls_never_wait_for_the_gpu(name):
+    """After a first call, forward and backward queue their work without one synchronizing operation
+    (CUDA's sync debug mode raises on any), so the host runs ahead of the GPU."""
+    M = 512
+    B = 1 if name == "varlen_causal" else 2
+    Mq = 2 * M if name == "varlen_causal" else M
+    q, k, v = (torch.randn(B, 4, Mq, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+
+    bias = SYNC_FREE[name](M).to("cuda")  # built once: making a bias from host data may copy it to the GPU
+
+    def call():
+        out = ba.attention(q, k, v, bias, op="triton")
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

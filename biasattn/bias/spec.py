@@ -16,6 +16,7 @@ Visible scores then get ``additive[b, h, i, j]`` and ``-alibi_slopes[b, h] * |j 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -23,12 +24,30 @@ import torch
 from ..errors import InputError
 
 BAND_UNBOUNDED = 2**30
+_INT_TENSORS: dict = {}
+
+
+def _int_tensor(values, device) -> torch.Tensor:
+    """int32 tensor of ``values`` on ``device``, made once per (values, device) and never written to:
+    a fresh one per call would copy a host list to the GPU on every call."""
+    key = (tuple(values), str(device))
+    t = _INT_TENSORS.get(key)
+    if t is None:
+        if len(_INT_TENSORS) > 256:
+            _INT_TENSORS.clear()
+        t = _INT_TENSORS[key] = torch.tensor(values, dtype=torch.int32, device=device)
+    return t
 FEATURES = ("segments", "padded_keys", "band", "layout", "additive", "alibi")
 
 
 @dataclass(frozen=True)
 class SpecHost:
-    """Host (CPU, Python) copies of the small metadata, so no decision needs a device sync."""
+    """Host (CPU, Python) copies of the small metadata, so no decision needs a device sync.
+
+    The block layout is kept as given (``layout_tensor``, on any device); its CPU copy
+    :attr:`layout` is made on first use only, since copying a device tensor to the host waits for
+    the GPU, and the GPU kernels never need it.
+    """
 
     q_seqstart: tuple[int, ...] | None = None
     k_seqstart: tuple[int, ...] | None = None
@@ -36,7 +55,15 @@ class SpecHost:
     kv_seqlens: tuple[int, ...] | None = None
     band_lo: tuple[int, ...] | None = None
     band_hi: tuple[int, ...] | None = None
-    layout: torch.Tensor | None = None
+    layout_tensor: torch.Tensor | None = None
+
+    @functools.cached_property
+    def layout(self) -> torch.Tensor | None:
+        """The block layout on the CPU (copied from the device on first use), or None."""
+        t = self.layout_tensor
+        if t is None or t.device.type == "cpu":
+            return t
+        return t.to("cpu")
 
 
 @dataclass(frozen=True)
@@ -78,6 +105,13 @@ class BiasSpec:
             "alibi": self.alibi_slopes is not None,
         }
         return frozenset(k for k, v in present.items() if v)
+
+    def cached(self, key, make):
+        """``make()``, computed once per spec and ``key`` and kept in :attr:`derived`."""
+        store = self.derived
+        if key not in store:
+            store[key] = make()
+        return store[key]
 
     @property
     def num_segments(self) -> int:
@@ -190,7 +224,6 @@ class SpecBuilder:
     def build(self) -> BiasSpec:
         g = self.g
         dev = self.device
-        i32 = dict(dtype=torch.int32, device=dev)
         shift = g.q_off - g.k_off  # local d = global d + shift
         kw: dict = {}
         host: dict = {}
@@ -215,9 +248,9 @@ class SpecBuilder:
             if lq == qs and lks == ks and lkl == list(self.segments[2]) and self.segment_tensors is not None:
                 kw["q_seqstart"], kw["k_seqstart"], kw["k_seqlen"] = self.segment_tensors
             else:
-                kw["q_seqstart"] = torch.tensor(lq, **i32)
-                kw["k_seqstart"] = torch.tensor(lks, **i32)
-                kw["k_seqlen"] = torch.tensor(lkl, **i32)
+                kw["q_seqstart"] = _int_tensor(lq, dev)
+                kw["k_seqstart"] = _int_tensor(lks, dev)
+                kw["k_seqlen"] = _int_tensor(lkl, dev)
             host.update(q_seqstart=tuple(lq), k_seqstart=tuple(lks), k_seqlen=tuple(lkl))
         elif self.kv_seqlens is not None:
             kv = [min(max(n - g.k_off, 0), g.Mk) for n in self.kv_seqlens]
@@ -226,7 +259,7 @@ class SpecBuilder:
             if len(kv) != g.B:
                 raise InputError(f"PaddedKeysMask has {len(kv)} lengths, q has batch size B={g.B}")
             same = kv == self.kv_seqlens and self.kv_tensor is not None
-            kw["kv_seqlens"] = self.kv_tensor if same else torch.tensor(kv, **i32)
+            kw["kv_seqlens"] = self.kv_tensor if same else _int_tensor(kv, dev)
             host["kv_seqlens"] = tuple(kv)
 
         if self.has_band or self.segment_band is not None:
@@ -240,14 +273,14 @@ class SpecBuilder:
             his = [local(v, BAND_UNBOUNDED) for v in his]
             if len(set(los)) == 1 and len(set(his)) == 1:
                 los, his = los[:1], his[:1]
-            kw["band_lo"] = torch.tensor(los, **i32)
-            kw["band_hi"] = torch.tensor(his, **i32)
+            kw["band_lo"] = _int_tensor(los, dev)
+            kw["band_hi"] = _int_tensor(his, dev)
             host.update(band_lo=tuple(los), band_hi=tuple(his))
 
         if self.layout is not None:
             layout, bq, bk = self.layout
             kw.update(layout=layout, block_q=bq, block_k=bk, layout_q_off=g.q_off, layout_k_off=g.k_off)
-            host["layout"] = layout.to("cpu") if layout.device.type != "cpu" else layout
+            host["layout_tensor"] = layout
 
         if self.additive is not None:
             a = self.additive

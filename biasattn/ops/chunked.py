@@ -356,6 +356,6 @@ def _sub_inputs(inp: AttentionInputs, bs: slice, hs: slice, hk: slice) -> Attent
 
     sub = replace(
         spec, B=q.shape[0], H=q.shape[1], layout=part(spec.layout), kv_seqlens=kv_seqlens, additive=part(spec.additive),
-        alibi_slopes=part(spec.alibi_slopes), host=replace(host, layout=part(host.layout), kv_seqlens=host_kv),
+        alibi_slopes=part(spec.alibi_slopes), host=replace(host, layout_tensor=part(host.layout), kv_seqlens=host_kv),
     )
     return replace(inp, q=q, k=inp.k[bs, hk], v=inp.v[bs, hk], spec=sub)

@@ -18,6 +18,7 @@ Python on host metadata, so every decision is unit-testable without a GPU:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -174,6 +175,20 @@ def rows_may_be_empty(spec: BiasSpec, plan: SeqPlan) -> bool:
 
 
 # --------------------------------------------------------------------------------------- masks
+def _per_plan(fn):
+    """Memoize ``fn(plan)`` on the (immutable) plan: dispatch asks each question several times per call."""
+    key = "_memo_" + fn.__name__
+
+    @functools.wraps(fn)
+    def memoized(plan: SeqPlan):
+        store = plan.__dict__
+        if key not in store:
+            store[key] = fn(plan)
+        return store[key]
+
+    return memoized
+
+
 def _matches(plan: SeqPlan, kernel_band) -> bool:
     """True when ``kernel_band(seq) -> (lo, hi)`` equals every sequence's band on its rectangle."""
     for s in plan.seqs:
@@ -185,6 +200,7 @@ def _matches(plan: SeqPlan, kernel_band) -> bool:
     return True
 
 
+@_per_plan
 def cutlass_mask_type(plan: SeqPlan) -> int | None:
     """``custom_mask_type`` (0 none, 1 causal top-left, 2 causal bottom-right) matching the plan, or None."""
     for mask_type, band in (
@@ -197,6 +213,7 @@ def cutlass_mask_type(plan: SeqPlan) -> int | None:
     return None
 
 
+@_per_plan
 def cudnn_causal(plan: SeqPlan) -> bool | None:
     """``is_causal`` for cuDNN (top-left causal), or None when the band is neither none nor that."""
     if _matches(plan, lambda s: (None, None)):
@@ -206,6 +223,7 @@ def cudnn_causal(plan: SeqPlan) -> bool | None:
     return None
 
 
+@_per_plan
 def flash_window(plan: SeqPlan) -> tuple[int, int] | None:
     """``(window_size_left, window_size_right)`` for FlashAttention (-1 = unbounded), or None.
 
@@ -430,11 +448,8 @@ class VendorOperator(Operator):
 
 
 def cached(spec: BiasSpec, key, make):
-    """Memoize ``make()`` on the (frozen, reused) spec object."""
-    store = spec.__dict__.setdefault("_vendor_cache", {})
-    if key not in store:
-        store[key] = make()
-    return store[key]
+    """Memoize ``make()`` on the (frozen, reused) spec object (:meth:`BiasSpec.cached`)."""
+    return spec.cached(key, make)
 
 
 def cu_seqlens(spec: BiasSpec, plan: SeqPlan, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -119,11 +119,7 @@ class _SpecArgs:
 
 def _spec_args(spec: BiasSpec, device) -> _SpecArgs:
     """The launch arguments of ``spec``, built once per spec and device (a backward reuses its forward's)."""
-    key = ("triton", str(device))
-    args = spec.derived.get(key)
-    if args is None:
-        args = spec.derived[key] = _SpecArgs(spec, device)
-    return args
+    return spec.cached(("triton", str(device)), lambda: _SpecArgs(spec, device))
 
 
 def _slice_span(t: torch.Tensor) -> int:
