@@ -379,3 +379,26 @@ def test_fake_implementations_trace():
     inp = make_inputs(q, k, v, ba.LowerTriangularMask())
     torch.library.opcheck(triton_flash_fwd, (q, k, v, *_spec_to_args(inp.spec), 0.25),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_launch_arguments_keep_no_cycle_through_the_spec():
+    """What the launchers cache on a spec frees with it, without waiting for the cycle collector
+    (an additive bias can be large)."""
+    import gc
+    import weakref
+
+    from biasattn.inputs import make_inputs
+    from biasattn.ops.triton import flash
+
+    q, k, v = qkv(B=2, Hq=2, Hkv=1, Mq=20, Mk=24)
+    add = torch.randn(1, 2, 20, 24).to(DEVICE)
+    gc.disable()
+    try:
+        inp = make_inputs(q, k, v, ba.LowerTriangularMask() + ba.AdditiveBias(add))
+        flash.attn_fwd(q, k, v, inp.spec, inp.scale)
+        assert inp.spec.derived, "the forward launch caches its arguments on the spec"
+        spec = weakref.ref(inp.spec)
+        del inp
+        assert spec() is None
+    finally:
+        gc.enable()

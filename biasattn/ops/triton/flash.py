@@ -58,7 +58,6 @@ class _SpecArgs:
         B, H = spec.B, spec.H
         d32 = _dummy(device)
         i32 = dict(device=device, dtype=torch.int32)
-        self.spec = spec
         self.d32 = d32
         self.f32 = _dummy(device, torch.float32)
         self.features = tuple(sorted(spec.features))
@@ -99,7 +98,7 @@ class _SpecArgs:
             HAS_ADDITIVE=self.has_additive, HAS_ALIBI=self.has_alibi,
         )
 
-    def tile_lists(self, sched, block_other: int, along_keys: bool, device):
+    def tile_lists(self, spec: BiasSpec, sched, block_other: int, along_keys: bool, device):
         """``(count, index, count strides (b, h), index strides (b, h, program), exact, list only)`` for the layout.
 
         ``list only``: the layout is the only mask, its blocks hold whole kernel tiles and the other
@@ -107,18 +106,21 @@ class _SpecArgs:
         """
         if not self.has_layout:
             return self.d32, self.d32, (0, 0), (0, 0, 0), True, False
-        B, H = self.spec.B, self.spec.H
-        count, index = schedule.layout_tile_lists(self.spec, sched, block_other, along_keys, device)
+        B, H = spec.B, spec.H
+        count, index = schedule.layout_tile_lists(spec, sched, block_other, along_keys, device)
         cs = _bcast_strides(count, (B, H, count.shape[2]))[:2]
         ts = _bcast_strides(index, (B, H, index.shape[2], index.shape[3]))[:3]
-        exact = schedule.layout_exact(self.spec, sched, block_other, along_keys)
-        other = self.spec.Mk if along_keys else self.spec.Mq
+        exact = schedule.layout_exact(spec, sched, block_other, along_keys)
+        other = spec.Mk if along_keys else spec.Mq
         alone = not (self.has_segments or self.has_padded or self.has_band)
         return count, index, cs, ts, exact, exact and alone and other % block_other == 0
 
 
 def _spec_args(spec: BiasSpec, device) -> _SpecArgs:
-    """The launch arguments of ``spec``, built once per spec and device (a backward reuses its forward's)."""
+    """The launch arguments of ``spec``, built once per spec and device (a backward reuses its forward's).
+
+    They are kept in ``spec.derived`` and hold no reference to the spec, so no cycle keeps the spec's
+    tensors (a large additive bias, say) alive after the call."""
     return spec.cached(("triton", str(device)), lambda: _SpecArgs(spec, device))
 
 
@@ -155,7 +157,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
 
     def run(cfg: configs.TileConfig) -> None:
         sched = schedule.query_schedule(spec, cfg.block_m, q.device)
-        count, index, cs, ts, exact, list_only = args.tile_lists(sched, cfg.block_n, True, q.device)
+        count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_n, True, q.device)
         grid = (sched.n * B, H) if batch_inner else (sched.n, B * H)
         _attn_fwd_kernel[grid](
             q, k, v, out, lse,
@@ -238,7 +240,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         if plan == "full" and nb_loop * nhk_loop > 1:
             dbias.zero_()
         sched = schedule.key_schedule(spec, cfg.block_n, dev)
-        count, index, cs, ts, exact, list_only = args.tile_lists(sched, cfg.block_m, False, dev)
+        count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_m, False, dev)
         grid = (sched.n, (B // nb_loop) * (Hkv // nhk_loop))
         _attn_bwd_dkdv_kernel[grid](
             q, k, v, dout, lse, delta, dk, dv, dbias, dcol,
@@ -258,7 +260,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
 
     def run_dq(cfg: configs.TileConfig) -> None:
         sched = schedule.query_schedule(spec, cfg.block_m, dev)
-        count, index, cs, ts, exact, list_only = args.tile_lists(sched, cfg.block_n, True, dev)
+        count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_n, True, dev)
         grid = (sched.n * B, H) if batch_inner else (sched.n, B * H)
         _attn_bwd_dq_kernel[grid](
             q, k, v, dout, lse, delta, dq, drow,
