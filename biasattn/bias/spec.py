@@ -289,13 +289,11 @@ class SpecBuilder:
                 a = a[:, :, g.q_off : g.q_off + g.Mq]
             if a.shape[3] != 1:
                 a = a[:, :, :, g.k_off : g.k_off + g.Mk]
-            try:
-                torch.broadcast_shapes(a.shape, (g.B, g.H, g.Mq, g.Mk))
-            except RuntimeError:
+            if not all(n == 1 or n == m for n, m in zip(a.shape, (g.B, g.H, g.Mq, g.Mk))):
                 raise InputError(
                     f"AdditiveBias of shape {list(self.additive.shape)} does not broadcast to "
                     f"[B, H, Mq, Mk] = {[g.B, g.H, g.Mq, g.Mk]}"
-                ) from None
+                )
             kw["additive"] = a
 
         if self.alibi is not None:
