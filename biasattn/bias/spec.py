@@ -30,6 +30,9 @@ _INT_TENSORS: dict = {}
 def _int_tensor(values, device) -> torch.Tensor:
     """int32 tensor of ``values`` on ``device``, made once per (values, device) and never written to:
     a fresh one per call would copy a host list to the GPU on every call."""
+    device = torch.get_default_device() if device is None else torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" means the current device, which may change
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (tuple(values), str(device))
     t = _INT_TENSORS.get(key)
     if t is None:
@@ -37,6 +40,8 @@ def _int_tensor(values, device) -> torch.Tensor:
             _INT_TENSORS.clear()
         t = _INT_TENSORS[key] = torch.tensor(values, dtype=torch.int32, device=device)
     return t
+
+
 FEATURES = ("segments", "padded_keys", "band", "layout", "additive", "alibi")
 
 
