@@ -133,7 +133,7 @@ class TritonOperator(Operator):
         from .triton.schedule import segments_disjoint
 
         reasons = []
-        if inp.spec.q_seqstart is not None and not inp.spec.cached("segments_disjoint", lambda: segments_disjoint(inp.spec)):
+        if inp.spec.q_seqstart is not None and not segments_disjoint(inp.spec):
             reasons.append("needs ordered, non-overlapping key segments, got overlapping ones")
         if inp.B * inp.Hq > 65535:
             reasons.append(f"launches one program row per (batch, head): B·Hq must be at most 65535, got {inp.B * inp.Hq}")

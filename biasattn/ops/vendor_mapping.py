@@ -104,6 +104,13 @@ class SeqPlan:
     def varlen(self) -> bool:
         return self.layout != "batched"
 
+    def cached(self, key, make):
+        """``make()``, computed once per plan and ``key`` (the plan is immutable and reused within a call)."""
+        store = self.__dict__.setdefault("_memo", {})
+        if key not in store:
+            store[key] = make()
+        return store[key]
+
 
 def _band_of(spec: BiasSpec, s: int) -> tuple[int | None, int | None]:
     h = spec.host
@@ -176,15 +183,11 @@ def rows_may_be_empty(spec: BiasSpec, plan: SeqPlan) -> bool:
 
 # --------------------------------------------------------------------------------------- masks
 def _per_plan(fn):
-    """Memoize ``fn(plan)`` on the (immutable) plan: dispatch asks each question several times per call."""
-    key = "_memo_" + fn.__name__
+    """Memoize ``fn(plan)`` on the plan: dispatch asks each question several times per call."""
 
     @functools.wraps(fn)
     def memoized(plan: SeqPlan):
-        store = plan.__dict__
-        if key not in store:
-            store[key] = fn(plan)
-        return store[key]
+        return plan.cached(fn.__name__, lambda: fn(plan))
 
     return memoized
 
@@ -359,10 +362,7 @@ def lse_to_kernel(lse: torch.Tensor, plan: SeqPlan, layout: str, pad: int = 1) -
 
 def packed_row_index(plan: SeqPlan, device) -> tuple[torch.Tensor, torch.Tensor]:
     """For every packed query row, its sequence index and its position in the sequence (int64; cached on the plan)."""
-    store = plan.__dict__.setdefault("_rows", {})
-    if str(device) not in store:
-        store[str(device)] = _packed_row_index(plan, device)
-    return store[str(device)]
+    return plan.cached(("rows", str(device)), lambda: _packed_row_index(plan, device))
 
 
 def _packed_row_index(plan: SeqPlan, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -438,7 +438,7 @@ class VendorOperator(Operator):
 
     def plan(self, inp: AttentionInputs) -> SeqPlan:
         """The :class:`SeqPlan` of ``inp.spec`` (cached on the spec)."""
-        return cached(inp.spec, "plan", lambda: plan_sequences(inp.spec))
+        return inp.spec.cached("plan", lambda: plan_sequences(inp.spec))
 
     def fix_empty_rows(self, inp: AttentionInputs, plan: SeqPlan, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """``out`` with 0 on rows that see no key, when host metadata says such rows may exist."""
@@ -447,14 +447,9 @@ class VendorOperator(Operator):
         return out
 
 
-def cached(spec: BiasSpec, key, make):
-    """Memoize ``make()`` on the (frozen, reused) spec object (:meth:`BiasSpec.cached`)."""
-    return spec.cached(key, make)
-
-
 def cu_seqlens(spec: BiasSpec, plan: SeqPlan, device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cu_seqlens_q, cu_seqlens_k)`` int32 on ``device`` (cached on the spec)."""
-    return cached(spec, ("cu", str(device)), lambda: (
+    return spec.cached(("cu", str(device)), lambda: (
         to_device(plan.cu_q, device, torch.int32), to_device(plan.cu_k, device, torch.int32)))
 
 
@@ -475,7 +470,7 @@ def pack_keys(x: torch.Tensor, spec: BiasSpec, plan: SeqPlan) -> torch.Tensor:
     """Keys/values ``[B, Hkv, Mk, D]`` in kernel layout; packed varlen gathers only the used keys."""
     if not plan.varlen or plan.gather is None:
         return pack_queries(x, plan)
-    bi, ji = cached(spec, ("keys", str(x.device)), lambda: key_index(plan, x.device))
+    bi, ji = spec.cached(("keys", str(x.device)), lambda: key_index(plan, x.device))
     return x.transpose(1, 2)[bi, ji]
 
 
@@ -483,7 +478,7 @@ def unpack_keys(g: torch.Tensor, spec: BiasSpec, plan: SeqPlan, B: int, Mk: int)
     """Key/value gradients from kernel layout back to ``[B, Hkv, Mk, D]``, 0 for keys no sequence used."""
     if plan.varlen and plan.gather is not None:
         full = torch.zeros((B, Mk, *g.shape[1:]), dtype=g.dtype, device=g.device)
-        bi, ji = cached(spec, ("keys", str(g.device)), lambda: key_index(plan, g.device))
+        bi, ji = spec.cached(("keys", str(g.device)), lambda: key_index(plan, g.device))
         full[bi, ji] = g
         return full.transpose(1, 2)
     if plan.varlen and plan.cu_k[-1] < g.shape[0]:

@@ -113,6 +113,10 @@ def key_schedule(spec: BiasSpec, block_n: int, device) -> Schedule:
 
 def segments_disjoint(spec: BiasSpec) -> bool:
     """True when the key segments are ordered and do not overlap (the backward kernels rely on it)."""
+    return spec.cached("segments_disjoint", lambda: _segments_disjoint(spec))
+
+
+def _segments_disjoint(spec: BiasSpec) -> bool:
     h = spec.host
     if h.k_seqstart is None:
         return True
