@@ -347,11 +347,19 @@ def _tune_call(case, dout, fwd_only: bool):
     return lambda: torch.autograd.grad(ba.attention(q, k, v, case.bias, op="triton"), (q, k, v), dout)
 
 
-def ab_offsets(args) -> None:
-    """``triton`` with 32-bit against 64-bit offsets inside a (batch, head) slice, same process, same inputs."""
+AB_SWITCHES = {
+    "offsets": ("FORCE_INDEX_64", "32-bit in-slice offsets", "64-bit in-slice offsets", False, True),
+    "concurrent": ("CONCURRENT_BWD", "dQ beside dK/dV on a side stream", "dQ after dK/dV", True, False),
+}
+
+
+def ab_switch(args) -> None:
+    """``triton`` with a launcher switch in state A against state B, same process, same inputs, rounds alternated."""
     from biasattn.ops.triton import flash
 
-    precompile(args.cases, args.head_dims, args.precompile or 8, index_64=(False, True))
+    attr, name_a, name_b, a, b = AB_SWITCHES[args.ab]
+    default = getattr(flash, attr)
+    precompile(args.cases, args.head_dims, args.precompile or 8, index_64=(False, True) if args.ab == "offsets" else (False,))
     for D in args.head_dims:
         for M in args.seqlens:
             for case_name in args.cases:
@@ -361,13 +369,15 @@ def ab_offsets(args) -> None:
                     if case.name == "additive" and mode != "fwd":
                         inputs.append(case.dense_mask())
                     fn = provider_fn("triton", case, None)
-                    ms = {}
-                    for flag in (False, True):
-                        flash.FORCE_INDEX_64 = flag
-                        ms[flag] = measure(fn, inputs, mode)[0]
-                    flash.FORCE_INDEX_64 = False
-                    print(f"ab D={D} M={M} {case_name} {mode}: 32-bit {ms[False]:.3f} ms, 64-bit {ms[True]:.3f} ms, "
-                          f"64/32 time {ms[True] / ms[False]:.2f}", flush=True)
+                    ms = {a: [], b: []}
+                    for _ in range(3):
+                        for flag in (a, b):
+                            setattr(flash, attr, flag)
+                            ms[flag].append(measure(fn, inputs, mode)[0])
+                    setattr(flash, attr, default)
+                    ta, tb = sorted(ms[a])[1], sorted(ms[b])[1]
+                    print(f"ab D={D} M={M} {case_name} {mode}: {name_a} {ta:.3f} ms, {name_b} {tb:.3f} ms, "
+                          f"B/A time {tb / ta:.3f}", flush=True)
                     del case
 
 
@@ -390,7 +400,8 @@ def main(argv=None) -> int:
     p.add_argument("--tune", action="store_true", help="time each kernel's candidate tile configs")
     p.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"],
                    help="kernels whose configs --tune times")
-    p.add_argument("--ab-offsets", action="store_true", help="32-bit against 64-bit in-slice offsets (triton only)")
+    p.add_argument("--ab", choices=list(AB_SWITCHES), help="A/B of a launcher switch (triton only): " + "; ".join(
+        f"{k}: {v[1]} vs {v[2]}" for k, v in AB_SWITCHES.items()))
     args = p.parse_args(argv)
     if args.quick:
         args.cases, args.seqlens, args.head_dims = ["none", "causal"], [2048], [128]
@@ -400,8 +411,8 @@ def main(argv=None) -> int:
         with open(args.render) as f:
             rows = [_typed(r) for r in csv.DictReader(f)]
         return _report(rows, args)
-    if args.ab_offsets:
-        ab_offsets(args)
+    if args.ab:
+        ab_switch(args)
         return 0
     if args.tune:
         tune(args)

@@ -124,12 +124,13 @@ def main(argv=None) -> int:
     p.add_argument("--case", nargs="+", default=["none"], choices=list(_biases(8)))
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--kernel", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"])
+    p.add_argument("--kernel", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq", "dbias"])
     p.add_argument("--config", action="append", help="block_m,block_n,num_warps,num_stages (default: the candidates)")
     p.add_argument("--arch", type=int, default=90)
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    names = {"fwd": "_attn_fwd_kernel", "dkdv": "_attn_bwd_dkdv_kernel", "dq": "_attn_bwd_dq_kernel"}
+    names = {"fwd": "_attn_fwd_kernel", "dkdv": "_attn_bwd_dkdv_kernel", "dq": "_attn_bwd_dq_kernel",
+             "dbias": "_attn_bwd_dbias_kernel"}
     for case in args.case:
         for kernel in args.kernel:
             cfgs = ([configs.TileConfig(*map(int, c.split(","))) for c in args.config] if args.config

@@ -203,6 +203,40 @@ def test_additive_gradient(shape):
     check(*qkv(B=2, Hq=2, Hkv=1, Mq=37, Mk=45), lambda a: ba.AdditiveBias(a), add)
 
 
+@pytest.mark.parametrize("masks", ["causal", "padded_layout", "window_gqa"])
+def test_shared_additive_gradient_with_masks(monkeypatch, masks):
+    """A bias gradient shared by batch rows (or heads) is summed by its own kernel, with every mask applied."""
+    from biasattn.ops.triton import flash
+
+    launched = []
+    kernel = flash._attn_bwd_dbias_kernel
+    monkeypatch.setattr(flash, "_attn_bwd_dbias_kernel", _Counting(kernel, launched))
+    gen = torch.Generator().manual_seed(5)
+    Hkv = 1 if masks == "window_gqa" else 2
+    shape = (1, 1, 37, 45) if masks == "window_gqa" else (1, 2, 37, 45)
+    add = torch.randn(shape, generator=gen).to(DEVICE)
+    if masks == "causal":
+        extra = ba.LowerTriangularFromBottomRightMask()
+    elif masks == "padded_layout":
+        layout = (torch.rand(1, 2, 5, 6, generator=gen) < 0.6).to(DEVICE)
+        extra = ba.PaddedKeysMask([30, 45], device=DEVICE) & ba.BlockSparseMask(layout, 8)
+    else:
+        extra = ba.LocalAttentionMask(9, 3)
+    check(*qkv(B=2, Hq=2, Hkv=Hkv, Mq=37, Mk=45), lambda a: extra + ba.AdditiveBias(a), add)
+    assert launched, "the shared bias gradient did not go through its kernel"
+
+
+class _Counting:
+    """A kernel stand-in that records its launches and forwards them."""
+
+    def __init__(self, kernel, log):
+        self.kernel, self.log = kernel, log
+
+    def __getitem__(self, grid):
+        self.log.append(grid)
+        return self.kernel[grid]
+
+
 def test_additive_broadcast_stays_strided():
     """An expanded (stride-0) additive tensor is read through its strides; its gradient keeps its shape."""
     base = torch.randn(1, 2, 1, 45).to(DEVICE)

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from .common_kernels import (
     LOG2E,
+    _add_load,
     _bias_tile,
     _col_row_bounds,
     _layout_visible,
@@ -53,8 +54,8 @@ def _dkdv_tile(
     Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
     Mq, Mk, D, Dv, qk_scale,
     Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
-    Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-    MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, bias_raw,
+    MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, PRELOADED: tl.constexpr,
     FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr, COL_DBIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
 ):
@@ -78,7 +79,7 @@ def _dkdv_tile(
     if HAS_ADDITIVE or HAS_ALIBI:  # the bias enters as the dot's accumulator, in the dot's own layout
         biasT = _bias_tile(
             rows[None, :], cols[:, None], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
-            Slopes, stride_sb, stride_sh, alibi_shift, HAS_ADDITIVE, HAS_ALIBI, INDEX_64,
+            Slopes, stride_sb, stride_sh, alibi_shift, bias_raw, HAS_ADDITIVE, HAS_ALIBI, PRELOADED, INDEX_64,
         )
         sT = tl.dot(k, tl.trans(q), acc=biasT * (1.0 / qk_scale), input_precision=DOT_PRECISION) * qk_scale
     else:
@@ -143,8 +144,8 @@ def _dkdv_head(
                     dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
                     Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
                     Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                    alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                    False, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                    alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
+                    False, False, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
                     BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                 )
         else:
@@ -157,8 +158,8 @@ def _dkdv_head(
                                 dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
                                 Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
                                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                                False, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
+                                False, False, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
                                 BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                             )
                         else:
@@ -166,8 +167,8 @@ def _dkdv_head(
                                 dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
                                 Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
                                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                                True, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
+                                True, False, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
                                 BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                             )
                     else:
@@ -175,8 +176,8 @@ def _dkdv_head(
                             dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
                             Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
                             Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                            True, True, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
+                            True, True, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
                             BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                         )
     else:
@@ -185,17 +186,26 @@ def _dkdv_head(
                 dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo + t * BLOCK_M, b, h, Q_base, DO_base, LD_off,
                 Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                True, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
+                True, False, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
                 BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
             )
+        nxt = 0.0  # the next query tile's additive tile, loaded one iteration ahead (see the forward)
+        if HAS_ADDITIVE:
+            nxt = _add_load((lo + a * BLOCK_M + tl.arange(0, BLOCK_M))[None, :], cols[:, None], b, h, Mq, Mk,
+                            Add, stride_ab, stride_ah, stride_am, stride_an, INDEX_64)
         for t in range(a, e):
+            m0 = lo + t * BLOCK_M
+            cur = nxt
+            if HAS_ADDITIVE:
+                nxt = _add_load((m0 + BLOCK_M + tl.arange(0, BLOCK_M))[None, :], cols[:, None], b, h, Mq, Mk,
+                                Add, stride_ab, stride_ah, stride_am, stride_an, INDEX_64)
             dk, dv, dcol = _dkdv_tile(
-                dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo + t * BLOCK_M, b, h, Q_base, DO_base, LD_off,
+                dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
                 Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                False, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, cur,
+                False, False, HAS_ADDITIVE, HAS_ALIBI, HAS_ADDITIVE, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
                 BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
             )
         for t in range(e, n):
@@ -203,8 +213,8 @@ def _dkdv_head(
                 dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo + t * BLOCK_M, b, h, Q_base, DO_base, LD_off,
                 Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                True, False, HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
+                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
+                True, False, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
                 BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
             )
     if COL_DBIAS:
@@ -355,8 +365,9 @@ def _dq_tile(
     dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base,
     stride_kn, stride_kd, stride_vn, stride_vd, Mq, Mk, D, Dv, qk_scale,
     Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
-    Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-    MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, ROW_DBIAS: tl.constexpr,
+    Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, bias_raw,
+    MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, PRELOADED: tl.constexpr,
+    ROW_DBIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
 ):
     """Key tile ``[n0, n0 + BLOCK_N)`` of the program's query tile: accumulates ``dS @ K``."""
@@ -372,7 +383,7 @@ def _dq_tile(
     if HAS_ADDITIVE or HAS_ALIBI:  # the bias enters as the dot's accumulator, in the dot's own layout
         bias = _bias_tile(
             rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
-            Slopes, stride_sb, stride_sh, alibi_shift, HAS_ADDITIVE, HAS_ALIBI, INDEX_64,
+            Slopes, stride_sb, stride_sh, alibi_shift, bias_raw, HAS_ADDITIVE, HAS_ALIBI, PRELOADED, INDEX_64,
         )
         s = tl.dot(q, tl.trans(k), acc=bias * (1.0 / qk_scale), input_precision=DOT_PRECISION) * qk_scale
     else:
@@ -461,8 +472,8 @@ def _attn_bwd_dq_kernel(
                 dq, drow = _dq_tile(
                     dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                     Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                    alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                    False, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                    alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
+                    False, False, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                 )
         else:
             for t in range(0, count):
@@ -473,22 +484,22 @@ def _attn_bwd_dq_kernel(
                             dq, drow = _dq_tile(
                                 dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                                False, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
+                                False, False, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                             )
                         else:
                             dq, drow = _dq_tile(
                                 dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                                True, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
+                                True, False, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                             )
                     else:
                         dq, drow = _dq_tile(
                             dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                             Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                            True, True, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
+                            True, True, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                         )
     else:
         lo = lo // 16 * 16  # 16-aligned tile starts: a bias row is read in 16-byte vectors
@@ -497,22 +508,31 @@ def _attn_bwd_dq_kernel(
             dq, drow = _dq_tile(
                 dq, drow, q, do, lse2, delta, rows, klo, khi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                True, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
+                True, False, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
             )
+        nxt = 0.0  # the next key tile's additive tile, loaded one iteration ahead (see the forward)
+        if HAS_ADDITIVE:
+            nxt = _add_load(rows[:, None], (lo + a * BLOCK_N + tl.arange(0, BLOCK_N))[None, :], b, h, Mq, Mk,
+                            Add, stride_ab, stride_ah, stride_am, stride_an, INDEX_64)
         for t in range(a, e):
+            n0 = tl.multiple_of(lo + t * BLOCK_N, 16)
+            cur = nxt
+            if HAS_ADDITIVE:
+                nxt = _add_load(rows[:, None], (n0 + BLOCK_N + tl.arange(0, BLOCK_N))[None, :], b, h, Mq, Mk,
+                                Add, stride_ab, stride_ah, stride_am, stride_an, INDEX_64)
             dq, drow = _dq_tile(
-                dq, drow, q, do, lse2, delta, rows, klo, khi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                False, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, cur,
+                False, False, HAS_ADDITIVE, HAS_ALIBI, HAS_ADDITIVE, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
             )
         for t in range(e, n):
             dq, drow = _dq_tile(
                 dq, drow, q, do, lse2, delta, rows, klo, khi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                True, False, HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
+                True, False, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
             )
     keep = valid & (rows < Mq)
     dq_ptrs = DQ + b64 * stride_dqb + h64 * stride_dqh + rows64[:, None] * stride_dqm + dqd[None, :] * stride_dqd

@@ -116,19 +116,30 @@ def _tile_split(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _add_load(ii, jj, b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an, INDEX_64: tl.constexpr):
+    """The additive tensor at rows ``ii`` and columns ``jj`` (broadcastable 2-D) in its own dtype, 0 outside."""
+    base = Add + b.to(tl.int64) * stride_ab + h.to(tl.int64) * stride_ah
+    if INDEX_64:  # offsets inside one (batch, head) slice may pass 2**31
+        ptrs = base + ii.to(tl.int64) * stride_am + jj.to(tl.int64) * stride_an
+    else:
+        ptrs = base + ii * stride_am + jj * stride_an
+    return tl.load(ptrs, mask=(ii < Mq) & (jj < Mk), other=0.0)
+
+
+@triton.jit
 def _bias_tile(
     ii, jj, b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
-    HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, INDEX_64: tl.constexpr,
+    raw, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, PRELOADED: tl.constexpr, INDEX_64: tl.constexpr,
 ):
-    """Additive tensor plus ALiBi at rows ``ii`` and columns ``jj`` (broadcastable 2-D), in base-2 units."""
+    """Additive tensor plus ALiBi at rows ``ii`` and columns ``jj`` (broadcastable 2-D), in base-2 units.
+
+    With ``PRELOADED`` the additive tile is ``raw`` (from :func:`_add_load`, issued an iteration
+    earlier so that its latency hides behind the previous tile's work)."""
     bias = tl.zeros(ii.shape, dtype=tl.float32) + tl.zeros(jj.shape, dtype=tl.float32)
     if HAS_ADDITIVE:
-        base = Add + b.to(tl.int64) * stride_ab + h.to(tl.int64) * stride_ah
-        if INDEX_64:  # offsets inside one (batch, head) slice may pass 2**31
-            ptrs = base + ii.to(tl.int64) * stride_am + jj.to(tl.int64) * stride_an
-        else:
-            ptrs = base + ii * stride_am + jj * stride_an
-        bias += tl.load(ptrs, mask=(ii < Mq) & (jj < Mk), other=0.0).to(tl.float32) * LOG2E
+        if not PRELOADED:
+            raw = _add_load(ii, jj, b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an, INDEX_64)
+        bias += raw.to(tl.float32) * LOG2E
     if HAS_ALIBI:
         slope = tl.load(Slopes + b * stride_sb + h * stride_sh).to(tl.float32)
         bias -= (slope * LOG2E) * tl.abs(jj - ii - alibi_shift).to(tl.float32)

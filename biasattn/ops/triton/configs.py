@@ -45,6 +45,9 @@ _CANDIDATES: dict[tuple[str, int], tuple[TileConfig, ...]] = {
                  TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 3)),
     ("dq", 128): (TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(128, 64, 8, 2),
                   TileConfig(128, 32, 4, 3), TileConfig(128, 32, 4, 5), TileConfig(128, 32, 8, 3), TileConfig(64, 64, 4, 3)),
+    ("dbias", 64): (TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3), TileConfig(128, 64, 8, 2)),
+    ("dbias", 128): (TileConfig(128, 64, 8, 2), TileConfig(64, 64, 4, 3), TileConfig(64, 64, 4, 2)),
+    ("dbias", 256): (TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 2)),
     ("dq", 256): (TileConfig(64, 32, 4, 2), TileConfig(64, 64, 8, 1), TileConfig(32, 64, 4, 2)),
 }
 
@@ -58,7 +61,7 @@ def interpreted() -> bool:
 
 
 def candidates(kernel: str, head_dim: int) -> tuple[TileConfig, ...]:
-    """Candidate configs of ``kernel`` (``"fwd"``, ``"dq"``, ``"dkdv"``) for a padded head dim."""
+    """Candidate configs of ``kernel`` (``"fwd"``, ``"dq"``, ``"dkdv"``, ``"dbias"``) for a padded head dim."""
     size = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
     return _CANDIDATES[(kernel, size)]
 

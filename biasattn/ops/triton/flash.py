@@ -15,14 +15,24 @@ import triton
 from ...bias.spec import BiasSpec
 from . import configs, schedule
 from .bwd_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
+from .dbias_kernels import _attn_bwd_dbias_kernel
 from .fwd_kernels import _attn_fwd_kernel
 
 INTERPRETED = configs.interpreted()
 LOG2E = 1.4426950408889634
 POISON_OUTPUTS = False  # tests set this: fresh outputs start as NaN, so a skipped write shows
 FORCE_INDEX_64 = False  # tests set this: 64-bit offsets inside a (batch, head) slice even when not needed
+CONCURRENT_BWD = True  # dQ runs on a side stream beside dK/dV, so its programs fill the SMs dK/dV's tail leaves idle
 
 _dummies: dict = {}
+_side_streams: dict = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _side_streams:
+        _side_streams[index] = torch.cuda.Stream(device=index)
+    return _side_streams[index]
 
 
 def _new(shape, dtype, device, zero: bool = False) -> torch.Tensor:
@@ -219,13 +229,18 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     )
     plan = _dbias_plan(add, B, H, Mq, Mk) if need_dbias else None
     d32 = args.f32
-    dbias = torch.zeros(add.shape, dtype=torch.float32, device=dev) if plan == "full" else d32
+    b_bcast = plan == "full" and add.shape[0] == 1 and B > 1
+    h_bcast = plan == "full" and add.shape[1] == 1 and H > 1
+    # a full gradient shared by batch rows or heads: its own kernel sums each tile over the sharers,
+    # except with packed segments, where the dK/dV programs accumulate it tile by tile
+    shared_dbias = (b_bcast or h_bcast) and not args.has_segments
+    plan_kv = None if shared_dbias else plan  # the dK/dV kernel's part of the bias gradient
+    dbias = _new(add.shape, torch.float32, dev, zero=plan_kv == "full") if plan == "full" else d32
     dcol = torch.zeros((B, H, Mk), dtype=torch.float32, device=dev) if plan == "col" else d32
     drow = torch.zeros((B, H, Mq), dtype=torch.float32, device=dev) if plan == "row" else d32
     g_strides = _bcast_strides(dbias, (B, H, Mq, Mk)) if plan == "full" else (0, 0, 0, 0)
-    nb_loop = B if plan == "full" and add.shape[0] == 1 and B > 1 else 1
-    h_bcast = plan == "full" and add.shape[1] == 1 and H > 1
-    nhk_loop = Hkv if h_bcast else 1
+    nb_loop = B if b_bcast and not shared_dbias else 1
+    nhk_loop = Hkv if h_bcast and not shared_dbias else 1
     common = (
         *args.add_strides, *args.slope_strides, *args.layout_strides,
     )
@@ -237,7 +252,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     feats = args.features + ((plan,) if plan else ())
 
     def run_dkdv(cfg: configs.TileConfig) -> None:
-        if plan == "full" and nb_loop * nhk_loop > 1:
+        if plan_kv == "full" and nb_loop * nhk_loop > 1:
             dbias.zero_()
         sched = schedule.key_schedule(spec, cfg.block_n, dev)
         count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_m, False, dev)
@@ -251,8 +266,9 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             H, H // Hkv, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop,
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
-            SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only, FULL_DBIAS=plan == "full",
-            DBIAS_ACCUM=nb_loop > 1 or h_bcast, COL_DBIAS=plan == "col", DOT_PRECISION=_dot_precision(q.dtype),
+            SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only, FULL_DBIAS=plan_kv == "full",
+            DBIAS_ACCUM=plan_kv == "full" and (nb_loop > 1 or h_bcast), COL_DBIAS=plan == "col",
+            DOT_PRECISION=_dot_precision(q.dtype),
             INDEX_64=index_64, GQA=H != Hkv, OUTER_LOOPS=nb_loop * nhk_loop > 1,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **args.switches,
@@ -276,9 +292,41 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
         )
 
+    def run_dbias(cfg: configs.TileConfig) -> None:
+        n_tiles_n = triton.cdiv(Mk, cfg.block_n)
+        bb, hb = add.shape[0], add.shape[1]
+        heads_shared = H if h_bcast else 1
+        n_sharers = (B if b_bcast else 1) * heads_shared
+        _attn_bwd_dbias_kernel[(triton.cdiv(Mq, cfg.block_m) * n_tiles_n, bb * hb)](
+            q, k, v, dout, lse, delta, dbias,
+            args.add, args.slopes, args.layout, args.kv, args.band_lo, args.band_hi,
+            scale * LOG2E,
+            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dbias.stride(), *common,
+            H, H // Hkv, hb, Mq, Mk, D, Dv, n_tiles_n, n_sharers, heads_shared,
+            spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
+            HAS_PADDED=args.has_padded, HAS_BAND=args.has_band, HAS_LAYOUT=args.has_layout, HAS_ALIBI=args.has_alibi,
+            DOT_PRECISION=_dot_precision(q.dtype), INDEX_64=index_64,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
     hmax = max(hd, hdv)
-    configs.launch("dkdv", hmax, q.dtype, dev, feats, run_dkdv)
-    configs.launch("dq", hmax, q.dtype, dev, feats, run_dq)
+    if CONCURRENT_BWD and dev.type == "cuda" and not INTERPRETED:
+        # dK/dV and dQ depend only on what is queued so far: fork dQ to a side stream and join it
+        # back, so every later use on the caller's stream (and any reuse of these buffers) waits for it
+        main, side = torch.cuda.current_stream(dev), _side_stream(dev)
+        side.wait_stream(main)
+        configs.launch("dkdv", hmax, q.dtype, dev, feats, run_dkdv)
+        with torch.cuda.stream(side):
+            configs.launch("dq", hmax, q.dtype, dev, feats, run_dq)
+        if shared_dbias:
+            configs.launch("dbias", hmax, q.dtype, dev, feats, run_dbias)
+        main.wait_stream(side)
+    else:
+        configs.launch("dkdv", hmax, q.dtype, dev, feats, run_dkdv)
+        configs.launch("dq", hmax, q.dtype, dev, feats, run_dq)
+        if shared_dbias:
+            configs.launch("dbias", hmax, q.dtype, dev, feats, run_dbias)
     dadd = None
     if plan == "full":
         dadd = dbias

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from .common_kernels import (
     LN2,
+    _add_load,
     _bias_tile,
     _layout_visible,
     _load_lines,
@@ -26,8 +27,8 @@ def _fwd_tile(
     acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base,
     stride_kn, stride_kd, stride_vn, stride_vd, Mq, Mk, D, Dv, qk_scale,
     Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
-    Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-    MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, bias_raw,
+    MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, PRELOADED: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
 ):
     """One key tile ``[n0, n0 + BLOCK_N)`` of the online softmax."""
@@ -42,7 +43,7 @@ def _fwd_tile(
     if HAS_ADDITIVE or HAS_ALIBI:  # the bias enters as the dot's accumulator, in the dot's own layout
         bias = _bias_tile(
             rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
-            Slopes, stride_sb, stride_sh, alibi_shift, HAS_ADDITIVE, HAS_ALIBI, INDEX_64,
+            Slopes, stride_sb, stride_sh, alibi_shift, bias_raw, HAS_ADDITIVE, HAS_ALIBI, PRELOADED, INDEX_64,
         )
         s = tl.dot(q, tl.trans(k), acc=bias * (1.0 / qk_scale), input_precision=DOT_PRECISION) * qk_scale
     else:
@@ -131,8 +132,8 @@ def _attn_fwd_kernel(
                     acc, m_i, l_i, q, rows, klo, khi, tl.load(tiles + t) * BLOCK_N, b, h, K_base, V_base, stride_kn, stride_kd,
                     stride_vn, stride_vd, Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes,
                     stride_sb, stride_sh, alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off,
-                    layout_k_off, block_q, block_k,
-                    False, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                    layout_k_off, block_q, block_k, 0.0,
+                    False, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                 )
         else:
             for t in range(0, count):
@@ -143,22 +144,22 @@ def _attn_fwd_kernel(
                             acc, m_i, l_i = _fwd_tile(
                                 acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                                False, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
+                                False, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                             )
                         else:
                             acc, m_i, l_i = _fwd_tile(
                                 acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                                True, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
+                                True, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                             )
                     else:
                         acc, m_i, l_i = _fwd_tile(
                             acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                             Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                            True, True, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
+                            True, True, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
                         )
     else:  # masked tiles at the span's left edge, unmasked middle, masked right edge
         lo = lo // 16 * 16  # 16-aligned tile starts: a bias row is read in 16-byte vectors
@@ -167,22 +168,33 @@ def _attn_fwd_kernel(
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, rows, klo, khi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                True, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
+                True, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
             )
+        # the additive tile of the next key tile is loaded one iteration ahead: Triton pipelines only
+        # dot operands, and a bias load waited on at once would stall every iteration
+        nxt = 0.0
+        if HAS_ADDITIVE:
+            nxt = _add_load(rows[:, None], (lo + a * BLOCK_N + tl.arange(0, BLOCK_N))[None, :], b, h, Mq, Mk,
+                            Add, stride_ab, stride_ah, stride_am, stride_an, INDEX_64)
         for t in range(a, e):
+            n0 = tl.multiple_of(lo + t * BLOCK_N, 16)
+            cur = nxt
+            if HAS_ADDITIVE:
+                nxt = _add_load(rows[:, None], (n0 + BLOCK_N + tl.arange(0, BLOCK_N))[None, :], b, h, Mq, Mk,
+                                Add, stride_ab, stride_ah, stride_am, stride_an, INDEX_64)
             acc, m_i, l_i = _fwd_tile(
-                acc, m_i, l_i, q, rows, klo, khi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                False, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, cur,
+                False, False, HAS_ADDITIVE, HAS_ALIBI, HAS_ADDITIVE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
             )
         for t in range(e, n):
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, rows, klo, khi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k,
-                True, False, HAS_ADDITIVE, HAS_ALIBI, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
+                True, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
             )
 
     # rows that saw no key: out 0, lse -inf

@@ -1,0 +1,107 @@
+"""Gradient of an additive bias shared by batch rows or heads: ``dBias = sum dS`` over the sharers.
+
+One program owns one ``[BLOCK_M, BLOCK_N]`` tile of one bias slice and loops over the (batch row,
+head) pairs that read it, recomputing ``P`` and ``dP`` from ``Q``, ``K``, ``V``, ``dO`` and the
+forward's ``lse``; the sum stays in registers and is written once. Deterministic, and neither a
+read-modify-write of the gradient per batch row nor a per-row workspace. Without packed segments
+only (a tile may then straddle documents); the dK/dV kernel serves that case.
+"""
+
+import triton
+import triton.language as tl
+
+from .common_kernels import LOG2E, _add_load, _bias_tile, _layout_visible, _load_lines
+
+
+@triton.jit(do_not_specialize=["n_sharers", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift"])
+def _attn_bwd_dbias_kernel(
+    Q, K, V, DO, Lse, Delta, DBias,
+    Add, Slopes, Layout, KvLens, BandLo, BandHi,
+    qk_scale,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_gb, stride_gh, stride_gm, stride_gn,
+    stride_ab, stride_ah, stride_am, stride_an,
+    stride_sb, stride_sh,
+    stride_lb, stride_lh, stride_lq, stride_lk,
+    H, G, Hb, Mq, Mk, D, Dv, n_tiles_n, n_sharers, heads_shared,
+    layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
+    HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr, HAS_LAYOUT: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+):
+    """Grid ``(query tiles * key tiles, Bb * Hb)`` for a gradient ``DBias [Bb, Hb, Mq, Mk]``.
+
+    The program's sharers are ``n_sharers`` (batch row, head) pairs: ``i`` maps to batch row
+    ``bb + i // heads_shared`` and head ``hh + i % heads_shared``, with ``bb`` = 0 when the bias is
+    broadcast over the batch and ``hh`` = 0 when it is broadcast over heads (``heads_shared`` = H),
+    else ``heads_shared`` = 1.
+    """
+    pid = tl.program_id(0)
+    tm = pid // n_tiles_n
+    tn = pid % n_tiles_n
+    pid_g = tl.program_id(1)
+    bb = pid_g // Hb
+    hh = pid_g % Hb
+    rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+    if INDEX_64:
+        rows64 = rows.to(tl.int64)
+        cols64 = cols.to(tl.int64)
+    else:
+        rows64 = rows
+        cols64 = cols
+    vis0 = (rows[:, None] < Mq) & (cols[None, :] < Mk)
+    visible = tm * BLOCK_M < Mq
+    if HAS_BAND:  # the band does not depend on the batch row: whole tiles outside it are skipped
+        klo = rows + tl.load(BandLo)
+        khi = rows + tl.load(BandHi) + 1
+        vis0 = vis0 & (cols[None, :] >= klo[:, None]) & (cols[None, :] < khi[:, None])
+        in_rows = rows < Mq
+        lo = tl.min(tl.where(in_rows, klo, Mk), 0)
+        hi = tl.max(tl.where(in_rows, khi, 0), 0)
+        visible = visible & (tn * BLOCK_N < hi) & (tn * BLOCK_N + BLOCK_N > lo)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if visible:
+        raw = _add_load(rows[:, None], cols[None, :], bb, hh, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an, INDEX_64)
+        dqd = tl.arange(0, HEAD_DIM)
+        dvd = tl.arange(0, HEAD_DIM_V)
+        for i in range(0, n_sharers):
+            b = bb + i // heads_shared
+            h = hh + i % heads_shared
+            b64 = b.to(tl.int64)
+            h64 = h.to(tl.int64)
+            hk64 = (h // G).to(tl.int64)
+            q = _load_lines(Q + b64 * stride_qb + h64 * stride_qh + rows64[:, None] * stride_qm + dqd[None, :] * stride_qd,
+                            rows, Mq, dqd, D, True, EVEN_D)
+            do = _load_lines(DO + b64 * stride_dob + h64 * stride_doh + rows64[:, None] * stride_dom + dvd[None, :] * stride_dod,
+                             rows, Mq, dvd, Dv, True, EVEN_D)
+            k = _load_lines(K + b64 * stride_kb + hk64 * stride_kh + cols64[:, None] * stride_kn + dqd[None, :] * stride_kd,
+                            cols, Mk, dqd, D, True, EVEN_D)
+            v = _load_lines(V + b64 * stride_vb + hk64 * stride_vh + cols64[:, None] * stride_vn + dvd[None, :] * stride_vd,
+                            cols, Mk, dvd, Dv, True, EVEN_D)
+            ld = (b64 * H + h64) * Mq + rows64
+            lse = tl.load(Lse + ld, mask=rows < Mq, other=float("-inf"))
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # rows that saw nothing get p = 0
+            delta = tl.load(Delta + ld, mask=rows < Mq, other=0.0)
+            bias = _bias_tile(
+                rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
+                Slopes, stride_sb, stride_sh, alibi_shift, raw, True, HAS_ALIBI, True, INDEX_64,
+            )
+            s = tl.dot(q, tl.trans(k), acc=bias * (1.0 / qk_scale), input_precision=DOT_PRECISION) * qk_scale
+            vis = vis0
+            if HAS_PADDED:
+                vis = vis & (cols[None, :] < tl.load(KvLens + b))
+            if HAS_LAYOUT:
+                vis = vis & _layout_visible(
+                    rows[:, None], cols[None, :], b, h, Layout, stride_lb, stride_lh, stride_lq, stride_lk,
+                    layout_q_off, layout_k_off, block_q, block_k,
+                )
+            p = tl.math.exp2(tl.where(vis, s, float("-inf")) - lse2[:, None])
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            acc += p * (dp - delta[:, None])
+    g_ptrs = (DBias + bb.to(tl.int64) * stride_gb + hh.to(tl.int64) * stride_gh
+              + rows64[:, None] * stride_gm + cols64[None, :] * stride_gn)
+    tl.store(g_ptrs, acc, mask=(rows[:, None] < Mq) & (cols[None, :] < Mk))
