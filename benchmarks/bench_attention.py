@@ -344,7 +344,8 @@ def _tune_call(case, dout, fwd_only: bool):
     q, k, v = case.q, case.k, case.v
     if fwd_only:
         return lambda: ba.attention(q, k, v, case.bias, op="triton")
-    return lambda: torch.autograd.grad(ba.attention(q, k, v, case.bias, op="triton"), (q, k, v), dout)
+    wrt = (q, k, v, case.dense_mask()) if case.name == "additive" else (q, k, v)  # the bias gradient too
+    return lambda: torch.autograd.grad(ba.attention(q, k, v, case.bias, op="triton"), wrt, dout)
 
 
 AB_SWITCHES = {
@@ -398,7 +399,7 @@ def main(argv=None) -> int:
     p.add_argument("--render", help="only write attention.md and the PNGs from this attention.csv")
     p.add_argument("--quick", action="store_true", help="causal and no bias at M=2048, D=128")
     p.add_argument("--tune", action="store_true", help="time each kernel's candidate tile configs")
-    p.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"],
+    p.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq", "dbias"],
                    help="kernels whose configs --tune times")
     p.add_argument("--ab", choices=list(AB_SWITCHES), help="A/B of a launcher switch (triton only): " + "; ".join(
         f"{k}: {v[1]} vs {v[2]}" for k, v in AB_SWITCHES.items()))

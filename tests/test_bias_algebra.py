@@ -113,6 +113,14 @@ def test_biases_on_different_devices_do_not_compose():
         ba.PaddedKeysMask([3]) & ba.PaddedKeysMask([2], device="meta")
 
 
+@pytest.mark.gpu
+def test_cuda_and_cuda_index_are_one_device():
+    """A bias made with device="cuda" composes with one built on a tensor on the current device (cuda:N)."""
+    layout = torch.ones(1, 1, 2, 2, dtype=torch.bool, device="cuda")
+    both = ba.PaddedKeysMask([3, 4], device="cuda") & ba.BlockSparseMask(layout, 2)
+    assert both.device == layout.device
+
+
 def test_same_family_twice():
     a = ba.PaddedKeysMask([3, 5]) & ba.PaddedKeysMask([4, 2])
     got = a.materialize((2, 1, 1, 6), dtype=torch.float64)

@@ -115,6 +115,7 @@ class AttentionBias(torch.Tensor):
             ctx = _flatten_ctx(cls, dev, dtype, atoms, offsets, lengths, (Mq, Mk))
             tensors = [t for a in atoms for t in a.tensors().values()]
             return _BiasConstructor(_ctx_by_name(ctx), shape, *tensors)
+        device = _resolved(device)
         self = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=dtype, device=device if device is not None else "cpu", requires_grad=False
         )
@@ -490,6 +491,16 @@ class _BiasConstructor(AttentionBias):
             with torch._C.DisableTorchFunctionSubclass():
                 inner["_t0"] = torch.empty(0, dtype=torch.int32, device=ctx[1])
         return AttentionBias.__tensor_unflatten__(inner, ctx, shape, stride)
+
+
+def _resolved(device) -> torch.device | None:
+    """``device`` with a bare ``"cuda"`` resolved to the current CUDA device, so "cuda" and "cuda:0" compare equal."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _compose(a: AttentionBias, b: AttentionBias) -> AttentionBias:

@@ -104,4 +104,4 @@ def _attn_bwd_dbias_kernel(
             acc += p * (dp - delta[:, None])
     g_ptrs = (DBias + bb.to(tl.int64) * stride_gb + hh.to(tl.int64) * stride_gh
               + rows64[:, None] * stride_gm + cols64[None, :] * stride_gn)
-    tl.store(g_ptrs, acc, mask=(rows[:, None] < Mq) & (cols[None, :] < Mk))
+    tl.store(g_ptrs, acc.to(DBias.dtype.element_ty), mask=(rows[:, None] < Mq) & (cols[None, :] < Mk))

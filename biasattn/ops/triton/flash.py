@@ -7,6 +7,7 @@ time, so :data:`INTERPRETED` records whether these kernels run on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -188,6 +189,17 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
     return out, lse
 
 
+def _long_backward(spec: BiasSpec, B: int, H: int, Mq: int, Mk: int, D: int) -> bool:
+    """Whether a backward runs long enough on the GPU for the side stream to pay: the fork and join
+    cost host time, which calls of about a millisecond cannot spare (measured on an H200: dQ beside
+    dK/dV gains 1.4-2.9% from B·H·Mq·Mk·D = 2**36 without segments, and loses on packed varlen and
+    on block-sparse at that size; benchmarks/NOTES.md)."""
+    if spec.q_seqstart is not None:  # packed documents: the nominal size overstates the work
+        return False
+    work = B * H * Mq * Mk * D
+    return work >= (2**38 if spec.layout is not None else 2**36)
+
+
 def _dbias_plan(add: torch.Tensor, B: int, H: int, Mq: int, Mk: int) -> str:
     """Where dS is reduced: ``"full"`` (dK/dV kernel, tile by tile), ``"col"`` (dK/dV kernel, sums over
     queries) or ``"row"`` (dQ kernel, sums over keys)."""
@@ -235,7 +247,9 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     # except with packed segments, where the dK/dV programs accumulate it tile by tile
     shared_dbias = (b_bcast or h_bcast) and not args.has_segments
     plan_kv = None if shared_dbias else plan  # the dK/dV kernel's part of the bias gradient
-    dbias = _new(add.shape, torch.float32, dev, zero=plan_kv == "full") if plan == "full" else d32
+    # the shared-gradient kernel writes each element once, in the bias' dtype; dK/dV accumulates in float32
+    g_dtype = add.dtype if shared_dbias else torch.float32
+    dbias = _new(add.shape, g_dtype, dev, zero=plan_kv == "full") if plan == "full" else d32
     dcol = torch.zeros((B, H, Mk), dtype=torch.float32, device=dev) if plan == "col" else d32
     drow = torch.zeros((B, H, Mq), dtype=torch.float32, device=dev) if plan == "row" else d32
     g_strides = _bcast_strides(dbias, (B, H, Mq, Mk)) if plan == "full" else (0, 0, 0, 0)
@@ -311,22 +325,19 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         )
 
     hmax = max(hd, hdv)
-    if CONCURRENT_BWD and dev.type == "cuda" and not INTERPRETED:
+    concurrent = CONCURRENT_BWD and dev.type == "cuda" and not INTERPRETED and _long_backward(spec, B, H, Mq, Mk, max(D, Dv))
+    if concurrent:
         # dK/dV and dQ depend only on what is queued so far: fork dQ to a side stream and join it
         # back, so every later use on the caller's stream (and any reuse of these buffers) waits for it
         main, side = torch.cuda.current_stream(dev), _side_stream(dev)
         side.wait_stream(main)
-        configs.launch("dkdv", hmax, q.dtype, dev, feats, run_dkdv)
-        with torch.cuda.stream(side):
-            configs.launch("dq", hmax, q.dtype, dev, feats, run_dq)
-        if shared_dbias:
-            configs.launch("dbias", hmax, q.dtype, dev, feats, run_dbias)
-        main.wait_stream(side)
-    else:
-        configs.launch("dkdv", hmax, q.dtype, dev, feats, run_dkdv)
+    configs.launch("dkdv", hmax, q.dtype, dev, feats, run_dkdv)
+    with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
         configs.launch("dq", hmax, q.dtype, dev, feats, run_dq)
-        if shared_dbias:
-            configs.launch("dbias", hmax, q.dtype, dev, feats, run_dbias)
+    if shared_dbias:
+        configs.launch("dbias", hmax, q.dtype, dev, feats, run_dbias)
+    if concurrent:
+        main.wait_stream(side)
     dadd = None
     if plan == "full":
         dadd = dbias
