@@ -175,7 +175,7 @@ def test_block_sparse(layout_shape, block):
 
 def test_block_sparse_list_only(monkeypatch):
     """Layout alone, kernel tiles inside its blocks, lengths in whole tiles: the branch-free list loops."""
-    from biasattn.ops.triton import flash
+    from biasattn.ops.triton import configs, flash
 
     taken = []
     real = flash._SpecArgs.tile_lists
@@ -188,7 +188,9 @@ def test_block_sparse_list_only(monkeypatch):
     monkeypatch.setattr(flash._SpecArgs, "tile_lists", spy)
     layout = (torch.rand((2, 2, 3, 4), generator=torch.Generator().manual_seed(2)) < 0.5).to(DEVICE)
     layout[..., 0, 0] = False  # a query block that sees nothing in some heads
-    check(*qkv(B=2, Hq=2, Hkv=1, Mq=48, Mk=64), const(ba.BlockSparseMask(layout, 16)))
+    tiles = configs.TileConfig(16, 16, 4, 1)  # inside the 16-blocks on any device
+    with configs.override(fwd=tiles, dkdv=tiles, dq=tiles):
+        check(*qkv(B=2, Hq=2, Hkv=1, Mq=48, Mk=64), const(ba.BlockSparseMask(layout, 16)))
     assert len(taken) == 3 and all(taken)  # forward, dK/dV and dQ
 
 
