@@ -348,18 +348,20 @@ def _tune_call(case, dout, fwd_only: bool):
     return lambda: torch.autograd.grad(ba.attention(q, k, v, case.bias, op="triton"), wrt, dout)
 
 
-AB_SWITCHES = {
-    "offsets": ("FORCE_INDEX_64", "32-bit in-slice offsets", "64-bit in-slice offsets", False, True),
-    "concurrent": ("CONCURRENT_BWD", "dQ beside dK/dV on a side stream", "dQ after dK/dV", True, False),
+AB_SWITCHES = {  # name: (module.attribute, state A, state B, value A, value B)
+    "offsets": ("flash.FORCE_INDEX_64", "32-bit in-slice offsets", "64-bit in-slice offsets", False, True),
+    "concurrent": ("flash.CONCURRENT_BWD", "dQ beside dK/dV on a side stream", "dQ after dK/dV", True, False),
+    "direct": ("launch.DIRECT", "direct launches of compiled kernels", "Triton's kernel[grid] launches", True, False),
 }
 
 
 def ab_switch(args) -> None:
     """``triton`` with a launcher switch in state A against state B, same process, same inputs, rounds alternated."""
-    from biasattn.ops.triton import flash
+    from biasattn.ops.triton import flash, launch
 
-    attr, name_a, name_b, a, b = AB_SWITCHES[args.ab]
-    default = getattr(flash, attr)
+    path, name_a, name_b, a, b = AB_SWITCHES[args.ab]
+    module, attr = {"flash": flash, "launch": launch}[path.split(".")[0]], path.split(".")[1]
+    default = getattr(module, attr)
     precompile(args.cases, args.head_dims, args.precompile or 8, index_64=(False, True) if args.ab == "offsets" else (False,))
     for D in args.head_dims:
         for M in args.seqlens:
@@ -373,9 +375,9 @@ def ab_switch(args) -> None:
                     ms = {a: [], b: []}
                     for _ in range(3):
                         for flag in (a, b):
-                            setattr(flash, attr, flag)
+                            setattr(module, attr, flag)
                             ms[flag].append(measure(fn, inputs, mode)[0])
-                    setattr(flash, attr, default)
+                    setattr(module, attr, default)
                     ta, tb = sorted(ms[a])[1], sorted(ms[b])[1]
                     print(f"ab D={D} M={M} {case_name} {mode}: {name_a} {ta:.3f} ms, {name_b} {tb:.3f} ms, "
                           f"B/A time {tb / ta:.3f}", flush=True)

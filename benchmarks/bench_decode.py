@@ -147,6 +147,45 @@ def sweep(meta):
         del sets
 
 
+SPLIT_SHAPES = [(1, 32, 32, 1, 1024), (4, 32, 32, 1, 1024), (1, 32, 32, 1, 8192), (1, 32, 8, 1, 1024),
+                (1, 32, 8, 1, 8192), (4, 32, 8, 1, 1024), (16, 32, 8, 1, 1024), (1, 32, 1, 1, 8192),
+                (1, 32, 1, 1, 32768), (4, 32, 1, 1, 8192), (16, 32, 1, 1, 1024), (64, 32, 1, 1, 1024)]
+
+
+def split_counts(meta):
+    """Every split count on the small caches where launches weigh most, next to the heuristic's choice and cuDNN."""
+    from biasattn.ops.triton import splitk
+
+    for B, Hq, Hkv, Mq, Mk in SPLIT_SHAPES:
+        sets = make_sets(B, Hq, Hkv, Mq, Mk)
+        kv_bytes = 2 * B * Hkv * Mk * D * 2
+        chosen = []
+        original = splitk.choose_num_splits
+
+        def spy(*a, chosen=chosen, original=original, **kw):
+            chosen.append(original(*a, **kw))
+            return chosen[-1]
+
+        splitk.choose_num_splits = spy
+        try:
+            auto = graph_time(lambda q, k, v: splitk_attention_fwd(make_inputs(q, k, v)), sets)
+        finally:
+            splitk.choose_num_splits = original
+        cudnn = graph_time(provider_fn("sdpa_cudnn", Hq, Hkv), sets)
+        line = [f"auto(S={chosen[0]})={kv_bytes / auto / 1e6:.0f}", f"cudnn={kv_bytes / cudnn / 1e6:.0f}"]
+        rows = Hq // Hkv * Mq
+        bm = min(max(16, triton.next_power_of_2(rows)), 128)
+        for bn, w, st in ((64, 4, 4), (128, 8, 3), (32, 4, 6)):
+            cfg = SplitKConfig(bm, bn, 8 if bm > 64 else w, st)
+            line.append(f"| N{bn}w{w}s{st}")
+            for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
+                fn = lambda q, k, v, s=s, cfg=cfg: splitk_attention_fwd(make_inputs(q, k, v), num_splits=s, config=cfg)  # noqa: E731
+                ms = graph_time(fn, sets)
+                line.append(f"S{s}={kv_bytes / ms / 1e6:.0f}")
+        print(f"splits B={B} {Hq}/{Hkv} Mq={Mq} Mk={Mk}: " + " ".join(line), flush=True)
+        del sets
+
+
 def write_markdown(rows, path, copy_gbps):
     target = 0.9 * copy_gbps
     lines = [
@@ -220,6 +259,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/h200")
     ap.add_argument("--sweep", action="store_true", help="also time tile-config variants")
+    ap.add_argument("--splits", action="store_true", help="only time every split count on small caches")
     ap.add_argument("--quick", action="store_true", help="B in {1, 16}, Mk in {8k, 128k} only")
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse, where git works)")
     args = ap.parse_args(argv)
@@ -231,6 +271,9 @@ def main(argv=None):
     )
     copy_gbps = copy_bandwidth()
     print(f"copy bandwidth {copy_gbps:.0f} GB/s; target {0.9 * copy_gbps:.0f} GB/s", flush=True)
+    if args.splits:
+        split_counts(meta)
+        return 0
     if args.sweep:
         sweep(meta)
     grid = dict(GRID)

@@ -12,6 +12,11 @@ cost of that layer and everything beneath it:
 - ``sdpa ...``: torch's SDPA flash backend on the same shapes, for scale.
 
     PYTHONPATH=. python benchmarks/host_overhead.py --cases none causal varlen --profile causal
+
+``--threads`` splits a forward+backward call into the forward, the backward's body (timed and profiled
+on whichever thread autograd runs it) and the rest (autograd's engine and its thread hand-off), with
+autograd's device thread and with the backward on the caller's thread, next to an empty
+``autograd.Function`` that measures the hand-off alone.
 """
 
 from __future__ import annotations
@@ -97,6 +102,88 @@ def layers(case) -> dict:
     return calls
 
 
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def thread_split(case, iters: int, top: int) -> None:
+    """Where a forward+backward call's host time goes, per thread mode (see the module docstring).
+
+    Timings run without a profiler: ``before`` is from ``autograd.grad``'s call to the backward's first
+    line (the engine and the hand-off to its thread), ``body`` the backward itself, ``after`` from its
+    return to ``autograd.grad``'s. A profile of the backward body alone follows (cumulative time).
+    """
+    import cProfile
+    import pstats
+
+    from biasattn.ops import autograd as ag
+
+    q, k, v = (t.detach().requires_grad_() for t in (case.q, case.k, case.v))
+    bias = case.bias.to(q.device) if case.bias is not None else None
+    dout = torch.randn_like(case.q)
+    marks: list[float] = []
+    state = {"prof": None}
+    original = ag._AttentionFunction.backward
+
+    def timed_backward(ctx, *grads):
+        marks.append(time.perf_counter())
+        prof = state["prof"]
+        if prof is not None:
+            prof.enable()
+        try:
+            return original(ctx, *grads)
+        finally:
+            if prof is not None:
+                prof.disable()
+            marks.append(time.perf_counter())
+
+    def fwd():
+        return ba.attention(q, k, v, bias, op="triton")
+
+    x = torch.randn(16, device=q.device, requires_grad=True)
+
+    def identity():
+        return torch.autograd.grad(_Identity.apply(x), x, torch.ones_like(x))
+
+    ag._AttentionFunction.backward = staticmethod(timed_backward)
+    try:
+        for threaded in (True, False):
+            with torch.autograd.set_multithreading_enabled(threaded):
+                where = "autograd's device thread" if threaded else "the caller's thread"
+                t_fwd = per_call_us(fwd, iters)
+                for _ in range(10):
+                    torch.autograd.grad(fwd(), (q, k, v), dout)
+                torch.cuda.synchronize()
+                parts = []
+                for _ in range(iters):
+                    o = fwd()
+                    marks.clear()
+                    t0 = time.perf_counter()
+                    torch.autograd.grad(o, (q, k, v), dout)
+                    t1 = time.perf_counter()
+                    parts.append((marks[0] - t0, marks[1] - marks[0], t1 - marks[1]))
+                torch.cuda.synchronize()
+                before, body, after = (sorted(p[i] for p in parts)[len(parts) // 2] * 1e6 for i in range(3))
+                t_all = per_call_us(lambda: torch.autograd.grad(fwd(), (q, k, v), dout), iters)
+                t_id = per_call_us(identity, iters)
+                print(f"  backward on {where}: fwd+bwd {t_all:7.1f} µs; forward {t_fwd:6.1f}; backward (medians): "
+                      f"before {before:6.1f} + body {body:6.1f} + after {after:6.1f}; empty Function fwd+bwd {t_id:6.1f}")
+                state["prof"] = prof = cProfile.Profile()
+                for _ in range(iters):
+                    torch.autograd.grad(fwd(), (q, k, v), dout)
+                torch.cuda.synchronize()
+                state["prof"] = None
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(top)
+    finally:
+        ag._AttentionFunction.backward = original
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", default=["none", "causal", "varlen", "block_sparse", "additive"], choices=CASE_NAMES)
@@ -105,10 +192,14 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--profile", nargs="*", default=[], choices=CASE_NAMES, help="cases to also profile (fwd+bwd)")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--threads", action="store_true", help="split fwd+bwd host time by thread (see above)")
     args = p.parse_args(argv)
     for name in args.cases:
         case = make_case(name, B=1, H=2, M=args.M, D=args.D, docs=(2, 4))
         print(f"\n== {name}, B=1 H=2 M={args.M} D={args.D} bf16: host µs per call")
+        if args.threads:
+            thread_split(case, args.iters, args.top)
+            continue
         calls = layers(case)
         for layer, call in calls.items():
             print(f"  {per_call_us(call, args.iters):8.1f}  {layer}")

@@ -98,7 +98,13 @@ def test_no_split_when_the_grid_is_full():
 def test_split_fills_one_wave_for_long_caches():
     # 32 (sequence, head) pairs, 2048 key tiles, 264 slots: 8 splits make exactly one full wave
     assert choose_num_splits(32, 2048, 132, programs_per_sm=2) == 8
-    assert choose_num_splits(1, 2048, 132, programs_per_sm=2) == 128  # capped at MAX_SPLITS
+    assert 100 < choose_num_splits(1, 2048, 132, programs_per_sm=2) <= 128  # one sequence: as many as allowed
+
+
+def test_short_caches_pay_for_the_merge():
+    # 128 programs of 17 tiles: halving their work does not pay for the merge launch
+    assert choose_num_splits(128, 17, 132, programs_per_sm=2) == 1
+    assert choose_num_splits(128, 17, 132, programs_per_sm=2, merge_overhead_tiles=0.0) == 2
 
 
 def test_short_caches_split_less():
@@ -109,17 +115,18 @@ def test_short_caches_split_less():
 
 @given(
     bh=st.integers(1, 4096), tiles=st.integers(0, 5000), sms=st.integers(1, 160),
-    ppsm=st.integers(1, 4), overhead=st.floats(0.0, 8.0),
+    ppsm=st.integers(1, 4), overhead=st.floats(0.0, 8.0), merge=st.floats(0.0, 16.0),
 )
-def test_split_count_properties(bh, tiles, sms, ppsm, overhead):
-    s = choose_num_splits(bh, tiles, sms, programs_per_sm=ppsm, split_overhead_tiles=overhead)
+def test_split_count_properties(bh, tiles, sms, ppsm, overhead, merge):
+    s = choose_num_splits(bh, tiles, sms, programs_per_sm=ppsm, split_overhead_tiles=overhead, merge_overhead_tiles=merge)
     assert 1 <= s <= max(1, min(128, tiles))
     slots = sms * ppsm
     if bh >= slots:
         assert s == 1
     def cost(n):
         piece = math.ceil(tiles / n)
-        return math.ceil(bh * math.ceil(tiles / piece) / slots - 1e-9) * (piece + overhead)
+        busy = bh * math.ceil(tiles / piece)
+        return math.ceil(busy / slots - 1e-9) * (piece + overhead) + (merge if n > 1 else 0)
 
     if 1 < tiles and bh < slots:
         costs = [cost(n) for n in range(1, min(128, tiles) + 1)]

@@ -176,3 +176,30 @@ def test_calls_never_wait_for_the_gpu(name):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_direct_launches_match_tritons_own():
+    """Repeated launches call the compiled kernels directly, with the same results as ``kernel[grid]``."""
+    from biasattn.ops.triton import flash, launch
+
+    assert launch._triton_run_matches(), "the installed Triton's launch path changed: direct launches are off"
+    q, k, v = qkv(B=1, Hq=4, Hkv=2, Mq=300, Mk=300, D=64, dtype=torch.bfloat16)
+    bias = ba.BlockDiagonalMask.from_seqlens([100, 200], device="cuda").make_causal()
+    dout = torch.randn(1, 4, 300, 64, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        out = ba.attention(qg, kg, vg, bias, op="triton")
+        return (out, *torch.autograd.grad(out, (qg, kg, vg), dout))
+
+    run()
+    hits = flash._fwd.hits + flash._dq.hits + flash._dkdv.hits
+    direct = run()
+    assert flash._fwd.hits + flash._dq.hits + flash._dkdv.hits >= hits + 3
+    launch.DIRECT = False
+    try:
+        plain = run()
+    finally:
+        launch.DIRECT = True
+    for a, b in zip(direct, plain):
+        assert torch.equal(a, b)

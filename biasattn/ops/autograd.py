@@ -15,6 +15,7 @@ class _AttentionFunction(torch.autograd.Function):
         out, lse, saved = fwd_op.fwd(inp)
         ctx.save_for_backward(q, k, v, additive, out, lse)
         ctx.inp, ctx.saved, ctx.bwd_op = inp, saved, bwd_op
+        ctx.set_materialize_grads(False)  # an unused lse gets no zero gradient (no allocation, no dlse term)
         return out, lse
 
     @staticmethod

@@ -18,6 +18,11 @@ from . import configs, schedule
 from .bwd_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from .dbias_kernels import _attn_bwd_dbias_kernel
 from .fwd_kernels import _attn_fwd_kernel
+from .launch import direct
+
+_fwd, _preprocess, _dkdv, _dq, _dbias = map(direct, (
+    _attn_fwd_kernel, _attn_bwd_preprocess_kernel, _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_dbias_kernel,
+))
 
 INTERPRETED = configs.interpreted()
 LOG2E = 1.4426950408889634
@@ -170,7 +175,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
         sched = schedule.query_schedule(spec, cfg.block_m, q.device)
         count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_n, True, q.device)
         grid = (sched.n * B, H) if batch_inner else (sched.n, B * H)
-        _attn_fwd_kernel[grid](
+        _fwd[grid](
             q, k, v, out, lse,
             args.add, args.slopes, args.layout, args.qs, args.ks, args.kl, args.kv, args.band_lo, args.band_hi,
             sched.table if sched.table is not None else args.d32, count, index,
@@ -235,7 +240,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     delta = torch.empty((B, H, Mq), dtype=torch.float32, device=dev)
     dlse_t = dlse.to(torch.float32).contiguous() if dlse is not None else args.f32
     pre_bm = 16 if INTERPRETED else 64
-    _attn_bwd_preprocess_kernel[(triton.cdiv(Mq, pre_bm), B * H)](
+    _preprocess[(triton.cdiv(Mq, pre_bm), B * H)](
         out, dout, dlse_t, delta, *out.stride(), *dout.stride(), H, Mq, Dv,
         BLOCK_M=pre_bm, HEAD_DIM_V=hdv, HAS_DLSE=dlse is not None,
     )
@@ -271,7 +276,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         sched = schedule.key_schedule(spec, cfg.block_n, dev)
         count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_m, False, dev)
         grid = (sched.n, (B // nb_loop) * (Hkv // nhk_loop))
-        _attn_bwd_dkdv_kernel[grid](
+        _dkdv[grid](
             q, k, v, dout, lse, delta, dk, dv, dbias, dcol,
             args.add, args.slopes, args.layout, args.qs, args.kv, args.band_lo, args.band_hi,
             sched.table if sched.table is not None else args.d32, count, index,
@@ -292,7 +297,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         sched = schedule.query_schedule(spec, cfg.block_m, dev)
         count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_n, True, dev)
         grid = (sched.n * B, H) if batch_inner else (sched.n, B * H)
-        _attn_bwd_dq_kernel[grid](
+        _dq[grid](
             q, k, v, dout, lse, delta, dq, drow,
             args.add, args.slopes, args.layout, args.ks, args.kl, args.kv, args.band_lo, args.band_hi,
             sched.table if sched.table is not None else args.d32, count, index,
@@ -311,7 +316,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         bb, hb = add.shape[0], add.shape[1]
         heads_shared = H if h_bcast else 1
         n_sharers = (B if b_bcast else 1) * heads_shared
-        _attn_bwd_dbias_kernel[(triton.cdiv(Mq, cfg.block_m) * n_tiles_n, bb * hb)](
+        _dbias[(triton.cdiv(Mq, cfg.block_m) * n_tiles_n, bb * hb)](
             q, k, v, dout, lse, delta, dbias,
             args.add, args.slopes, args.layout, args.kv, args.band_lo, args.band_hi,
             scale * LOG2E,

@@ -16,16 +16,21 @@ import torch
 import triton
 
 from ...inputs import AttentionInputs
+from .launch import direct
 from .splitk_kernels import _merge_partials_kernel, _splitk_fwd_kernel
+
+_split, _merge = direct(_splitk_fwd_kernel), direct(_merge_partials_kernel)
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 128
 SPLIT_SLACK = 0.05
+MERGE_OVERHEAD_TILES = 8.0  # the merge launch, in one program's tile loads (fitted on an H200, benchmarks/NOTES.md)
 
 
 def choose_num_splits(
     batch_heads: int, key_tiles: int, num_sms: int, *, programs_per_sm: int = 2,
-    split_overhead_tiles: float = 1.0, max_splits: int = MAX_SPLITS, tiles_per_sequence: Sequence[int] | None = None,
+    split_overhead_tiles: float = 1.0, merge_overhead_tiles: float = MERGE_OVERHEAD_TILES,
+    max_splits: int = MAX_SPLITS, tiles_per_sequence: Sequence[int] | None = None,
 ) -> int:
     """Number of splits of ``key_tiles`` (the longest sequence's tiles); 1 means no split.
 
@@ -35,10 +40,11 @@ def choose_num_splits(
     working (a sequence of ``t`` tiles fills ``ceil(t / p)`` pieces; the rest exit at once), and
     ``num_sms · programs_per_sm`` programs run at a time (a wave). When ``batch_heads`` alone fills
     a wave the grid is already full: no split. Otherwise the modelled time is
-    ``ceil(busy(S) / wave) · (p + overhead)``, where ``overhead`` is a program's fixed cost in tile
-    loads (its start, and writing and merging its partial output); the answer is the fewest splits
-    within ``SPLIT_SLACK`` (5%) of the best time, so that near-ties buy no extra merge work.
-    Never more splits than tiles.
+    ``ceil(busy(S) / wave) · (p + split_overhead_tiles) + merge_overhead_tiles``, the two overheads
+    counted in one program's tile loads: a program's own fixed cost (its start, writing its partial
+    output) and the merge launch, paid once by every split call. The answer is the fewest splits
+    within ``SPLIT_SLACK`` (5%) of the best time, so that near-ties buy no extra merge work. Never
+    more splits than tiles.
     """
     if batch_heads <= 0 or key_tiles <= 1 or num_sms <= 0:
         return 1
@@ -52,7 +58,8 @@ def choose_num_splits(
     for s in candidates:
         piece = math.ceil(key_tiles / s)
         busy = heads_per_sequence * sum(max(1, math.ceil(t / piece)) for t in lengths)
-        costs.append(math.ceil(busy / slots - 1e-9) * (piece + split_overhead_tiles))
+        waves = math.ceil(busy / slots - 1e-9)
+        costs.append(waves * (piece + split_overhead_tiles) + (merge_overhead_tiles if s > 1 else 0.0))
     best = min(costs)
     return next(s for s, c in zip(candidates, costs) if c <= best * (1 + SPLIT_SLACK))
 
@@ -187,7 +194,7 @@ def splitk_attention_fwd(
     band_per_segment = spec.band_lo is not None and spec.band_lo.numel() > 1
     placeholder = spec.kv_seqlens if spec.kv_seqlens is not None else q
     grid = (Z * Hkv * row_blocks, num_splits)
-    _splitk_fwd_kernel[grid](
+    _split[grid](
         q, k, v, o_buf, l_buf,
         placeholder, spec.q_seqstart if segments else q, spec.k_seqstart if segments else q,
         spec.k_seqlen if segments else q,
@@ -235,7 +242,7 @@ def merge_partials_triton(
     out2, lse1 = out.view(R, Dv), lse.view(R)
     block_d = min(128, triton.next_power_of_2(Dv))
     block_s = min(32, triton.next_power_of_2(S))
-    _merge_partials_kernel[(R, triton.cdiv(Dv, block_d))](
+    _merge[(R, triton.cdiv(Dv, block_d))](
         parts, part_lse, out2, lse1, S, Dv,
         *parts.stride(), *part_lse.stride(), *out2.stride(), lse1.stride(0),
         BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4 if block_s * block_d >= 2048 else 2,
