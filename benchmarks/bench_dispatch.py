@@ -37,6 +37,10 @@ from biasattn import dispatch  # noqa: E402
 from biasattn.inputs import make_inputs  # noqa: E402
 
 MODES = ("fwd", "fwd+bwd")
+# beyond benchmarks.cases: grouped-query prefill (16 query heads on 2 KV heads, causal) and decoding
+# (B=16, one query per sequence, 32 query heads on 8 KV heads, a cache of S keys, full or padded)
+EXTRA_CASES = ("gqa_causal", "decode", "decode_padded")
+FORWARD_ONLY = ("decode", "decode_padded")
 COMPILED = ("triton", "triton_splitk", "cutlass", "flash2", "cudnn")
 
 
@@ -80,7 +84,8 @@ def _sdpa_providers(case):
     def make(backend):
         def call():
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(case.q, case.k, case.v, attn_mask=mask, is_causal=case.is_causal)
+                return F.scaled_dot_product_attention(case.q, case.k, case.v, attn_mask=mask, is_causal=case.is_causal,
+                                                      enable_gqa=case.q.shape[1] != case.k.shape[1])
 
         return call
 
@@ -94,8 +99,34 @@ def _grads(case):
     return out
 
 
+def _extra_case(name, S, D, requires_grad):
+    """One of :data:`EXTRA_CASES` at sequence (or cache) length ``S``, bf16."""
+    from benchmarks.cases import Case
+
+    def make(B, H, M):
+        t = torch.randn(B, H, M, D, dtype=torch.bfloat16, device="cuda")
+        return t.requires_grad_(requires_grad)
+
+    if name == "gqa_causal":
+        B = max(16384 // S, 1)
+        q, k, v = make(B, 16, S), make(B, 2, S), make(B, 2, S)
+        return Case(name, q, k, v, ba.LowerTriangularMask(), B * 16 * S * (S + 1) / 2, is_causal=True)
+    B = 16
+    q, k, v = make(B, 32, 1), make(B, 8, S), make(B, 8, S)
+    if name == "decode":
+        return Case(name, q, k, v, None, float(B * 32 * S))
+    lens = torch.randint(S // 8, S + 1, (B,), generator=torch.Generator().manual_seed(0))
+    bias = ba.PaddedKeysMask(lens.to("cuda"))
+    return Case(name, q, k, v, bias, float(32 * int(lens.sum())),
+                dense_mask=lambda: bias.materialize((B, 1, 1, S), device="cuda") == 0)
+
+
 def _time_case(S, B, H, D, name, mode, meta, log):
-    case = make_case(name, B=B, H=H, M=S, D=D, requires_grad=mode == "fwd+bwd")
+    if name in EXTRA_CASES:
+        case = _extra_case(name, S, D, requires_grad=mode == "fwd+bwd")
+        B, H = case.q.shape[:2]
+    else:
+        case = make_case(name, B=B, H=H, M=S, D=D, requires_grad=mode == "fwd+bwd")
     ours, chosen = _our_providers(case, mode)
     calls = {f"op:{n}": (lambda n=n: ba.attention(case.q, case.k, case.v, case.bias, op=n)) for n in ours}
     calls["auto"] = lambda: ba.attention(case.q, case.k, case.v, case.bias)
@@ -152,6 +183,8 @@ def run(sizes, modes, cases, H=16, D=128, tokens=16384, budget_s=1e9, log=print)
         B = max(tokens // S, 1)
         for name in cases:
             for mode in modes:
+                if mode != "fwd" and name in FORWARD_ONLY:
+                    continue
                 if time.time() - start > budget_s:
                     log(f"time budget of {budget_s:.0f}s spent: skipping S={S} {name} {mode}")
                     continue
@@ -168,14 +201,17 @@ def summarize(rows) -> str:
     meta = rows[0] if rows else {}
     lines = [
         f"Device {meta.get('device')}, torch {meta.get('torch')}, triton {meta.get('triton')}, commit {meta.get('commit')}, "
-        f"{meta.get('date')}. bf16, H={meta.get('H')}, D={meta.get('D')}, B·S = 16384 tokens. Median ms of "
+        f"{meta.get('date')}. bf16, H={meta.get('H')}, D={meta.get('D')}, B·S = 16384 tokens (gqa_causal: 16 query "
+        "heads on 2 KV heads; decode: B=16, Mq=1, 32 query heads on 8 KV heads, a cache of S keys; decode_padded: "
+        "cache lengths S/8..S). Median ms of "
         "triton.testing.do_bench; TFLOP/s count only visible pairs. auto/ours = fastest of our operators' time / auto's time "
         "(>= 0.95 passes); auto/SDPA = fastest SDPA backend's time / auto's time (>= 0.97 passes).",
         "",
         "| S | case | mode | our operators (ms) | auto: chosen | auto ms | best SDPA (ms) | auto/ours | auto/SDPA | pass |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (S, case, mode), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], CASE_NAMES.index(kv[0][1]), kv[0][2])):
+    order = CASE_NAMES + EXTRA_CASES
+    for (S, case, mode), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]), kv[0][2])):
         ours = {r["provider"][3:]: float(r["ms"]) for r in rs if r["provider"].startswith("op:")}
         sdpa = {r["provider"][5:]: float(r["ms"]) for r in rs if r["provider"].startswith("sdpa:")}
         auto = next((r for r in rs if r["provider"] == "auto"), None)
@@ -207,7 +243,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="2048")
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--cases", default=",".join(CASE_NAMES))
+    p.add_argument("--cases", default=",".join(CASE_NAMES + EXTRA_CASES))
     p.add_argument("--out", default="benchmarks/results/h200/dispatch")
     p.add_argument("--budget", type=float, default=1e9, help="stop starting new cases after this many seconds")
     a = p.parse_args(argv)

@@ -79,7 +79,7 @@ def _reasons(inp: AttentionInputs, need_lse: bool, backward: bool) -> dict[str, 
 def _first(inp: AttentionInputs, need_lse: bool, backward: bool) -> Operator | None:
     """The first candidate with no reasons (later candidates are not asked: dispatch runs on every call)."""
     for op in candidates(inp.device.type, inp):
-        if not op.not_supported_reasons(inp, need_lse=need_lse, backward=backward):
+        if op.supports(inp, need_lse=need_lse, backward=backward):
             return op
     return None
 

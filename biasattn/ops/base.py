@@ -11,6 +11,7 @@ function in :mod:`biasattn.ops.autograd` joins a forward operator with a backwar
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -58,52 +59,54 @@ class Operator:
 
         ``backward`` defaults to ``inp.requires_grad``.
         """
-        backward = inp.requires_grad if backward is None else backward
-        reasons = list(self.environment_reasons(inp.device))
+        return list(self._reasons(inp, need_lse, inp.requires_grad if backward is None else backward))
+
+    def supports(self, inp: AttentionInputs, *, need_lse: bool = False, backward: bool | None = None) -> bool:
+        """True when :meth:`not_supported_reasons` is empty; stops at the first reason (the dispatcher's check)."""
+        return next(self._reasons(inp, need_lse, inp.requires_grad if backward is None else backward), None) is None
+
+    def _reasons(self, inp: AttentionInputs, need_lse: bool, backward: bool) -> Iterator[str]:
+        """The reasons, declarations first, so that a refusal found early skips the costlier checks."""
+        yield from self.environment_reasons(inp.device)
         dev = inp.device
         if dev.type not in self.DEVICES:
-            reasons.append(f"runs on {'/'.join(sorted(self.DEVICES))} tensors, the inputs are on {dev}")
+            yield f"runs on {'/'.join(sorted(self.DEVICES))} tensors, the inputs are on {dev}"
         elif dev.type == "cuda" and self.MIN_CAPABILITY > (0, 0):
             cap = cuda_capability(dev)
             if cap < self.MIN_CAPABILITY:
                 need = ".".join(map(str, self.MIN_CAPABILITY))
-                reasons.append(f"needs compute capability {need}+, the device has {cap[0]}.{cap[1]}")
+                yield f"needs compute capability {need}+, the device has {cap[0]}.{cap[1]}"
         if inp.dtype not in self.DTYPES:
             names = ", ".join(sorted(_dtype_name(d) for d in self.DTYPES))
-            reasons.append(f"supports dtypes {names}, got {_dtype_name(inp.dtype)}")
+            yield f"supports dtypes {names}, got {_dtype_name(inp.dtype)}"
         if inp.D < self.MIN_HEAD_DIM or (self.MAX_HEAD_DIM is not None and max(inp.D, inp.Dv) > self.MAX_HEAD_DIM):
-            reasons.append(f"supports head dims {self.MIN_HEAD_DIM}..{self.MAX_HEAD_DIM}, got D={inp.D}, Dv={inp.Dv}")
+            yield f"supports head dims {self.MIN_HEAD_DIM}..{self.MAX_HEAD_DIM}, got D={inp.D}, Dv={inp.Dv}"
         if self.REQUIRES_EQUAL_V_DIM and inp.Dv != inp.D:
-            reasons.append(f"needs Dv == D, got Dv={inp.Dv}, D={inp.D}")
+            yield f"needs Dv == D, got Dv={inp.Dv}, D={inp.D}"
         missing = inp.spec.features - self.FEATURES
         if missing:
-            reasons.append(f"does not support bias features {sorted(missing)} (from {type(inp.bias).__name__})")
+            yield f"does not support bias features {sorted(missing)} (from {type(inp.bias).__name__})"
         if inp.dropout_p > 0 and not self.SUPPORTS_DROPOUT:
-            reasons.append(f"does not support dropout (dropout_p={inp.dropout_p})")
+            yield f"does not support dropout (dropout_p={inp.dropout_p})"
         if backward and not self.SUPPORTS_BACKWARD:
-            reasons.append("has no backward pass and gradients are required")
+            yield "has no backward pass and gradients are required"
         if backward and inp.additive is not None and inp.additive.requires_grad and not self.SUPPORTS_BIAS_GRAD:
-            reasons.append("cannot compute the gradient of the additive bias, which requires grad")
+            yield "cannot compute the gradient of the additive bias, which requires grad"
         if inp.groups > 1 and not self.SUPPORTS_GQA:
-            reasons.append(f"does not support grouped-query attention (Hq={inp.Hq}, Hkv={inp.Hkv})")
+            yield f"does not support grouped-query attention (Hq={inp.Hq}, Hkv={inp.Hkv})"
         if need_lse and not self.SUPPORTS_LSE:
-            reasons.append("does not return the log-sum-exp")
+            yield "does not return the log-sum-exp"
         if self.MAX_MQ is not None and inp.Mq > self.MAX_MQ:
-            reasons.append(f"handles at most Mq={self.MAX_MQ} queries, got Mq={inp.Mq}")
+            yield f"handles at most Mq={self.MAX_MQ} queries, got Mq={inp.Mq}"
         if backward and torch.are_deterministic_algorithms_enabled() and not self.DETERMINISTIC:
-            reasons.append("is not deterministic and torch.use_deterministic_algorithms(True) is set")
+            yield "is not deterministic and torch.use_deterministic_algorithms(True) is set"
         if min(inp.B, inp.Mq, inp.Mk) == 0 and not self.SUPPORTS_EMPTY:
-            reasons.append(f"does not handle empty inputs (B={inp.B}, Mq={inp.Mq}, Mk={inp.Mk})")
-        reasons.extend(self.extra_reasons(inp, backward=backward))
-        return reasons
+            yield f"does not handle empty inputs (B={inp.B}, Mq={inp.Mq}, Mk={inp.Mk})"
+        yield from self.extra_reasons(inp, backward=backward)
 
     def extra_reasons(self, inp: AttentionInputs, *, backward: bool) -> list[str]:
         """Operator-specific limits beyond the declarations."""
         return []
-
-    def supports(self, inp: AttentionInputs, **kwargs) -> bool:
-        """True when :meth:`not_supported_reasons` is empty."""
-        return not self.not_supported_reasons(inp, **kwargs)
 
     # ----------------------------------------------------------------------------- compute
     def fwd(self, inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor, Any]:

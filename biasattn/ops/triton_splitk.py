@@ -13,6 +13,8 @@ additive tensors. Forward only. CUDA sm80+; on the CPU only under ``TRITON_INTER
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from ..inputs import AttentionInputs
@@ -38,12 +40,13 @@ class TritonSplitKOperator(Operator):
         """Triton must be installed; on the CPU the Triton interpreter must be on."""
         return triton_environment_reasons(device)
 
-    def not_supported_reasons(self, inp: AttentionInputs, *, need_lse: bool = False, backward: bool | None = None) -> list[str]:
+    def _reasons(self, inp: AttentionInputs, need_lse: bool, backward: bool) -> Iterator[str]:
         """The declared checks, with ``MAX_MQ`` applied per sequence when queries are packed (segments)."""
-        reasons = super().not_supported_reasons(inp, need_lse=need_lse, backward=backward)
-        if inp.spec.q_seqstart is not None:
-            reasons = [r for r in reasons if r != f"handles at most Mq={self.MAX_MQ} queries, got Mq={inp.Mq}"]
-        return reasons
+        per_sequence = inp.spec.q_seqstart is not None
+        too_many = f"handles at most Mq={self.MAX_MQ} queries, got Mq={inp.Mq}"
+        for reason in super()._reasons(inp, need_lse, backward):
+            if not (per_sequence and reason == too_many):
+                yield reason
 
     def extra_reasons(self, inp: AttentionInputs, *, backward: bool) -> list[str]:
         """Packed sequences of more than MAX_MQ queries; bfloat16 under the interpreter (its bf16 dot is inexact)."""

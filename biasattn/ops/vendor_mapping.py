@@ -19,6 +19,7 @@ Python on host metadata, so every decision is unit-testable without a GPU:
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -429,12 +430,10 @@ class VendorOperator(Operator):
             return [f"needs {names}, which torch {torch.__version__} lacks"]
         return []
 
-    def not_supported_reasons(self, inp: AttentionInputs, *, need_lse: bool = False, backward: bool | None = None) -> list[str]:
-        reasons = super().not_supported_reasons(inp, need_lse=need_lse, backward=backward)
-        backward = inp.requires_grad if backward is None else backward
+    def _reasons(self, inp: AttentionInputs, need_lse: bool, backward: bool) -> Iterator[str]:
+        yield from super()._reasons(inp, need_lse, backward)
         if need_lse and backward:
-            reasons.append("its backward kernel cannot take a gradient through the log-sum-exp")
-        return reasons
+            yield "its backward kernel cannot take a gradient through the log-sum-exp"
 
     def plan(self, inp: AttentionInputs) -> SeqPlan:
         """The :class:`SeqPlan` of ``inp.spec`` (cached on the spec)."""
