@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 
@@ -48,20 +49,24 @@ def choose_num_splits(
     """
     if batch_heads <= 0 or key_tiles <= 1 or num_sms <= 0:
         return 1
-    slots = num_sms * max(1, programs_per_sm)
-    if batch_heads >= slots:
+    if batch_heads >= num_sms * max(1, programs_per_sm):
         return 1
-    lengths = list(tiles_per_sequence) if tiles_per_sequence else [key_tiles]
-    heads_per_sequence = batch_heads / len(lengths)
-    candidates = range(1, min(max_splits, key_tiles) + 1)
-    costs = []
-    for s in candidates:
-        piece = math.ceil(key_tiles / s)
-        busy = heads_per_sequence * sum(max(1, math.ceil(t / piece)) for t in lengths)
-        waves = math.ceil(busy / slots - 1e-9)
-        costs.append(waves * (piece + split_overhead_tiles) + (merge_overhead_tiles if s > 1 else 0.0))
-    best = min(costs)
-    return next(s for s, c in zip(candidates, costs) if c <= best * (1 + SPLIT_SLACK))
+    lengths = tuple(tiles_per_sequence) if tiles_per_sequence else (key_tiles,)
+    return _modelled_best(batch_heads, key_tiles, num_sms, programs_per_sm, split_overhead_tiles, merge_overhead_tiles,
+                          max_splits, lengths)
+
+
+@functools.lru_cache(maxsize=4096)  # decoding asks again on every step, and the tile counts move slowly
+def _modelled_best(batch_heads: int, key_tiles: int, num_sms: int, programs_per_sm: int, split_overhead_tiles: float,
+                   merge_overhead_tiles: float, max_splits: int, lengths: tuple[int, ...]) -> int:
+    slots = num_sms * max(1, programs_per_sm)
+    splits = np.arange(1, min(max_splits, key_tiles) + 1)
+    piece = -(-key_tiles // splits)
+    pieces = np.maximum(1, -(-np.asarray(lengths)[None, :] // piece[:, None])).sum(axis=1)  # per sequence, summed
+    busy = batch_heads / len(lengths) * pieces
+    waves = np.ceil(busy / slots - 1e-9)
+    costs = waves * (piece + split_overhead_tiles) + np.where(splits > 1, merge_overhead_tiles, 0.0)
+    return int(splits[np.argmax(costs <= costs.min() * (1 + SPLIT_SLACK))])
 
 
 @dataclass(frozen=True)
