@@ -16,11 +16,13 @@ from .inputs import AttentionInputs
 from .ops.base import Operator
 
 # Measured on the H200 (benchmarks/results/h200/dispatch.md, bf16, D=128, B·S=16384, S=2048 and 8192,
-# commits 0b2626b, 99b0abf and 2fd2e30): cudnn is fastest wherever it runs (no mask, causal, additive bias forward); triton
-# beats flash2 everywhere both run (window 0.33 vs 0.48 ms forward, 1.31 vs 1.79 ms forward+backward;
-# packed varlen 0.28 vs 0.33 ms and 1.01 vs 1.24 ms), and its backward beats cutlass's with a bias
-# gradient. ``priority`` keeps triton_splitk for decode shapes. (At 7a8435a flash2 was first on
-# packed segments; triton's host time per call has since been cut, see benchmarks/NOTES.md.)
+# commits 0b2626b, 99b0abf, 2fd2e30 and cd6c481): cudnn is fastest wherever it runs (no mask, causal,
+# additive bias forward); triton beats flash2 everywhere both run (window 0.33 vs 0.48 ms forward,
+# 1.31 vs 1.79 ms forward+backward; packed varlen 0.28 vs 0.33 ms and 1.00 vs 1.24 ms), and its
+# backward beats cutlass's with a bias gradient. ``priority`` keeps triton_splitk for decode shapes
+# (results/h200/dispatch_gqa_decode.md: eager decode at S=8192 0.142 ms against flash2's 0.152).
+# (At 7a8435a flash2 was first on packed segments; triton's host time per call has since been cut,
+# see benchmarks/NOTES.md.)
 PRIORITY: dict[str, tuple[str, ...]] = {
     "cuda": ("triton_splitk", "cudnn", "triton", "flash2", "cutlass", "chunked", "reference"),
     "cpu": ("chunked", "reference"),

@@ -194,14 +194,12 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
     return out, lse
 
 
-def _long_backward(spec: BiasSpec, B: int, H: int, Hkv: int, Mq: int, Mk: int, D: int) -> bool:
+def _long_backward(spec: BiasSpec, B: int, H: int, Mq: int, Mk: int, D: int) -> bool:
     """Whether a backward runs long enough on the GPU for the side stream to pay: the fork and join
     cost host time, which calls of about a millisecond cannot spare (measured on an H200: dQ beside
     dK/dV gains 1.4-2.9% from B·H·Mq·Mk·D = 2**36 without segments, and loses on packed varlen and
     on block-sparse at that size; benchmarks/NOTES.md)."""
     if spec.q_seqstart is not None:  # packed documents: the nominal size overstates the work
-        return False
-    if H != Hkv:  # grouped heads: fewer, longer dK/dV programs, which must not wait behind dQ's
         return False
     work = B * H * Mq * Mk * D
     return work >= (2**38 if spec.layout is not None else 2**36)
@@ -333,7 +331,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
 
     hmax = max(hd, hdv)
     concurrent = (CONCURRENT_BWD and dev.type == "cuda" and not INTERPRETED
-                  and _long_backward(spec, B, H, Hkv, Mq, Mk, max(D, Dv)))
+                  and _long_backward(spec, B, H, Mq, Mk, max(D, Dv)))
     if concurrent:
         # dK/dV and dQ depend only on what is queued so far: fork dQ to a side stream and join it
         # back, so every later use on the caller's stream (and any reuse of these buffers) waits for it
