@@ -37,10 +37,12 @@ def _triton_run_matches() -> bool:
 
 
 @functools.cache
-def _stream_getter():
+def _runtime():
+    """``(current-stream getter, Triton's knobs)``, looked up once instead of on every launch."""
+    from triton import knobs
     from triton.runtime import driver
 
-    return driver.active.get_current_stream
+    return driver.active.get_current_stream, knobs
 
 
 class _Direct:
@@ -73,10 +75,9 @@ class _Direct:
             return compiled
         compiled, tail = entry
         self.hits += 1
-        from triton import knobs
-
+        get_stream, knobs = _runtime()
         values = (*args, *tail)
-        stream = _stream_getter()(device.index)
+        stream = get_stream(device.index)
         g = tuple(grid) + (1, 1)
         compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
                      compiled.launch_metadata(grid, stream, *values),
