@@ -261,6 +261,8 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="also time tile-config variants")
     ap.add_argument("--splits", action="store_true", help="only time every split count on small caches")
     ap.add_argument("--quick", action="store_true", help="B in {1, 16}, Mk in {8k, 128k} only")
+    ap.add_argument("--heads", nargs="+", default=None, help="head layouts Hq/Hkv instead of 32/32 32/8 32/1")
+    ap.add_argument("--mq", nargs="+", type=int, default=None, help="queries per sequence instead of 1 and 4")
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse, where git works)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -279,6 +281,10 @@ def main(argv=None):
     grid = dict(GRID)
     if args.quick:
         grid.update(B=(1, 16), Mk=(8192, 131072))
+    if args.heads:
+        grid.update(heads=tuple(tuple(int(x) for x in h.split("/")) for h in args.heads))
+    if args.mq:
+        grid.update(Mq=tuple(args.mq))
     rows = []
     t0 = time.time()
     for Mq in grid["Mq"]:
@@ -294,9 +300,11 @@ def main(argv=None):
                           f"flash {r['sdpa_flash']:7.0f}  cudnn {r['sdpa_cudnn']:7.0f}  [{time.time() - t0:.0f}s]", flush=True)
     padded_experiment(rows, meta)
     for B, Hq, Hkv, Mq, Mk in ((1, 32, 8, 1, 32768), (16, 32, 1, 1, 131072)):  # spread: the same point again
-        again = bench_point(B, Hq, Hkv, Mq, Mk, ["triton_splitk"])[0][2]
         key = ("triton_splitk", B, Hkv, Mq, Mk)
-        first = next(r["GBps"] for r in rows if (r["provider"], r["B"], r["Hkv"], r["Mq"], r["Mk"]) == key)
+        first = next((r["GBps"] for r in rows if (r["provider"], r["B"], r["Hkv"], r["Mq"], r["Mk"]) == key), None)
+        if first is None:  # not in this run's grid
+            continue
+        again = bench_point(B, Hq, Hkv, Mq, Mk, ["triton_splitk"])[0][2]
         print(f"spread: B={B} {Hq}/{Hkv} Mq={Mq} Mk={Mk}: {first:.0f} then {again:.0f} GB/s", flush=True)
     for r in rows:
         r["copy_GBps"] = round(copy_gbps, 1)

@@ -29,6 +29,12 @@ PRIORITY: dict[str, tuple[str, ...]] = {
 }
 DEFAULT_PRIORITY: tuple[str, ...] = ("chunked", "reference")
 SPLITK_MAX_MQ = 16  # triton_splitk is a decode kernel: only tried first for sequences of at most this many queries
+# Single-query decoding with at most this many query heads per KV head: cuDNN streams the cache faster
+# than triton_splitk at every measured B (1-64) and cache length (1k-128k) with 1, 4, 8 and 16 query
+# heads per KV head (results/h200/decode.md and decode_groups.md: 1.00-1.26x its GB/s); with 32 per KV
+# head, or 4 queries per sequence, triton_splitk is faster, by up to 19x (cuDNN does not share a K/V
+# tile between the heads of a group).
+CUDNN_DECODE_MAX_GROUPS = 16
 
 
 def priority(device_type: str, inp: AttentionInputs | None = None) -> tuple[str, ...]:
@@ -41,7 +47,16 @@ def priority(device_type: str, inp: AttentionInputs | None = None) -> tuple[str,
     if longest > SPLITK_MAX_MQ and "triton_splitk" in order:  # not a decode shape: try it last of the compiled ops
         order.remove("triton_splitk")
         order.insert(order.index("cutlass") + 1 if "cutlass" in order else len(order), "triton_splitk")
+    elif "cudnn" in order and "triton_splitk" in order and _cudnn_decodes_faster(inp, longest):
+        order.remove("cudnn")
+        order.insert(order.index("triton_splitk"), "cudnn")
     return tuple(order)
+
+
+def _cudnn_decodes_faster(inp: AttentionInputs, longest: int) -> bool:
+    """Whether cuDNN beats ``triton_splitk`` on this decode step (see ``CUDNN_DECODE_MAX_GROUPS``)."""
+    return longest == 1 and inp.groups <= CUDNN_DECODE_MAX_GROUPS
+
 
 _allowed: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("biasattn_allowed_ops", default=None)
 

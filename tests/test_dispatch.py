@@ -174,3 +174,18 @@ def test_declarations_are_data():
     d = ba.ops.get("chunked").declarations()
     assert d["name"] == "chunked" and d["backward"] and d["gqa"] and "segments" in d["features"]
     assert set(d["dtypes"]) == {"float16", "bfloat16", "float32", "float64"}
+
+
+def _decode(Hq, Hkv, Mq, bias=None):
+    q, k = torch.randn(2, Hq, Mq, 8), torch.randn(2, Hkv, 40, 8)
+    return make_inputs(q, k, k, bias)
+
+
+def test_cuda_priority_puts_cudnn_first_for_single_query_decoding_of_small_groups():
+    order = dispatch.priority("cuda", _decode(8, 2, 1))
+    assert order.index("cudnn") < order.index("triton_splitk") < order.index("triton")
+    assert dispatch.priority("cuda", _decode(16, 1, 1)).index("cudnn") == 0  # 16 query heads per KV head
+    for inp in (_decode(32, 1, 1), _decode(8, 2, 4)):  # 32 query heads per KV head; 4 queries
+        assert dispatch.priority("cuda", inp)[0] == "triton_splitk"
+    order = dispatch.priority("cuda", _decode(2, 2, 17))  # not a decode shape
+    assert order.index("cudnn") < order.index("cutlass") < order.index("triton_splitk")

@@ -121,12 +121,23 @@ def test_torch_compile():
 
 
 def test_dispatcher_prefers_splitk_for_decoding():
-    q, k, v = decode_inputs(1, 32, 8, 1, 32768, torch.bfloat16)
+    q, k, v = decode_inputs(1, 32, 1, 1, 32768, torch.bfloat16)  # 32 query heads per KV head
     fwd, _ = dispatch.choose(make_inputs(q, k, v))
     assert fwd.NAME == "triton_splitk"
     assert "triton_splitk  chosen" in ba.explain(q, k, v)
+    q4, k8, v8 = decode_inputs(1, 32, 8, 4, 32768, torch.bfloat16)  # 4 queries per sequence
+    assert dispatch.choose(make_inputs(q4, k8, v8))[0].NAME == "triton_splitk"
+    lens = ba.PaddedKeysMask([30000], device=CUDA)  # cuDNN would read the padded keys
+    assert dispatch.choose(make_inputs(q4[:, :, :1], k8, v8, lens))[0].NAME == "triton_splitk"
     q2 = rand(1, 32, 64, 128)
     assert "handles at most Mq=16" in ba.explain(q2, k, v)
+
+
+def test_dispatcher_prefers_cudnn_for_single_query_decoding_of_small_groups():
+    q, k, v = decode_inputs(2, 32, 8, 1, 8192, torch.bfloat16)
+    assert dispatch.choose(make_inputs(q, k, v))[0].NAME == "cudnn"
+    out, lse = ba.attention_with_lse(q, k, v)
+    assert_close_to_reference(out, lse, make_inputs(q, k, v))
 
 
 def test_merge_attentions_uses_the_shared_kernel():

@@ -55,7 +55,8 @@ def _lens_mask(lens, Mk):
 
 CASES = [
     Case("none", ("cutlass", "flash2", "cudnn"), 2, 4, 4, 203, 203),
-    Case("gqa_causal", ("cutlass", "flash2"), 2, 8, 2, 113, 113, 128, lambda a: ba.LowerTriangularMask()),
+    Case("gqa_causal", ("cutlass", "flash2", "cudnn"), 2, 8, 2, 113, 113, 128, lambda a: ba.LowerTriangularMask()),
+    Case("decode_gqa", ("cutlass", "flash2", "cudnn"), 3, 8, 2, 1, 777, 128),
     Case("causal_br_short_q", ("cutlass", "flash2"), 2, 4, 4, 17, 203, 64, lambda a: ba.LowerTriangularFromBottomRightMask()),
     Case("causal_tl_long_q", ("cutlass", "flash2"), 1, 4, 4, 203, 113, 64, lambda a: ba.LowerTriangularMask()),
     Case("causal_br_long_q", ("flash2",), 1, 4, 4, 203, 113, 64,

@@ -7,6 +7,16 @@ import functools
 import torch
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints (Triton's ``cdiv`` unwraps constexprs on every call; this runs per launch)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= ``n`` (1 for ``n <= 1``), in plain ints like :func:`cdiv`."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float64 for float64 inputs, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -4,11 +4,13 @@ Older torch builds only have ``aten._scaled_dot_product_cudnn_attention``; the o
 whichever the installed torch has. cuDNN's causal mask is top-left, so it is used only for
 ``Mq == Mk`` (where top-left and bottom-right agree). An additive bias must not require grad (cuDNN
 computes no bias gradient), and with a bias the backward is refused at sequence lengths
-``% 128 == 64``, where cuDNN's ``grad_q`` has returned NaN (PyTorch issue 196678).
+``% 128 == 64``, where cuDNN's ``grad_q`` has returned NaN (PyTorch issue 196678). Grouped-query
+attention is native: K/V keep their ``Hkv`` heads and so do their gradients.
 
 Packed segments and padded keys are not declared: through the ragged (``cum_seq``) entry point of
 torch 2.11 the forward took 45-60 ms where FlashAttention-2 takes 0.3-0.9 ms, and ``grad_q`` was
-wrong (measured on the H200, ``benchmarks/results/h200/dispatch.md``).
+wrong (measured on the H200, ``benchmarks/results/h200/dispatch.md``); as a ``-inf`` bias, padded keys
+would still be read, and a cache slot past a sequence's length may hold anything (NaN included).
 """
 
 from __future__ import annotations
@@ -42,10 +44,10 @@ def _entry_points() -> tuple[str, str] | None:
 
 
 class CudnnOperator(VendorOperator):
-    """cuDNN attention through PyTorch: causal (Mq == Mk), additive bias (no gradient), dropout."""
+    """cuDNN attention through PyTorch: causal (Mq == Mk), additive bias (no gradient), GQA, dropout."""
 
     NAME = "cudnn"
-    DESCRIPTION = "PyTorch's cuDNN attention: causal (Mq == Mk), additive bias (no bias gradient), dropout"
+    DESCRIPTION = "PyTorch's cuDNN attention: causal (Mq == Mk), additive bias (no bias gradient), GQA, dropout"
     MIN_CAPABILITY = (8, 0)
     DTYPES = frozenset({torch.float16, torch.bfloat16})
     MIN_HEAD_DIM = 8
@@ -54,6 +56,7 @@ class CudnnOperator(VendorOperator):
     FEATURES = frozenset({"band", "additive"})
     SUPPORTS_DROPOUT = True
     SUPPORTS_BACKWARD = True
+    SUPPORTS_GQA = True
     ENTRY_POINTS = RAGGED
 
     def probe_environment(self) -> list[str]:
@@ -70,6 +73,10 @@ class CudnnOperator(VendorOperator):
         if plan.reason:
             return [plan.reason]
         reasons = []
+        if inp.groups > 1 and _entry_points() != RAGGED:
+            reasons.append(
+                f"takes grouped-query heads only through torch.ops.aten.{RAGGED[0]}, which torch {torch.__version__} lacks"
+            )
         if inp.D % 8:
             reasons.append(f"needs a head dim that is a multiple of 8, got D={inp.D}")
         causal = cudnn_causal(plan)

@@ -316,7 +316,6 @@ def lse_layout(raw: torch.Tensor, plan: SeqPlan, B: int, H: int, Mq: int) -> str
 def lse_from_kernel(raw: torch.Tensor, plan: SeqPlan, B: int, H: int, Mq: int, layout: str) -> torch.Tensor:
     """A kernel's log-sum-exp (``layout``, see :func:`lse_to_kernel`) as ``[B, H, Mq]`` float32,
     ``-inf`` where a row sees no key (kernels write ``+inf``, ``-inf`` or NaN there)."""
-    raw = raw.float()
     if layout == "bhm":
         lse = raw[:, :, :Mq]
     elif layout == "bhm1":
@@ -331,7 +330,8 @@ def lse_from_kernel(raw: torch.Tensor, plan: SeqPlan, B: int, H: int, Mq: int, l
         lse = raw[seg, :, pos].reshape(B, Mq, H).transpose(1, 2)
     else:
         raise ValueError(f"layout must be one of {LSE_LAYOUTS}, got {layout!r}")
-    return torch.where(torch.isnan(lse) | (lse == float("inf")), float("-inf"), lse).contiguous()
+    inf = float("inf")
+    return torch.nan_to_num(lse.float(), nan=-inf, posinf=-inf, neginf=-inf).contiguous()
 
 
 def lse_to_kernel(lse: torch.Tensor, plan: SeqPlan, layout: str, pad: int = 1) -> torch.Tensor:

@@ -11,9 +11,9 @@ import contextlib
 import math
 
 import torch
-import triton
 
 from ...bias.spec import BiasSpec
+from ..common import cdiv
 from . import configs, schedule
 from .bwd_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from .dbias_kernels import _attn_bwd_dbias_kernel
@@ -240,7 +240,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     delta = torch.empty((B, H, Mq), dtype=torch.float32, device=dev)
     dlse_t = dlse.to(torch.float32).contiguous() if dlse is not None else args.f32
     pre_bm = 16 if INTERPRETED else 64
-    _preprocess[(triton.cdiv(Mq, pre_bm), B * H)](
+    _preprocess[(cdiv(Mq, pre_bm), B * H)](
         out, dout, dlse_t, delta, *out.stride(), *dout.stride(), H, Mq, Dv,
         BLOCK_M=pre_bm, HEAD_DIM_V=hdv, HAS_DLSE=dlse is not None,
     )
@@ -312,11 +312,11 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         )
 
     def run_dbias(cfg: configs.TileConfig) -> None:
-        n_tiles_n = triton.cdiv(Mk, cfg.block_n)
+        n_tiles_n = cdiv(Mk, cfg.block_n)
         bb, hb = add.shape[0], add.shape[1]
         heads_shared = H if h_bcast else 1
         n_sharers = (B if b_bcast else 1) * heads_shared
-        _dbias[(triton.cdiv(Mq, cfg.block_m) * n_tiles_n, bb * hb)](
+        _dbias[(cdiv(Mq, cfg.block_m) * n_tiles_n, bb * hb)](
             q, k, v, dout, lse, delta, dbias,
             args.add, args.slopes, args.layout, args.kv, args.band_lo, args.band_hi,
             scale * LOG2E,

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import triton
 
 from ...inputs import AttentionInputs
+from ..common import cdiv, next_power_of_2
 from .launch import direct
 from .splitk_kernels import _merge_partials_kernel, _splitk_fwd_kernel
 
@@ -80,7 +80,7 @@ class SplitKConfig:
 
 
 def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(max(n, 1)))
+    return max(lo, next_power_of_2(max(n, 1)))
 
 
 @functools.cache
@@ -165,9 +165,9 @@ def splitk_attention_fwd(
     rows = G * mq_stride
     head_dim, head_dim_v = _pow2(D), _pow2(Dv)
     cfg = config or default_config(rows, head_dim, head_dim_v, dev)
-    row_blocks = triton.cdiv(rows, cfg.block_m)
+    row_blocks = cdiv(rows, cfg.block_m)
     bound, lengths = _key_bounds(inp, mq_stride)
-    key_tiles = triton.cdiv(bound, cfg.block_n) + 1  # + 1: a range need not start on a tile boundary
+    key_tiles = cdiv(bound, cfg.block_n) + 1  # + 1: a range need not start on a tile boundary
     if num_splits is None:
         tile_bytes = cfg.block_n * (head_dim + head_dim_v) * q.element_size()
         smem = max(cfg.num_stages - 1, 1) * tile_bytes  # tiles in flight while one is consumed
@@ -175,10 +175,10 @@ def splitk_attention_fwd(
             Z * Hkv * row_blocks, key_tiles, num_sms(dev),
             programs_per_sm=max(1, min(4, (200 * 1024) // smem)),
             split_overhead_tiles=1.0 + min(rows, cfg.block_m) * Dv * 8 / tile_bytes,
-            tiles_per_sequence=None if lengths is None else [triton.cdiv(n, cfg.block_n) + 1 for n in lengths],
+            tiles_per_sequence=None if lengths is None else [cdiv(n, cfg.block_n) + 1 for n in lengths],
         )
-        num_splits = triton.cdiv(key_tiles, triton.cdiv(key_tiles, num_splits))
-    tiles_per_split = triton.cdiv(key_tiles, num_splits)
+        num_splits = cdiv(key_tiles, cdiv(key_tiles, num_splits))
+    tiles_per_split = cdiv(key_tiles, num_splits)
 
     if num_splits == 1:
         o_buf, l_buf = out, lse
@@ -245,9 +245,9 @@ def merge_partials_triton(
     parts = outs.reshape(S, R, Dv)
     part_lse = lses.reshape(S, R)
     out2, lse1 = out.view(R, Dv), lse.view(R)
-    block_d = min(128, triton.next_power_of_2(Dv))
-    block_s = min(32, triton.next_power_of_2(S))
-    _merge[(R, triton.cdiv(Dv, block_d))](
+    block_d = min(128, next_power_of_2(Dv))
+    block_s = min(32, next_power_of_2(S))
+    _merge[(R, cdiv(Dv, block_d))](
         parts, part_lse, out2, lse1, S, Dv,
         *parts.stride(), *part_lse.stride(), *out2.stride(), lse1.stride(0),
         BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4 if block_s * block_d >= 2048 else 2,
