@@ -130,28 +130,6 @@ def test_no_bias_gqa_and_dv(dtype):
     check(*qkv(B=2, Hq=4, Hkv=2, Mq=33, Mk=47, D=24, Dv=16, dtype=dtype), const(None))
 
 
-def test_group_splits_reach_the_wanted_programs_with_a_divisor_of_the_group():
-    from biasattn.ops.triton import flash
-
-    assert flash.group_splits(1, 10, 132) == 1  # no group
-    assert flash.group_splits(8, 1000, 132) == 1  # already four programs per SM
-    assert flash.group_splits(8, 256, 132) == 4  # 256 * 4 >= 528
-    assert flash.group_splits(8, 10, 132) == 8  # never more than the group
-    assert flash.group_splits(6, 100, 132) == 6  # 6 divides 6; 4 and 5 do not
-    assert flash.group_splits(6, 200, 132) == 3
-
-
-@pytest.mark.parametrize("split", [True, False], ids=["split_group", "whole_group"])
-def test_gqa_backward_with_a_split_group(split, monkeypatch):
-    """Eight query heads on two KV heads over 4 key tiles: 8 dK/dV programs, so the group splits in two
-    slices of two heads (four per multiprocessor on the interpreter's nominal 4 SMs)."""
-    from biasattn.ops.triton import flash
-
-    monkeypatch.setattr(flash, "GROUP_SPLIT", split)
-    assert flash.group_splits(4, 8, 4) == (2 if split else 1)
-    check(*qkv(B=1, Hq=8, Hkv=2, Mq=33, Mk=64), const(ba.LowerTriangularFromBottomRightMask()))
-
-
 @pytest.mark.parametrize(
     "bias",
     [

@@ -224,7 +224,7 @@ def _dkdv_head(
 
 @triton.jit
 def _dkdv_program(
-    b, hk, G, g_lo, g_count, K, V, DK, DV, QSeqStart, KvLens, BandLo, BandHi, cols, n_end, seg, pid_n,
+    b, hk, G, K, V, DK, DV, QSeqStart, KvLens, BandLo, BandHi, cols, n_end, seg, pid_n,
     stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, sm_scale,
     Q, DO, Lse, Delta, DBias, DCol, Add, Slopes, Layout, TileCount, TileIdx,
@@ -239,8 +239,7 @@ def _dkdv_program(
     FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr, COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INDEX_64: tl.constexpr,
 ):
-    """dK and dV of one key tile of KV head ``hk`` in batch row ``b``: loops over query heads
-    ``[g_lo, g_lo + g_count)`` of its group (all of them unless the group is split) and their tiles."""
+    """dK and dV of one key tile of KV head ``hk`` in batch row ``b``: loops over its query heads and tiles."""
     b64 = b.to(tl.int64)
     hk64 = hk.to(tl.int64)
     if INDEX_64:
@@ -261,7 +260,7 @@ def _dkdv_program(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
     if GQA:  # a runtime loop around the tile loops costs registers: only where there is a group
-        for g in range(g_lo, g_lo + g_count):
+        for g in range(0, G):
             dk, dv = _dkdv_head(
                 dk, dv, k, v, cols, cols64, n_end, cvalid, ilo, ihi, lo, hi, full_lo, full_hi, n, a, e, pid_n, b, b64, hk * G + g,
                 Q, DO, Lse, Delta, DBias, DCol, Add, Slopes, Layout, TileCount, TileIdx,
@@ -298,14 +297,14 @@ def _attn_bwd_dkdv_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dks, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvs, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_gb, stride_gh, stride_gm, stride_gn,
     stride_ab, stride_ah, stride_am, stride_an,
     stride_sb, stride_sh,
     stride_lb, stride_lh, stride_lq, stride_lk,
     stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
-    H, G, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop, group_splits,
+    H, G, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop,
     layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
     SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
@@ -314,13 +313,9 @@ def _attn_bwd_dkdv_kernel(
     COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
     GQA: tl.constexpr, OUTER_LOOPS: tl.constexpr,
 ):
-    """Grid ``(key tiles, (B / nb_loop) * (Hkv / nhk_loop) * group_splits)``. Writes ``DK``, ``DV``
-    ``[group_splits, B, Hkv, Mk, D|Dv]``: with ``group_splits > 1`` each program covers ``G / group_splits``
-    query heads of its group and writes its own partial sums (no outer loops then)."""
+    """Grid ``(key tiles, (B / nb_loop) * (Hkv / nhk_loop))``. Writes ``DK``, ``DV`` ``[B, Hkv, Mk, D|Dv]``."""
     pid_n = tl.program_id(0)
-    sp = tl.program_id(1) % group_splits
-    pid = tl.program_id(1) // group_splits
-    g_count = G // group_splits
+    pid = tl.program_id(1)
     n_hk_groups = Hkv // nhk_loop
     bg = pid // n_hk_groups
     hg = pid % n_hk_groups
@@ -337,7 +332,7 @@ def _attn_bwd_dkdv_kernel(
         for bi in range(0, nb_loop):
             for hki in range(0, nhk_loop):
                 _dkdv_program(
-                    bg * nb_loop + bi, hg * nhk_loop + hki, G, 0, G, K, V, DK, DV, QSeqStart, KvLens, BandLo, BandHi, cols, n_end, seg, pid_n,
+                    bg * nb_loop + bi, hg * nhk_loop + hki, G, K, V, DK, DV, QSeqStart, KvLens, BandLo, BandHi, cols, n_end, seg, pid_n,
             stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
             stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, sm_scale,
             Q, DO, Lse, Delta, DBias, DCol, Add, Slopes, Layout, TileCount, TileIdx,
@@ -351,8 +346,7 @@ def _attn_bwd_dkdv_kernel(
                 )
     else:
         _dkdv_program(
-            bg, hg, G, sp * g_count, g_count, K, V, DK + sp.to(tl.int64) * stride_dks, DV + sp.to(tl.int64) * stride_dvs,
-            QSeqStart, KvLens, BandLo, BandHi, cols, n_end, seg, pid_n,
+            bg, hg, G, K, V, DK, DV, QSeqStart, KvLens, BandLo, BandHi, cols, n_end, seg, pid_n,
             stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
             stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, sm_scale,
             Q, DO, Lse, Delta, DBias, DCol, Add, Slopes, Layout, TileCount, TileIdx,

@@ -13,7 +13,7 @@ import math
 import torch
 
 from ...bias.spec import BiasSpec
-from ..common import cdiv, num_sms
+from ..common import cdiv
 from . import configs, schedule
 from .bwd_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from .dbias_kernels import _attn_bwd_dbias_kernel
@@ -28,7 +28,6 @@ INTERPRETED = configs.interpreted()
 LOG2E = 1.4426950408889634
 POISON_OUTPUTS = False  # tests set this: fresh outputs start as NaN, so a skipped write shows
 FORCE_INDEX_64 = False  # tests set this: 64-bit offsets inside a (batch, head) slice even when not needed
-GROUP_SPLIT = True  # a grouped dK/dV grid splits each group's query heads over several programs
 CONCURRENT_BWD = True  # dQ runs on a side stream beside dK/dV, so its programs fill the SMs dK/dV's tail leaves idle
 
 _dummies: dict = {}
@@ -206,26 +205,6 @@ def _long_backward(spec: BiasSpec, B: int, H: int, Mq: int, Mk: int, D: int) -> 
     return work >= (2**38 if spec.layout is not None else 2**36)
 
 
-GROUP_SPLIT_WAVES = 4  # a split group aims at this many programs per multiprocessor
-
-
-def group_splits(group: int, programs: int, num_sms: int, waves: int = GROUP_SPLIT_WAVES) -> int:
-    """Slices of a GQA group that the dK/dV grid covers in separate programs (1: no split).
-
-    One dK/dV program loops over all ``group`` query heads of its KV head, so a grouped backward
-    runs ``group`` times longer programs than an ungrouped one of the same size, and a grid of few
-    of them ends in a long tail (NOTES 26). Splitting the group ``s`` ways (``s`` divides it) gives
-    ``s`` times the programs, each writing float32 partial sums that one reduction adds up. The
-    answer is the fewest slices that reach ``waves`` programs per multiprocessor.
-    """
-    if not GROUP_SPLIT or group <= 1 or programs <= 0:
-        return 1
-    for s in range(1, group + 1):
-        if group % s == 0 and programs * s >= waves * num_sms:
-            return s
-    return group
-
-
 def _dbias_plan(add: torch.Tensor, B: int, H: int, Mq: int, Mk: int) -> str:
     """Where dS is reduced: ``"full"`` (dK/dV kernel, tile by tile), ``"col"`` (dK/dV kernel, sums over
     queries) or ``"row"`` (dQ kernel, sums over keys)."""
@@ -296,20 +275,14 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             dbias.zero_()
         sched = schedule.key_schedule(spec, cfg.block_n, dev)
         count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_m, False, dev)
-        heads = (B // nb_loop) * (Hkv // nhk_loop)
-        splits = group_splits(H // Hkv, sched.n * heads, num_sms(dev)) if plan_kv is None and nb_loop * nhk_loop == 1 else 1
-        dk_out, dv_out = dk[None], dv[None]
-        if splits > 1:  # float32 partial sums, one per slice of the group, added up below
-            dk_out = torch.empty((splits, *dk.shape), dtype=torch.float32, device=dev)
-            dv_out = torch.empty((splits, *dv.shape), dtype=torch.float32, device=dev)
-        grid = (sched.n, heads * splits)
+        grid = (sched.n, (B // nb_loop) * (Hkv // nhk_loop))
         _dkdv[grid](
-            q, k, v, dout, lse, delta, dk_out, dv_out, dbias, dcol,
+            q, k, v, dout, lse, delta, dk, dv, dbias, dcol,
             args.add, args.slopes, args.layout, args.qs, args.kv, args.band_lo, args.band_hi,
             sched.table if sched.table is not None else args.d32, count, index,
             scale * LOG2E, scale,
-            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk_out.stride(), *dv_out.stride(), *g_strides, *common,
-            *cs, *ts, H, H // Hkv, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop, splits,
+            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(), *g_strides, *common, *cs, *ts,
+            H, H // Hkv, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop,
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only, FULL_DBIAS=plan_kv == "full",
@@ -319,9 +292,6 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **args.switches,
         )
-        if splits > 1:
-            dk.copy_(dk_out.sum(0))
-            dv.copy_(dv_out.sum(0))
 
     def run_dq(cfg: configs.TileConfig) -> None:
         sched = schedule.query_schedule(spec, cfg.block_m, dev)
