@@ -101,6 +101,21 @@ def _first(inp: AttentionInputs, need_lse: bool, backward: bool) -> Operator | N
     return None
 
 
+def _first_pair(inp: AttentionInputs, need_lse: bool) -> tuple[Operator | None, Operator | None]:
+    """``(first candidate that runs the forward, first that runs the backward)`` in one walk.
+
+    An operator that can run the backward can run the forward (the backward only adds reasons), so
+    the walk stops at the first backward-capable one, asking each operator at most twice.
+    """
+    fwd = None
+    for op in candidates(inp.device.type, inp):
+        if op.supports(inp, need_lse=need_lse, backward=True):
+            return fwd or op, op
+        if fwd is None and op.supports(inp, need_lse=need_lse, backward=False):
+            fwd = op
+    return fwd, None
+
+
 def choose(inp: AttentionInputs, *, need_lse: bool = False, op=None) -> tuple[Operator, Operator | None]:
     """``(forward operator, backward operator or None)`` for ``inp``; raises NotSupportedError."""
     backward = inp.requires_grad
@@ -111,14 +126,15 @@ def choose(inp: AttentionInputs, *, need_lse: bool = False, op=None) -> tuple[Op
             raise NotSupportedError(f"operator {forced.NAME!r} was forced but cannot run {inp.describe()}", {forced.NAME: why})
         return forced, forced if backward else None
     same_op = backward and inp.dropout_p > 0  # the dropout mask lives in the forward operator
-    fwd = _first(inp, need_lse, backward=same_op)
+    if backward and not same_op:
+        fwd, bwd = _first_pair(inp, need_lse)
+    else:
+        fwd = _first(inp, need_lse, backward=same_op)
+        bwd = fwd if same_op else None
     if fwd is None:
         raise NotSupportedError(f"no operator can run {inp.describe()}", _reasons(inp, need_lse, backward=same_op))
-    if not backward:
-        return fwd, None
-    if same_op:
-        return fwd, fwd
-    bwd = _first(inp, need_lse, backward=True)
+    if not backward or same_op:
+        return fwd, bwd
     if bwd is None:
         why = _reasons(inp, need_lse, backward=True)
         raise NotSupportedError(f"no operator can compute gradients for {inp.describe()}", why)

@@ -2,12 +2,15 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import biasattn as ba
 from biasattn import dispatch
 from biasattn.inputs import make_inputs
 from biasattn.ops.base import Operator
 from biasattn.ops.reference import ReferenceOperator
+from biasattn.testing import strategies
 
 
 def qkv(requires_grad=False, dtype=torch.float32, B=1, H=2, M=5, D=8):
@@ -189,3 +192,21 @@ def test_cuda_priority_puts_cudnn_first_for_single_query_decoding_of_small_group
         assert dispatch.priority("cuda", inp)[0] == "triton_splitk"
     order = dispatch.priority("cuda", _decode(2, 2, 17))  # not a decode shape
     assert order.index("cudnn") < order.index("cutlass") < order.index("triton_splitk")
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_an_operator_that_runs_the_backward_runs_the_forward(data):
+    """The dispatcher's one walk for both passes relies on this: backward only adds reasons."""
+    shape = data.draw(strategies.shapes(max_seqlen=40))
+    dtype = data.draw(strategies.dtypes())
+    bias = data.draw(strategies.biases(shape, additive_dtype=dtype))
+    q = torch.randn(shape.B, shape.Hq, shape.Mq, shape.D, dtype=dtype)
+    k = torch.randn(shape.B, shape.Hkv, shape.Mk, shape.D, dtype=dtype)
+    v = torch.randn(shape.B, shape.Hkv, shape.Mk, shape.Dv, dtype=dtype)
+    inp = make_inputs(q, k, v, bias, requires_grad=True)
+    for name in ba.ops.available():
+        op = ba.ops.get(name)
+        for need_lse in (False, True):
+            back = set(op.not_supported_reasons(inp, need_lse=need_lse, backward=True))
+            assert set(op.not_supported_reasons(inp, need_lse=need_lse, backward=False)) <= back, name
