@@ -16,13 +16,13 @@ from .inputs import AttentionInputs
 from .ops.base import Operator
 
 # Measured on the H200 (benchmarks/results/h200/dispatch.md, bf16, D=128, B·S=16384, S=2048 and 8192,
-# commits 0b2626b, 99b0abf, 2fd2e30 and cd6c481): cudnn is fastest wherever it runs (no mask, causal,
-# additive bias forward); triton beats flash2 everywhere both run (window 0.33 vs 0.48 ms forward,
-# 1.31 vs 1.79 ms forward+backward; packed varlen 0.28 vs 0.33 ms and 1.00 vs 1.24 ms), and its
-# backward beats cutlass's with a bias gradient. ``priority`` keeps triton_splitk for decode shapes
-# (results/h200/dispatch_gqa_decode.md: eager decode at S=8192 0.142 ms against flash2's 0.152).
-# (At 7a8435a flash2 was first on packed segments; triton's host time per call has since been cut,
-# see benchmarks/NOTES.md.)
+# commit 64158e0; earlier runs 0b2626b, 99b0abf, 2fd2e30, cd6c481 agree): cudnn is fastest wherever it
+# runs (no mask, causal, additive bias forward, grouped heads: 0.28 vs triton's 0.39 ms forward and 1.19
+# vs 2.02 ms forward+backward at 2k); triton beats flash2 everywhere both run (window 0.33 vs 0.46 ms
+# forward, 1.29 vs 1.78 ms forward+backward; packed varlen 0.28 vs 0.31 ms and 1.00 vs 1.23 ms), and its
+# backward beats cutlass's with a bias gradient. ``priority`` keeps triton_splitk for decode shapes, but
+# for single queries cudnn when it streams faster (see CUDNN_DECODE_MAX_GROUPS); with padded caches
+# triton_splitk reads only the keys present (S=8192: 0.121 ms against flash2's 1.306).
 PRIORITY: dict[str, tuple[str, ...]] = {
     "cuda": ("triton_splitk", "cudnn", "triton", "flash2", "cutlass", "chunked", "reference"),
     "cpu": ("chunked", "reference"),

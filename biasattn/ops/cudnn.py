@@ -9,7 +9,7 @@ attention is native: K/V keep their ``Hkv`` heads and so do their gradients.
 
 Packed segments and padded keys are not declared: through the ragged (``cum_seq``) entry point of
 torch 2.11 the forward took 45-60 ms where FlashAttention-2 takes 0.3-0.9 ms, and ``grad_q`` was
-wrong (measured on the H200, ``benchmarks/results/h200/dispatch.md``); as a ``-inf`` bias, padded keys
+wrong (measured on the H200 with torch 2.11); as a ``-inf`` bias, padded keys
 would still be read, and a cache slot past a sequence's length may hold anything (NaN included).
 """
 
