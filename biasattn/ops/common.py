@@ -17,6 +17,11 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def tile_size(n: int, lo: int = 16) -> int:
+    """A kernel tile dim covering ``n``: the next power of two, at least ``lo`` (``tl.dot``'s minimum)."""
+    return max(lo, next_power_of_2(n))
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float64 for float64 inputs, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -8,12 +8,11 @@ time, so :data:`INTERPRETED` records whether these kernels run on the CPU.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
 from ...bias.spec import BiasSpec
-from ..common import cdiv
+from ..common import cdiv, tile_size
 from . import configs, schedule
 from .bwd_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from .dbias_kernels import _attn_bwd_dbias_kernel
@@ -61,10 +60,6 @@ def _bcast_strides(t: torch.Tensor | None, shape) -> tuple[int, ...]:
     if t is None:
         return (0,) * len(shape)
     return t.expand(*shape).stride()
-
-
-def _pow2(n: int) -> int:
-    return max(16, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
 class _SpecArgs:
@@ -167,7 +162,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
     if Mk == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     args = _spec_args(spec, q.device)
-    hd, hdv = _pow2(D), _pow2(Dv)
+    hd, hdv = tile_size(D), tile_size(Dv)
     batch_inner = args.batch_shared_bias and B > 1
     index_64 = _index_64(_slice_span(q), _slice_span(k), _slice_span(v), _slice_span(out), args.add_span)
 
@@ -233,7 +228,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         dq.zero_(), dk.zero_(), dv.zero_()
         return dq, dk, dv, (torch.zeros_like(add) if need_dbias else None)
     args = _spec_args(spec, dev)
-    hd, hdv = _pow2(D), _pow2(Dv)
+    hd, hdv = tile_size(D), tile_size(Dv)
     even = D == hd and Dv == hdv
     batch_inner = args.batch_shared_bias and B > 1
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ...inputs import AttentionInputs
-from ..common import cdiv, next_power_of_2
+from ..common import cdiv, next_power_of_2, tile_size
 from .launch import direct
 from .splitk_kernels import _merge_partials_kernel, _splitk_fwd_kernel
 
@@ -79,10 +79,6 @@ class SplitKConfig:
     num_stages: int
 
 
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, next_power_of_2(max(n, 1)))
-
-
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -98,7 +94,7 @@ def num_sms(device: torch.device) -> int:
 def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.device) -> SplitKConfig:
     """Tiles for ``rows`` packed query rows (group heads × queries); small key tiles under the interpreter."""
     widest = max(head_dim, head_dim_v)
-    block_m = min(_pow2(rows), 128 if widest <= 128 else 64)
+    block_m = min(tile_size(rows), 128 if widest <= 128 else 64)
     if device.type != "cuda":
         return SplitKConfig(block_m, 16, 4, 1)
     block_n = 64 if widest <= 128 else 32
@@ -163,7 +159,7 @@ def splitk_attention_fwd(
 
     mq_stride = max([b - a for a, b in zip(qs, qs[1:])] + [1])
     rows = G * mq_stride
-    head_dim, head_dim_v = _pow2(D), _pow2(Dv)
+    head_dim, head_dim_v = tile_size(D), tile_size(Dv)
     cfg = config or default_config(rows, head_dim, head_dim_v, dev)
     row_blocks = cdiv(rows, cfg.block_m)
     bound, lengths = _key_bounds(inp, mq_stride)
