@@ -7,6 +7,7 @@ differ from the Triton on the GPU machine.
 
     python benchmarks/kernel_resources.py --case none --D 128
     python benchmarks/kernel_resources.py --case causal --kernel dkdv --config 64,128,8,2 --config 32,128,4,3
+    python benchmarks/kernel_resources.py --case none varlen --dropout 0.1 --config 64,128,8,2
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ def _biases(M: int) -> dict:
     }
 
 
-def capture(case: str, D: int, dtype, kernel: str, cfg: configs.TileConfig) -> list[tuple]:
+def capture(case: str, D: int, dtype, kernel: str, cfg: configs.TileConfig, dropout_p: float = 0.0) -> list[tuple]:
     """``[(jit function, args, kwargs)]`` of the launches of one forward or backward call."""
-    B, H, M = 2, 2, 256
+    B, H, M = (1 if case == "varlen" else 2), 2, 256
     q, k, v = (torch.randn(B, H, M, D, dtype=dtype) for _ in range(3))
     bias = _biases(M)[case]
     if isinstance(bias, str) and bias == "additive":
@@ -66,11 +67,12 @@ def capture(case: str, D: int, dtype, kernel: str, cfg: configs.TileConfig) -> l
     try:
         with configs.override(**{kernel: cfg}):
             if kernel == "fwd":
-                flash.attn_fwd(q, k, v, spec, D ** -0.5)
+                flash.attn_fwd(q, k, v, spec, D ** -0.5, dropout_p, 2**40 + 1)
             else:
                 out = torch.zeros_like(q)
                 lse = torch.zeros(B, H, M)
-                flash.attn_bwd(q, k, v, out, lse, torch.zeros_like(q), None, spec, D ** -0.5, isinstance(bias, ba.AdditiveBias))
+                flash.attn_bwd(q, k, v, out, lse, torch.zeros_like(q), None, spec, D ** -0.5, isinstance(bias, ba.AdditiveBias),
+                               dropout_p, 2**40 + 1)
     finally:
         JITFunction.run = real_run
     return launches
@@ -127,6 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--kernel", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq", "dbias"])
     p.add_argument("--config", action="append", help="block_m,block_n,num_warps,num_stages (default: the candidates)")
     p.add_argument("--arch", type=int, default=90)
+    p.add_argument("--dropout", type=float, default=0.0, help="compile the dropout variants (this drop probability)")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     names = {"fwd": "_attn_fwd_kernel", "dkdv": "_attn_bwd_dkdv_kernel", "dq": "_attn_bwd_dq_kernel",
@@ -136,7 +139,7 @@ def main(argv=None) -> int:
             cfgs = ([configs.TileConfig(*map(int, c.split(","))) for c in args.config] if args.config
                     else configs.candidates(kernel, args.D))
             for cfg in cfgs:
-                for fn, fargs, fkwargs in capture(case, args.D, dtype, kernel, cfg):
+                for fn, fargs, fkwargs in capture(case, args.D, dtype, kernel, cfg, args.dropout):
                     if fn.__name__ != names[kernel]:
                         continue
                     try:

@@ -59,11 +59,12 @@ def _leaf(t, dtype=None, grad=True):
     return t.requires_grad_(grad and t.is_floating_point())
 
 
-def check(q, k, v, make_bias, add=None, *, scale=None, grads=True, add_grad=True, use_dlse=True, seed=0):
+def check(q, k, v, make_bias, add=None, *, scale=None, grads=True, add_grad=True, use_dlse=True, seed=0, dropout_p=0.0):
     """Run the triton operator and compare out, lse (and dq, dk, dv, dadditive) with the references.
 
     ``make_bias(additive tensor or None)`` builds the bias, so each reference gets its own copy of the
-    additive tensor in its own precision.
+    additive tensor in its own precision. With ``dropout_p`` the references apply the mask that
+    :func:`~biasattn.ops.triton.flash.dropout_mask` writes for the seed the operator draws.
     """
     dtype = q.dtype
     user_make = make_bias
@@ -78,19 +79,37 @@ def check(q, k, v, make_bias, add=None, *, scale=None, grads=True, add_grad=True
     ag = grads and add_grad and add is not None
     a_ours, a_ref, a_low = _leaf(add, grad=ag), _leaf(add, torch.float64, ag), _leaf(add, grad=ag)
 
-    out, lse = ba.attention_with_lse(*ours, make_bias(a_ours), scale=scale, op="triton")
-    r_out, r_lse = ba.attention_with_lse(*ref_in, make_bias(a_ref), scale=scale, op="reference")
+    torch.manual_seed(seed)
+    if dropout_p > 0:  # the public API gives no lse with dropout
+        out, lse, use_dlse = ba.attention(*ours, make_bias(a_ours), scale=scale, op="triton", dropout_p=dropout_p), None, False
+    else:
+        out, lse = ba.attention_with_lse(*ours, make_bias(a_ours), scale=scale, op="triton")
     inp = make_inputs(*low_in, make_bias(a_low), scale=scale)
     lo_dtype = dtype
-    l_out, l_lse = softmax_attention(*low_in, dense_bias(inp, lo_dtype, inp.additive), inp.scale, lo_dtype)
-    assert out.dtype == dtype and lse.dtype == torch.float32
+    if dropout_p > 0:
+        from biasattn.ops.common import new_seed
+        from biasattn.ops.triton import flash
+
+        torch.manual_seed(seed)  # the seed the operator drew
+        mask = flash.dropout_mask(new_seed(), dropout_p, *out.shape[:3], k.shape[2], q.device)
+        r_inp = make_inputs(*ref_in, make_bias(a_ref), scale=scale)
+        r_out, r_lse = softmax_attention(*ref_in, dense_bias(r_inp, torch.float64, r_inp.additive), r_inp.scale,
+                                         torch.float64, mask.double())
+        l_out, l_lse = softmax_attention(*low_in, dense_bias(inp, lo_dtype, inp.additive), inp.scale, lo_dtype,
+                                         mask.to(lo_dtype))
+    else:
+        r_out, r_lse = ba.attention_with_lse(*ref_in, make_bias(a_ref), scale=scale, op="reference")
+        l_out, l_lse = softmax_attention(*low_in, dense_bias(inp, lo_dtype, inp.additive), inp.scale, lo_dtype)
+    assert out.dtype == dtype
     assert_close("out", out, r_out, l_out)
-    assert_close("lse", lse, r_lse, l_lse)
+    if lse is not None:
+        assert lse.dtype == torch.float32
+        assert_close("lse", lse, r_lse, l_lse)
     if not grads:
         return out, lse
     gen = torch.Generator(device="cpu").manual_seed(seed)
     dout = torch.randn(out.shape, generator=gen).to(out.device)
-    dlse = torch.randn(lse.shape, generator=gen).to(out.device) if use_dlse else None
+    dlse = torch.randn(out.shape[:3], generator=gen).to(out.device) if use_dlse else None
 
     def grads_of(o, l, inputs, extra):
         wrt = list(inputs) + ([extra] if extra is not None else [])
@@ -303,6 +322,72 @@ def test_empty_inputs():
         assert (lse == float("-inf")).all()
 
 
+# ----------------------------------------------------------------------------------------- dropout
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", ["none_gqa_dv", "causal", "segments", "padded_window", "layout", "alibi"])
+def test_dropout(case, dtype):
+    """Out, lse and every gradient equal the reference's with the kernels' own mask applied."""
+    if case == "none_gqa_dv":
+        check(*qkv(B=2, Hq=4, Hkv=2, Mq=33, Mk=47, D=24, Dv=16, dtype=dtype), const(None), dropout_p=0.4, seed=1)
+    elif case == "causal":
+        check(*qkv(Mq=40, Mk=29, dtype=dtype), const(ba.LowerTriangularFromBottomRightMask()), dropout_p=0.2, seed=2)
+    elif case == "segments":  # dK/dV key tiles start at the documents: the element-by-element draw
+        seg = ba.BlockDiagonalMask.from_seqlens([5, 20, 12], [13, 7, 27], device=DEVICE).make_causal()
+        check(*qkv(Mq=37, Mk=47, dtype=dtype), const(seg), dropout_p=0.3, seed=3)
+    elif case == "padded_window":
+        bias = ba.PaddedKeysMask([40, 9], device=DEVICE) & ba.LocalAttentionMask(12, 3)
+        check(*qkv(B=2, Mq=33, Mk=45, dtype=dtype), const(bias), dropout_p=0.5, seed=4)
+    elif case == "layout":
+        layout = torch.rand(1, 1, 3, 3, generator=torch.Generator().manual_seed(5)) < 0.6
+        check(*qkv(Mq=48, Mk=48, dtype=dtype), const(ba.BlockSparseMask(layout.to(DEVICE), (16, 16))), dropout_p=0.25, seed=5)
+    else:
+        alibi = ba.ALiBi(torch.tensor([[0.3, 0.1]], device=DEVICE))
+        check(*qkv(Mq=21, Mk=38, dtype=dtype), const(ba.LowerTriangularMask() + alibi), dropout_p=0.1, seed=6)
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 21, 34), (2, 2, 21, 34)], ids=["shared_by_batch", "per_batch"])
+def test_dropout_additive_gradient(shape):
+    """The bias gradient with dropout: the shared-gradient kernel (bias broadcast over B) and dK/dV's."""
+    add = torch.randn(*shape, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    check(*qkv(B=2, Mq=21, Mk=34), lambda a: ba.AdditiveBias(a), add, dropout_p=0.3, seed=7)
+
+
+def test_dropout_mask_draws():
+    """One draw, two ways (eight keys per Philox call or one at a time); the keep rate and scale are
+    those of the probability rounded to 2**-16; a new seed gives a new mask."""
+    from biasattn.ops.triton import flash
+
+    p = 0.3
+    a = flash.dropout_mask(2**61 + 12345, p, 2, 3, 37, 45, DEVICE)
+    b = flash.dropout_mask(2**61 + 12345, p, 2, 3, 37, 45, DEVICE, aligned=False)
+    assert torch.equal(a, b)
+    threshold = round(p * 2**16)
+    assert threshold == flash.dropout_args(p, 0)[2]
+    scale = 2**16 / (2**16 - threshold)
+    values = a.unique().tolist()
+    assert len(values) == 2 and values[0] == 0.0 and values[1] == pytest.approx(scale, rel=1e-6)
+    n = a.numel()
+    kept = int((a > 0).sum())
+    keep = 1 - threshold / 2**16
+    assert abs(kept - n * keep) < 5 * math.sqrt(n * keep * (1 - keep)), f"{kept} kept of {n}"
+    c = flash.dropout_mask(2**61 + 12346, p, 2, 3, 37, 45, DEVICE)
+    assert 0.3 < float((a != c).float().mean()) < 0.5  # independent masks differ in 2p(1-p) = 42%
+    assert not torch.equal(a[0, 0], a[0, 1]) and not torch.equal(a[0], a[1])  # each (batch, head) draws its own
+
+
+def test_dropout_seed_follows_torch_manual_seed():
+    """The same torch seed gives the same dropped output; another one a different output; p = 0 is exact."""
+    q, k, v = qkv(Mq=20, Mk=24)
+    torch.manual_seed(0)
+    a = ba.attention(q, k, v, op="triton", dropout_p=0.5)
+    torch.manual_seed(0)
+    b = ba.attention(q, k, v, op="triton", dropout_p=0.5)
+    torch.manual_seed(1)
+    c = ba.attention(q, k, v, op="triton", dropout_p=0.5)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    torch.testing.assert_close(ba.attention(q, k, v, op="triton", dropout_p=0.0), ba.attention(q, k, v, op="reference"))
+
+
 # ----------------------------------------------------------------------------------------- properties
 @st.composite
 def cases(draw):
@@ -320,6 +405,7 @@ def cases(draw):
     q_off, k_off = (draw(st.integers(0, 6)), draw(st.integers(0, 6))) if sliced else (0, 0)
     Fq, Fk = Mq + q_off + (draw(st.integers(0, 6)) if sliced else 0), Mk + k_off + (draw(st.integers(0, 6)) if sliced else 0)
     seed = draw(st.integers(0, 2**16))
+    dropout_p = draw(st.sampled_from([0.0, 0.0, 0.3]))
     gen = torch.Generator().manual_seed(seed)
     masks = []
     for f in fams:
@@ -370,7 +456,8 @@ def cases(draw):
         return bias
 
     q, k, v = qkv(B, Hkv * G, Hkv, Mq, Mk, D, Dv, dtype, seed)
-    return dict(q=q, k=k, v=v, make=make, add=add, desc=f"{fams}+{extra} B={B} Hq={Hkv * G} Hkv={Hkv} "
+    return dict(q=q, k=k, v=v, make=make, add=add, dropout_p=dropout_p,
+                desc=f"{fams}+{extra} p={dropout_p} B={B} Hq={Hkv * G} Hkv={Hkv} "
                 f"Mq={Mq} Mk={Mk} D={D} Dv={Dv} {dtype} slice=({q_off},{k_off},{Fq},{Fk})")
 
 
@@ -382,16 +469,15 @@ def test_random_compositions(case):
     except ba.BiasCompositionError:
         return  # a pair the algebra refuses (tested with the biases)
     del bias
-    check(case["q"], case["k"], case["v"], case["make"], case["add"])
+    check(case["q"], case["k"], case["v"], case["make"], case["add"], dropout_p=case["dropout_p"])
 
 
 # ----------------------------------------------------------------------------------------- operator
 def test_declarations_and_reasons():
     decl = OP.declarations()
-    assert decl["backward"] and decl["bias_grad"] and decl["gqa"] and not decl["dropout"]
+    assert decl["backward"] and decl["bias_grad"] and decl["gqa"] and decl["dropout"]
     q, k, v = qkv(D=16)
-    inp = make_inputs(q, k, v, dropout_p=0.1)
-    assert any("dropout" in r for r in OP.not_supported_reasons(inp))
+    assert not OP.not_supported_reasons(make_inputs(q, k, v, dropout_p=0.1))
     big = make_inputs(torch.randn(1, 1, 4, 300), torch.randn(1, 1, 4, 300), torch.randn(1, 1, 4, 300))
     assert any("head dims" in r for r in OP.not_supported_reasons(big))
 

@@ -56,6 +56,41 @@ def test_features_bf16(feature):
     check(*qkv(B=B, Hq=8, Hkv=1, Mq=M, Mk=M, D=128, dtype=torch.bfloat16), FEATURES[feature](M))
 
 
+DROPOUT = {
+    "none_gqa": (lambda M: const(None), 2),
+    "causal_br": (lambda M: const(ba.LowerTriangularFromBottomRightMask()), 2),
+    "varlen_causal": (FEATURES["varlen_causal"], 1),  # dK/dV key tiles off the 8-key grid
+    "block_sparse": (FEATURES["block_sparse_exact"], 2),
+}
+
+
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 128), (torch.float16, 64)])
+@pytest.mark.parametrize("case", list(DROPOUT))
+def test_dropout(case, dtype, D):
+    """Dropout at p = 0.17 against the float64 reference with the kernels' mask, forward and backward."""
+    make, B = DROPOUT[case]
+    M = 1000
+    check(*qkv(B=B, Hq=8, Hkv=2, Mq=M, Mk=M + 13, D=D, dtype=dtype), make(M), dropout_p=0.17, seed=11)
+
+
+def test_dropout_additive_gradient_bf16():
+    add = torch.randn(1, 8, 500, 700, generator=torch.Generator().manual_seed(0)).cuda()
+    check(*qkv(B=2, Hq=8, Hkv=8, Mq=500, Mk=700, D=64, dtype=torch.bfloat16), lambda a: ba.AdditiveBias(a), add,
+          dropout_p=0.25, seed=12)
+
+
+def test_dropout_seeds_reuse_the_compiled_launch():
+    """A new seed per call goes through the direct launch path: seeds are arguments, not part of its key."""
+    from biasattn.ops.triton import flash
+
+    q, k, v = qkv(B=1, Hq=4, Hkv=4, Mq=256, Mk=256, D=64, dtype=torch.bfloat16)
+    ba.attention(q, k, v, op="triton", dropout_p=0.1)
+    hits, size = flash._fwd.hits, len(flash._fwd.table)
+    outs = [ba.attention(q, k, v, op="triton", dropout_p=0.1) for _ in range(3)]
+    assert flash._fwd.hits == hits + 3 and len(flash._fwd.table) == size
+    assert not torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("shape", [(1, 8, 1000, 1000), (2, 8, 1000, 1000), (1, 1, 1, 1000)], ids=["1HMM", "BHMM", "11_1M"])
 def test_additive_gradient_bf16(shape):
     """``[1, H, M, M]`` broadcast over B (the benchmark's case), a full bias, and a key-padding bias."""

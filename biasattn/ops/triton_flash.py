@@ -8,7 +8,11 @@ layer's host time on every call.
 
 On CUDA it needs compute capability 8.0+. On the CPU it runs only under the Triton interpreter
 (``TRITON_INTERPRET=1`` set before the kernels are first imported), which is how the CPU tests run.
-float32 inputs are computed in full float32 (no tf32). Dropout is not supported.
+float32 inputs are computed in full float32 (no tf32). Dropout draws its mask inside the kernels
+from a Philox stream keyed by a per-call seed (from torch's default CPU generator, so
+``torch.manual_seed`` reproduces it); the backward draws the same mask again, and
+:func:`biasattn.ops.triton.flash.dropout_mask` writes it out. The drop probability is rounded to a
+multiple of 2**-16, and kept probabilities are scaled by the inverse of the rounded keep rate.
 """
 
 # ruff: noqa: UP045  (torch.library infers custom-op schemas from typing.Optional)
@@ -21,6 +25,7 @@ import torch
 from ..bias.spec import FEATURES, BiasSpec, SpecHost
 from ..inputs import AttentionInputs
 from .base import Operator
+from .common import new_seed
 from .triton.environment import environment_reasons as triton_environment_reasons
 
 _FLASH = "biasattn.ops.triton.flash"
@@ -65,15 +70,16 @@ def triton_flash_fwd(
     k_seqstart: Optional[torch.Tensor], k_seqlen: Optional[torch.Tensor], kv_seqlens: Optional[torch.Tensor],
     band_lo: Optional[torch.Tensor], band_hi: Optional[torch.Tensor], layout: Optional[torch.Tensor],
     alibi_slopes: Optional[torch.Tensor], host_q_seqstart: list[int], host_k_seqstart: list[int], host_k_seqlen: list[int],
-    ints: list[int], scale: float,
+    ints: list[int], scale: float, dropout_p: float = 0.0, seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Hq, Mq, Dv], lse [B, Hq, Mq] float32)``.
 
-    q ``[B, Hq, Mq, D]``, k/v ``[B, Hkv, Mk, D|Dv]``, then the fields of a BiasSpec.
+    q ``[B, Hq, Mq, D]``, k/v ``[B, Hkv, Mk, D|Dv]``, then the fields of a BiasSpec, the scale, and
+    the dropout probability with its seed.
     """
     spec = _spec_from_args(q, k, additive, q_seqstart, k_seqstart, k_seqlen, kv_seqlens, band_lo, band_hi, layout,
                            alibi_slopes, host_q_seqstart, host_k_seqstart, host_k_seqlen, ints)
-    return _launchers().attn_fwd(q, k, v, spec, scale)
+    return _launchers().attn_fwd(q, k, v, spec, scale, dropout_p, seed)
 
 
 @triton_flash_fwd.register_fake
@@ -89,18 +95,20 @@ def triton_flash_bwd(
     k_seqstart: Optional[torch.Tensor], k_seqlen: Optional[torch.Tensor], kv_seqlens: Optional[torch.Tensor],
     band_lo: Optional[torch.Tensor], band_hi: Optional[torch.Tensor], layout: Optional[torch.Tensor],
     alibi_slopes: Optional[torch.Tensor], host_q_seqstart: list[int], host_k_seqstart: list[int], host_k_seqlen: list[int],
-    ints: list[int], scale: float, need_dbias: bool,
+    ints: list[int], scale: float, need_dbias: bool, dropout_p: float = 0.0, seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dadditive)``; ``dadditive`` is empty (shape ``[0]``) when not requested."""
     spec = _spec_from_args(q, k, additive, q_seqstart, k_seqstart, k_seqlen, kv_seqlens, band_lo, band_hi, layout,
                            alibi_slopes, host_q_seqstart, host_k_seqstart, host_k_seqlen, ints)
-    dq, dk, dv, dadd = _launchers().attn_bwd(q, k, v, out, lse, dout, dlse, spec, scale, need_dbias)
+    dq, dk, dv, dadd = _launchers().attn_bwd(q, k, v, out, lse, dout, dlse, spec, scale, need_dbias, dropout_p, seed)
     return dq, dk, dv, (dadd if dadd is not None else q.new_empty((0,)))
 
 
 @triton_flash_bwd.register_fake
-def _(q, k, v, out, lse, dout, dlse, additive, *args):
-    need = args[-1] and additive is not None
+def _(q, k, v, out, lse, dout, dlse, additive, q_seqstart, k_seqstart, k_seqlen, kv_seqlens, band_lo, band_hi,
+      layout, alibi_slopes, host_q_seqstart, host_k_seqstart, host_k_seqlen, ints, scale, need_dbias,
+      dropout_p=0.0, seed=0):
+    need = need_dbias and additive is not None
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             torch.empty_like(additive) if need else q.new_empty((0,)))
 
@@ -109,14 +117,14 @@ class TritonOperator(Operator):
     """Flash attention in Triton: every bias feature, forward and backward, GQA, head dims up to 256."""
 
     NAME = "triton"
-    DESCRIPTION = "Triton flash kernels: every spec feature with tile skipping, GQA, backward with bias gradient"
+    DESCRIPTION = "Triton flash kernels: every spec feature with tile skipping, GQA, dropout, backward with bias gradient"
     DEVICES = frozenset({"cuda", "cpu"})
     MIN_CAPABILITY = (8, 0)
     DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
     MIN_HEAD_DIM = 1
     MAX_HEAD_DIM = 256
     FEATURES = frozenset(FEATURES)
-    SUPPORTS_DROPOUT = False
+    SUPPORTS_DROPOUT = True
     SUPPORTS_BACKWARD = True
     SUPPORTS_BIAS_GRAD = True
     SUPPORTS_GQA = True
@@ -140,12 +148,14 @@ class TritonOperator(Operator):
         return reasons
 
     def fwd(self, inp: AttentionInputs):
-        """Raw forward: ``(out, lse float32, None)``."""
+        """Raw forward: ``(out, lse float32, seed)``; the seed (0 without dropout) is the backward's ``ctx``."""
+        p = inp.dropout_p
+        seed = new_seed() if p > 0 else 0
         if torch.compiler.is_compiling():
-            out, lse = triton_flash_fwd(inp.q, inp.k, inp.v, *_spec_to_args(inp.spec), inp.scale)
+            out, lse = triton_flash_fwd(inp.q, inp.k, inp.v, *_spec_to_args(inp.spec), inp.scale, p, seed)
         else:  # eager: straight to the launcher, without the custom op's Python layer
-            out, lse = _launchers().attn_fwd(inp.q, inp.k, inp.v, inp.spec, inp.scale)
-        return out, lse, None
+            out, lse = _launchers().attn_fwd(inp.q, inp.k, inp.v, inp.spec, inp.scale, p, seed)
+        return out, lse, seed
 
     def bwd(self, inp: AttentionInputs, out, lse, ctx, dout, dlse):
         """Raw backward: ``(dq, dk, dv, dadditive or None)``."""
@@ -154,8 +164,10 @@ class TritonOperator(Operator):
         lse = lse.to(torch.float32).contiguous()
         if torch.compiler.is_compiling():
             dq, dk, dv, dadd = triton_flash_bwd(
-                inp.q, inp.k, inp.v, out, lse, dout, dlse, *_spec_to_args(inp.spec), inp.scale, need
+                inp.q, inp.k, inp.v, out, lse, dout, dlse, *_spec_to_args(inp.spec), inp.scale, need, inp.dropout_p, ctx or 0
             )
         else:
-            dq, dk, dv, dadd = _launchers().attn_bwd(inp.q, inp.k, inp.v, out, lse, dout, dlse, inp.spec, inp.scale, need)
+            dq, dk, dv, dadd = _launchers().attn_bwd(
+                inp.q, inp.k, inp.v, out, lse, dout, dlse, inp.spec, inp.scale, need, inp.dropout_p, ctx or 0
+            )
         return dq, dk, dv, (dadd if need else None)

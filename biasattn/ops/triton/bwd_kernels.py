@@ -17,6 +17,9 @@ from .common_kernels import (
     _add_load,
     _bias_tile,
     _col_row_bounds,
+    _dropout_keep,
+    _dropout_keep_tile,
+    _dropout_seed,
     _layout_visible,
     _load_lines,
     _program_ids,
@@ -58,6 +61,7 @@ def _dkdv_tile(
     MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, PRELOADED: tl.constexpr,
     FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr, COL_DBIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+    seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT: tl.constexpr, DROP_ALIGNED: tl.constexpr,
 ):
     """Query tile ``[m0, m0 + BLOCK_M)`` against the program's key tile, in transposed form ``[BLOCK_N, BLOCK_M]``."""
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -93,8 +97,17 @@ def _dkdv_tile(
             )
         sT = tl.where(vis, sT, float("-inf"))
     pT = tl.math.exp2(sT - lse2[None, :])
-    dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PRECISION)
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    if HAS_DROPOUT:  # dV sees the dropped probabilities; dP reaches only the kept ones
+        if DROP_ALIGNED:
+            keepT = tl.trans(_dropout_keep_tile(
+                seed, LD_off * row_blocks, rows, c0, row_blocks, drop_thresh, BLOCK_M, cols.shape[0]).to(tl.int8)) != 0
+        else:  # a key tile that starts off the 8-key grid (packed segments): element by element
+            keepT = _dropout_keep(seed, LD_off * row_blocks, rows[None, :], cols[:, None], row_blocks, drop_thresh)
+        dv += tl.dot(tl.where(keepT, pT * drop_scale, 0.0).to(do.dtype), do, input_precision=DOT_PRECISION)
+        dpT = tl.where(keepT, dpT * drop_scale, 0.0)
+    else:
+        dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PRECISION)
     dsT = pT * (dpT - delta[None, :])
     dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PRECISION)
     if FULL_DBIAS:
@@ -127,6 +140,7 @@ def _dkdv_head(
     HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
     FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr, COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INDEX_64: tl.constexpr,
+    seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT: tl.constexpr, DROP_ALIGNED: tl.constexpr,
 ):
     """Accumulate query head ``h``'s contribution to the program's dK/dV tile (and write its bias gradient)."""
     h64 = h.to(tl.int64)
@@ -147,6 +161,7 @@ def _dkdv_head(
                     alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                     False, False, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
                     BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                    seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
                 )
         else:
             for t in range(0, count):
@@ -161,6 +176,7 @@ def _dkdv_head(
                                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                                 False, False, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
                                 BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
                             )
                         else:
                             dk, dv, dcol = _dkdv_tile(
@@ -170,6 +186,7 @@ def _dkdv_head(
                                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
                                 BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
                             )
                     else:
                         dk, dv, dcol = _dkdv_tile(
@@ -179,6 +196,7 @@ def _dkdv_head(
                             alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                             True, True, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
                             BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                            seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
                         )
     else:
         for t in range(0, a):
@@ -189,6 +207,7 @@ def _dkdv_head(
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
                 BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
             )
         nxt = 0.0  # the next query tile's additive tile, loaded one iteration ahead (see the forward)
         if HAS_ADDITIVE:
@@ -207,6 +226,7 @@ def _dkdv_head(
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, cur,
                 False, False, HAS_ADDITIVE, HAS_ALIBI, HAS_ADDITIVE, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
                 BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
             )
         for t in range(e, n):
             dk, dv, dcol = _dkdv_tile(
@@ -216,6 +236,7 @@ def _dkdv_head(
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
                 BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
             )
     if COL_DBIAS:
         tl.store(DCol + (b64 * H + h64) * Mk + cols64, dcol, mask=cvalid)
@@ -238,6 +259,7 @@ def _dkdv_program(
     HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
     FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr, COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INDEX_64: tl.constexpr,
+    seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT: tl.constexpr, DROP_ALIGNED: tl.constexpr,
 ):
     """dK and dV of one key tile of KV head ``hk`` in batch row ``b``: loops over its query heads and tiles."""
     b64 = b.to(tl.int64)
@@ -270,6 +292,7 @@ def _dkdv_program(
     H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
                 BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, HAS_ADDITIVE, HAS_ALIBI,
     FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
+                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
             )
     else:
         dk, dv = _dkdv_head(
@@ -281,6 +304,7 @@ def _dkdv_program(
     H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
             BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, HAS_ADDITIVE, HAS_ALIBI,
     FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
+            seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
         )
     dk_ptrs = DK + b64 * stride_dkb + hk64 * stride_dkh + cols64[:, None] * stride_dkn + dkd[None, :] * stride_dkd
     dv_ptrs = DV + b64 * stride_dvb + hk64 * stride_dvh + cols64[:, None] * stride_dvn + dvd[None, :] * stride_dvd
@@ -288,7 +312,8 @@ def _dkdv_program(
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=cvalid[:, None] & (dvd[None, :] < Dv))
 
 
-@triton.jit(do_not_specialize=["nb_loop", "nhk_loop", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift"])  # sizes that vary per call: no recompiles
+@triton.jit(do_not_specialize=["nb_loop", "nhk_loop", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
+                             "seed_lo", "seed_hi", "drop_thresh"])  # values that vary per call: no recompiles
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, DBias, DCol,
     Add, Slopes, Layout, QSeqStart, KvLens, BandLo, BandHi, Sched, TileCount, TileIdx,
@@ -305,13 +330,13 @@ def _attn_bwd_dkdv_kernel(
     stride_lb, stride_lh, stride_lq, stride_lk,
     stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
     H, G, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop,
-    layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
+    layout_q_off, layout_k_off, block_q, block_k, alibi_shift, seed_lo, seed_hi, drop_thresh, drop_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
     SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
     BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr,
     COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
-    GQA: tl.constexpr, OUTER_LOOPS: tl.constexpr,
+    GQA: tl.constexpr, OUTER_LOOPS: tl.constexpr, HAS_DROPOUT: tl.constexpr, DROP_ALIGNED: tl.constexpr,
 ):
     """Grid ``(key tiles, (B / nb_loop) * (Hkv / nhk_loop))``. Writes ``DK``, ``DV`` ``[B, Hkv, Mk, D|Dv]``."""
     pid_n = tl.program_id(0)
@@ -328,6 +353,9 @@ def _attn_bwd_dkdv_kernel(
         n_end = tl.minimum(n0 + BLOCK_N, Mk)
         seg = 0
     cols = n0 + tl.arange(0, BLOCK_N)
+    c0 = n0
+    seed = _dropout_seed(seed_lo, seed_hi)
+    row_blocks = (Mk + 7) // 8
     if OUTER_LOOPS:  # a bias gradient shared by batch rows or heads: one program owns them all
         for bi in range(0, nb_loop):
             for hki in range(0, nhk_loop):
@@ -343,6 +371,7 @@ def _attn_bwd_dkdv_kernel(
             BLOCK_N, GQA, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT,
             BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, HAS_ADDITIVE, HAS_ALIBI,
             FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
+                    seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
                 )
     else:
         _dkdv_program(
@@ -357,6 +386,7 @@ def _attn_bwd_dkdv_kernel(
             BLOCK_N, GQA, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT,
             BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, HAS_ADDITIVE, HAS_ALIBI,
             FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
+            seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
         )
 
 
@@ -369,6 +399,7 @@ def _dq_tile(
     MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, PRELOADED: tl.constexpr,
     ROW_DBIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+    seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT: tl.constexpr,
 ):
     """Key tile ``[n0, n0 + BLOCK_N)`` of the program's query tile: accumulates ``dS @ K``."""
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -398,6 +429,9 @@ def _dq_tile(
         s = tl.where(vis, s, float("-inf"))
     p = tl.math.exp2(s - lse2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    if HAS_DROPOUT:
+        keep = _dropout_keep_tile(seed, drop_base, rows, n0, row_blocks, drop_thresh, rows.shape[0], BLOCK_N)
+        dp = tl.where(keep, dp * drop_scale, 0.0)
     ds = p * (dp - delta[:, None])
     dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     if ROW_DBIAS:
@@ -405,7 +439,8 @@ def _dq_tile(
     return dq, drow
 
 
-@triton.jit(do_not_specialize=["B", "n_prog_m", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift"])  # sizes that vary per call: no recompiles
+@triton.jit(do_not_specialize=["B", "n_prog_m", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
+                             "seed_lo", "seed_hi", "drop_thresh"])  # values that vary per call: no recompiles
 def _attn_bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, DRow,
     Add, Slopes, Layout, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, Sched, TileCount, TileIdx,
@@ -420,16 +455,19 @@ def _attn_bwd_dq_kernel(
     stride_lb, stride_lh, stride_lq, stride_lk,
     stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
     B, H, G, Mq, Mk, D, Dv, n_prog_m,
-    layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
+    layout_q_off, layout_k_off, block_q, block_k, alibi_shift, seed_lo, seed_hi, drop_thresh, drop_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
     SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
     BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, ROW_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
-    BATCH_INNER: tl.constexpr,
+    BATCH_INNER: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     """Grid ``(query tiles, B * Hq)`` (``(query tiles * B, Hq)`` with ``BATCH_INNER``). Writes ``DQ [B, Hq, Mq, D]`` (and ``DRow [B, Hq, Mq]`` row sums of dS)."""
     pid_m, b, h, pid_bh = _program_ids(B, H, BATCH_INNER)
     hk = h // G
+    row_blocks = (Mk + 7) // 8
+    drop_base = pid_bh.to(tl.int64) * Mq * row_blocks
+    seed = _dropout_seed(seed_lo, seed_hi)
     if SCHEDULED:
         prog = pid_m
         m0 = tl.load(Sched + pid_m * 3)
@@ -474,6 +512,7 @@ def _attn_bwd_dq_kernel(
                     Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                     alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                     False, False, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                    seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT,
                 )
         else:
             for t in range(0, count):
@@ -486,6 +525,7 @@ def _attn_bwd_dq_kernel(
                                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                                 False, False, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                                seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT,
                             )
                         else:
                             dq, drow = _dq_tile(
@@ -493,6 +533,7 @@ def _attn_bwd_dq_kernel(
                                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                                seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT,
                             )
                     else:
                         dq, drow = _dq_tile(
@@ -500,6 +541,7 @@ def _attn_bwd_dq_kernel(
                             Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                             alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                             True, True, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                            seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT,
                         )
     else:
         lo = lo // 16 * 16  # 16-aligned tile starts: a bias row is read in 16-byte vectors
@@ -510,6 +552,7 @@ def _attn_bwd_dq_kernel(
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT,
             )
         nxt = 0.0  # the next key tile's additive tile, loaded one iteration ahead (see the forward)
         if HAS_ADDITIVE:
@@ -526,6 +569,7 @@ def _attn_bwd_dq_kernel(
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, cur,
                 False, False, HAS_ADDITIVE, HAS_ALIBI, HAS_ADDITIVE, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT,
             )
         for t in range(e, n):
             dq, drow = _dq_tile(
@@ -533,6 +577,7 @@ def _attn_bwd_dq_kernel(
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT,
             )
     keep = valid & (rows < Mq)
     dq_ptrs = DQ + b64 * stride_dqb + h64 * stride_dqh + rows64[:, None] * stride_dqm + dqd[None, :] * stride_dqd

@@ -169,3 +169,42 @@ def _load_lines(ptrs, lines, line_end, dims, dim_end, MASK_LINES: tl.constexpr, 
         else:
             x = tl.load(ptrs, mask=dims[None, :] < dim_end, other=0.0)
     return x
+
+
+# Dropout. Element (i, j) of the slice of (batch, head) ``bh`` draws 16 random bits: half ``s % 2``
+# of word ``s // 2`` (``s = j % 8``) of the Philox4x32 block numbered ``(bh·Mq + i)·ceil(Mk/8) + j // 8``
+# under the call's seed. It is kept when those bits are at least ``thresh = round(p·2**16)``, so one
+# Philox call serves eight neighbouring keys, and every kernel (and tile shape) draws the same mask.
+
+
+@triton.jit
+def _dropout_seed(seed_lo, seed_hi):
+    """The call's 62-bit Philox key from its two 31-bit halves (kernel arguments stay 32-bit)."""
+    return (seed_hi.to(tl.int64) << 31) | seed_lo.to(tl.int64)
+
+
+@triton.jit
+def _dropout_keep(seed, row_base, ii, jj, row_blocks, thresh):
+    """Keep mask at rows ``ii`` and columns ``jj`` (broadcastable 2-D) of one slice, any alignment.
+
+    ``row_base`` is ``bh · Mq · row_blocks`` (int64), ``row_blocks`` is ``ceil(Mk / 8)``. One Philox
+    call per element: :func:`_dropout_keep_tile` gives the same bits for eight times less work."""
+    cnt = row_base + ii.to(tl.int64) * row_blocks + (jj // 8).to(tl.int64)
+    r0, r1, r2, r3 = tl.randint4x(seed, cnt)
+    s = jj % 8
+    w = s // 2
+    word = tl.where(w == 0, r0, tl.where(w == 1, r1, tl.where(w == 2, r2, r3)))
+    bits = tl.where(s % 2 == 0, word & 0xFFFF, word >> 16)
+    return bits.to(tl.int32) >= thresh
+
+
+@triton.jit
+def _dropout_keep_tile(seed, row_base, rows, c0, row_blocks, thresh, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Keep mask ``[ROWS, COLS]`` at rows ``rows`` and columns ``c0 + arange(COLS)``, ``c0`` a multiple of 8."""
+    cnt = (row_base + rows.to(tl.int64)[:, None] * row_blocks
+           + (c0 // 8 + tl.arange(0, COLS // 8)).to(tl.int64)[None, :])
+    r0, r1, r2, r3 = tl.randint4x(seed, cnt)
+    lo = tl.join(tl.join(r0 & 0xFFFF, r2 & 0xFFFF), tl.join(r1 & 0xFFFF, r3 & 0xFFFF))
+    hi = tl.join(tl.join(r0 >> 16, r2 >> 16), tl.join(r1 >> 16, r3 >> 16))
+    bits = tl.join(lo, hi)  # [R, COLS / 8, a, b, c] (the last join varies fastest): word 2a + b, half c
+    return tl.reshape(bits, (ROWS, COLS)).to(tl.int32) >= thresh

@@ -10,10 +10,11 @@ only (a tile may then straddle documents); the dK/dV kernel serves that case.
 import triton
 import triton.language as tl
 
-from .common_kernels import LOG2E, _add_load, _bias_tile, _layout_visible, _load_lines
+from .common_kernels import LOG2E, _add_load, _bias_tile, _dropout_keep_tile, _dropout_seed, _layout_visible, _load_lines
 
 
-@triton.jit(do_not_specialize=["n_sharers", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift"])
+@triton.jit(do_not_specialize=["n_sharers", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
+                             "seed_lo", "seed_hi", "drop_thresh"])
 def _attn_bwd_dbias_kernel(
     Q, K, V, DO, Lse, Delta, DBias,
     Add, Slopes, Layout, KvLens, BandLo, BandHi,
@@ -27,10 +28,10 @@ def _attn_bwd_dbias_kernel(
     stride_sb, stride_sh,
     stride_lb, stride_lh, stride_lq, stride_lk,
     H, G, Hb, Mq, Mk, D, Dv, n_tiles_n, n_sharers, heads_shared,
-    layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
+    layout_q_off, layout_k_off, block_q, block_k, alibi_shift, seed_lo, seed_hi, drop_thresh, drop_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr, HAS_LAYOUT: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     """Grid ``(query tiles * key tiles, Bb * Hb)`` for a gradient ``DBias [Bb, Hb, Mq, Mk]``.
 
@@ -64,6 +65,8 @@ def _attn_bwd_dbias_kernel(
         hi = tl.max(tl.where(in_rows, khi, 0), 0)
         visible = visible & (tn * BLOCK_N < hi) & (tn * BLOCK_N + BLOCK_N > lo)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    seed = _dropout_seed(seed_lo, seed_hi)
+    row_blocks = (Mk + 7) // 8
     if visible:
         raw = _add_load(rows[:, None], cols[None, :], bb, hh, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an, INDEX_64)
         dqd = tl.arange(0, HEAD_DIM)
@@ -101,6 +104,10 @@ def _attn_bwd_dbias_kernel(
                 )
             p = tl.math.exp2(tl.where(vis, s, float("-inf")) - lse2[:, None])
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            if HAS_DROPOUT:
+                keep = _dropout_keep_tile(seed, (b64 * H + h64) * Mq * row_blocks, rows, tn * BLOCK_N, row_blocks,
+                                          drop_thresh, BLOCK_M, BLOCK_N)
+                dp = tl.where(keep, dp * drop_scale, 0.0)
             acc += p * (dp - delta[:, None])
     g_ptrs = (DBias + bb.to(tl.int64) * stride_gb + hh.to(tl.int64) * stride_gh
               + rows64[:, None] * stride_gm + cols64[None, :] * stride_gn)

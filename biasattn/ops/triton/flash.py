@@ -16,12 +16,15 @@ from ..common import cdiv, tile_size
 from . import configs, schedule
 from .bwd_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from .dbias_kernels import _attn_bwd_dbias_kernel
+from .dropout_kernels import _dropout_mask_kernel
 from .fwd_kernels import _attn_fwd_kernel
 from .launch import direct
 
-_fwd, _preprocess, _dkdv, _dq, _dbias = map(direct, (
-    _attn_fwd_kernel, _attn_bwd_preprocess_kernel, _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_dbias_kernel,
+_SEED = ("seed_lo", "seed_hi")  # a new dropout seed per call must not miss the table of compiled launches
+_fwd, _dkdv, _dq, _dbias = (direct(k, _SEED) for k in (
+    _attn_fwd_kernel, _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_dbias_kernel,
 ))
+_preprocess = direct(_attn_bwd_preprocess_kernel)
 
 INTERPRETED = configs.interpreted()
 LOG2E = 1.4426950408889634
@@ -151,8 +154,44 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, scale: float):
-    """``(out [B, Hq, Mq, Dv] in q's dtype, lse [B, Hq, Mq] float32)`` of attention with ``spec``."""
+DROPOUT_BITS = 16  # random bits per score: the drop probability is a multiple of 2**-16
+
+
+def dropout_args(dropout_p: float, seed: int) -> tuple[int, int, int, float]:
+    """``(seed_lo, seed_hi, threshold, keep_scale)`` the kernels take for ``dropout_p`` and a seed < 2**62.
+
+    A score is kept when its 16 random bits are at least ``threshold = round(dropout_p · 2**16)``, so
+    the probability actually used is ``threshold / 2**16`` (within 2**-17 of ``dropout_p``), and kept
+    probabilities are scaled by ``2**16 / (2**16 - threshold)``, which keeps the output unbiased."""
+    levels = 1 << DROPOUT_BITS
+    threshold = min(round(dropout_p * levels), levels - 1)
+    return seed & 0x7FFFFFFF, (seed >> 31) & 0x7FFFFFFF, threshold, levels / (levels - threshold)
+
+
+def dropout_mask(seed: int, dropout_p: float, B: int, H: int, Mq: int, Mk: int, device, *,
+                 aligned: bool = True) -> torch.Tensor:
+    """The dropout mask the kernels apply for ``seed``: float32 ``[B, H, Mq, Mk]``, 0 where a
+    probability is dropped and ``keep_scale`` (see :func:`dropout_args`) where it is kept.
+
+    ``aligned=False`` draws element by element, as the dK/dV kernel does for key tiles off the
+    8-key grid; both ways must give the same mask."""
+    out = torch.empty((B, H, Mq, Mk), dtype=torch.float32, device=device)
+    if out.numel() == 0:
+        return out
+    lo, hi, threshold, keep_scale = dropout_args(dropout_p, seed)
+    bm, bn = (16, 16) if INTERPRETED else (64, 64)
+    _dropout_mask_kernel[(cdiv(Mq, bm), cdiv(Mk, bn), B * H)](
+        out, lo, hi, threshold, keep_scale, Mq, Mk, cdiv(Mk, 8), BLOCK_M=bm, BLOCK_N=bn, ALIGNED=aligned,
+    )
+    return out
+
+
+def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, scale: float,
+             dropout_p: float = 0.0, seed: int = 0):
+    """``(out [B, Hq, Mq, Dv] in q's dtype, lse [B, Hq, Mq] float32)`` of attention with ``spec``.
+
+    With ``dropout_p > 0`` the probabilities are dropped by the mask of ``seed`` (:func:`dropout_mask`);
+    ``lse`` is that of the undropped softmax."""
     B, H, Mq, D = q.shape
     Hkv, Mk, Dv = k.shape[1], k.shape[2], v.shape[3]
     out = _new((B, H, Mq, Dv), q.dtype, q.device)
@@ -165,6 +204,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
     hd, hdv = tile_size(D), tile_size(Dv)
     batch_inner = args.batch_shared_bias and B > 1
     index_64 = _index_64(_slice_span(q), _slice_span(k), _slice_span(v), _slice_span(out), args.add_span)
+    drop = dropout_args(dropout_p, seed)
 
     def run(cfg: configs.TileConfig) -> None:
         sched = schedule.query_schedule(spec, cfg.block_m, q.device)
@@ -178,14 +218,15 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *args.add_strides, *args.slope_strides,
             *args.layout_strides, *cs, *ts,
             B, H, H // Hkv, Mq, Mk, D, Dv, sched.n,
-            spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift,
+            spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=(D == hd and Dv == hdv),
-            BATCH_INNER=batch_inner,
+            BATCH_INNER=batch_inner, HAS_DROPOUT=dropout_p > 0,
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only, DOT_PRECISION=_dot_precision(q.dtype),
             INDEX_64=index_64, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
         )
 
-    configs.launch("fwd", max(hd, hdv), q.dtype, q.device, args.features, run)
+    feats = args.features + (("dropout",) if dropout_p > 0 else ())
+    configs.launch("fwd", max(hd, hdv), q.dtype, q.device, feats, run)
     return out, lse
 
 
@@ -214,8 +255,11 @@ def _reduce_to(t: torch.Tensor, shape) -> torch.Tensor:
     return t.sum(dim=dims, keepdim=True) if dims else t
 
 
-def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_dbias: bool):
-    """``(dq, dk, dv, dadditive or None)``; ``dlse`` (or None) enters as ``delta = rowsum(dout * out) - dlse``."""
+def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_dbias: bool,
+             dropout_p: float = 0.0, seed: int = 0):
+    """``(dq, dk, dv, dadditive or None)``; ``dlse`` (or None) enters as ``delta = rowsum(dout * out) - dlse``.
+
+    ``dropout_p`` and ``seed`` must be the forward's: the kernels draw the same mask again."""
     B, H, Mq, D = q.shape
     Hkv, Mk, Dv = k.shape[1], k.shape[2], v.shape[3]
     dev = q.device
@@ -263,7 +307,9 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         _slice_span(q), _slice_span(k), _slice_span(v), _slice_span(out), _slice_span(dout), _slice_span(dq),
         _slice_span(dk), _slice_span(dv), args.add_span, g_span,
     )
-    feats = args.features + ((plan,) if plan else ())
+    feats = args.features + ((plan,) if plan else ()) + (("dropout",) if dropout_p > 0 else ())
+    drop = dropout_args(dropout_p, seed)
+    has_dropout = dropout_p > 0
 
     def run_dkdv(cfg: configs.TileConfig) -> None:
         if plan_kv == "full" and nb_loop * nhk_loop > 1:
@@ -278,12 +324,13 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             scale * LOG2E, scale,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(), *g_strides, *common, *cs, *ts,
             H, H // Hkv, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop,
-            spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift,
+            spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only, FULL_DBIAS=plan_kv == "full",
             DBIAS_ACCUM=plan_kv == "full" and (nb_loop > 1 or h_bcast), COL_DBIAS=plan == "col",
             DOT_PRECISION=_dot_precision(q.dtype),
             INDEX_64=index_64, GQA=H != Hkv, OUTER_LOOPS=nb_loop * nhk_loop > 1,
+            HAS_DROPOUT=has_dropout, DROP_ALIGNED=sched.table is None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **args.switches,
         )
@@ -299,8 +346,9 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             scale * LOG2E, scale,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *common, *cs, *ts,
             B, H, H // Hkv, Mq, Mk, D, Dv, sched.n,
-            spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift,
+            spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even, BATCH_INNER=batch_inner,
+            HAS_DROPOUT=has_dropout,
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only, ROW_DBIAS=plan == "row",
             DOT_PRECISION=_dot_precision(q.dtype), INDEX_64=index_64,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
@@ -317,10 +365,10 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             scale * LOG2E,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dbias.stride(), *common,
             H, H // Hkv, hb, Mq, Mk, D, Dv, n_tiles_n, n_sharers, heads_shared,
-            spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift,
+            spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
             HAS_PADDED=args.has_padded, HAS_BAND=args.has_band, HAS_LAYOUT=args.has_layout, HAS_ALIBI=args.has_alibi,
-            DOT_PRECISION=_dot_precision(q.dtype), INDEX_64=index_64,
+            DOT_PRECISION=_dot_precision(q.dtype), INDEX_64=index_64, HAS_DROPOUT=has_dropout,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 

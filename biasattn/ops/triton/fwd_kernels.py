@@ -13,6 +13,8 @@ from .common_kernels import (
     LN2,
     _add_load,
     _bias_tile,
+    _dropout_keep_tile,
+    _dropout_seed,
     _layout_visible,
     _load_lines,
     _program_ids,
@@ -30,6 +32,7 @@ def _fwd_tile(
     Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, bias_raw,
     MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, PRELOADED: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+    seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT: tl.constexpr,
 ):
     """One key tile ``[n0, n0 + BLOCK_N)`` of the online softmax."""
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -64,12 +67,16 @@ def _fwd_tile(
     p = tl.math.exp2(s - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
+    if HAS_DROPOUT:  # the normalizer sums every probability; only the kept ones reach the output
+        keep = _dropout_keep_tile(seed, drop_base, rows, n0, row_blocks, drop_thresh, rows.shape[0], BLOCK_N)
+        p = tl.where(keep, p, 0.0)
     v = _load_lines(V_base + cols64[:, None] * stride_vn + dv[None, :] * stride_vd, cols, Mk, dv, Dv, MASKED, EVEN_D)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["B", "n_prog_m", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift"])  # sizes that vary per call: no recompiles
+@triton.jit(do_not_specialize=["B", "n_prog_m", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
+                             "seed_lo", "seed_hi", "drop_thresh"])  # values that vary per call: no recompiles
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse,
     Add, Slopes, Layout, QSeqStart, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, Sched, TileCount, TileIdx,
@@ -83,15 +90,20 @@ def _attn_fwd_kernel(
     stride_lb, stride_lh, stride_lq, stride_lk,
     stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
     B, H, G, Mq, Mk, D, Dv, n_prog_m,
-    layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
+    layout_q_off, layout_k_off, block_q, block_k, alibi_shift, seed_lo, seed_hi, drop_thresh, drop_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
     SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
     BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
-    BATCH_INNER: tl.constexpr,
+    BATCH_INNER: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
-    """Grid ``(query tiles, B * Hq)`` (``(query tiles * B, Hq)`` with ``BATCH_INNER``). Writes ``Out [B, Hq, Mq, Dv]`` and ``Lse [B, Hq, Mq]`` (natural log)."""
+    """Grid ``(query tiles, B * Hq)`` (``(query tiles * B, Hq)`` with ``BATCH_INNER``). Writes ``Out [B, Hq, Mq, Dv]`` and ``Lse [B, Hq, Mq]`` (natural log).
+
+    With ``HAS_DROPOUT`` the output is the dropped, rescaled one; ``Lse`` stays that of the full softmax."""
     pid_m, b, h, pid_bh = _program_ids(B, H, BATCH_INNER)
+    row_blocks = (Mk + 7) // 8
+    drop_base = pid_bh.to(tl.int64) * Mq * row_blocks
+    seed = _dropout_seed(seed_lo, seed_hi)
     hk = h // G
     if SCHEDULED:  # packed segments: the host table gives (first row, end row, segment)
         prog = pid_m
@@ -134,6 +146,7 @@ def _attn_fwd_kernel(
                     stride_sb, stride_sh, alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off,
                     layout_k_off, block_q, block_k, 0.0,
                     False, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                    seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT,
                 )
         else:
             for t in range(0, count):
@@ -146,6 +159,7 @@ def _attn_fwd_kernel(
                                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                                 False, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT,
                             )
                         else:
                             acc, m_i, l_i = _fwd_tile(
@@ -153,6 +167,7 @@ def _attn_fwd_kernel(
                                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT,
                             )
                     else:
                         acc, m_i, l_i = _fwd_tile(
@@ -160,6 +175,7 @@ def _attn_fwd_kernel(
                             Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                             alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                             True, True, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                            seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT,
                         )
     else:  # masked tiles at the span's left edge, unmasked middle, masked right edge
         lo = lo // 16 * 16  # 16-aligned tile starts: a bias row is read in 16-byte vectors
@@ -170,6 +186,7 @@ def _attn_fwd_kernel(
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT,
             )
         # the additive tile of the next key tile is loaded one iteration ahead: Triton pipelines only
         # dot operands, and a bias load waited on at once would stall every iteration
@@ -188,6 +205,7 @@ def _attn_fwd_kernel(
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, cur,
                 False, False, HAS_ADDITIVE, HAS_ALIBI, HAS_ADDITIVE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT,
             )
         for t in range(e, n):
             acc, m_i, l_i = _fwd_tile(
@@ -195,12 +213,15 @@ def _attn_fwd_kernel(
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
+                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT,
             )
 
     # rows that saw no key: out 0, lse -inf
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
+    if HAS_DROPOUT:
+        out = out * drop_scale
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
     keep = valid & (rows < Mq)
     dv = tl.arange(0, HEAD_DIM_V)

@@ -4,7 +4,8 @@ Triton's ``kernel[grid](...)`` binds and specializes every argument, builds a ca
 its globals on each call, which costs tens of microseconds for our kernels' 60-90 arguments. The
 wrapper here keeps, per device, the compiled kernel of each argument signature, the key being
 exactly what Triton specializes on (each tensor's dtype and 16-byte alignment, every other
-argument's value, the constexprs and launch options), and on a hit calls the compiled launcher the
+argument's value, the constexprs and launch options; for the integer arguments named as unkeyed,
+which the kernel does not specialize, only whether they fit 32 bits), and on a hit calls the compiled launcher the
 way ``JITFunction.run`` does. A miss, the interpreter, a CPU tensor, a Triton whose ``run`` does not
 end in that call, or ``DIRECT = False`` all go through ``kernel[grid](...)`` unchanged.
 """
@@ -48,10 +49,12 @@ def _runtime():
 class _Direct:
     """``kernel[grid](*args, **meta)`` with a table of compiled kernels per argument signature."""
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, unkeyed: tuple[str, ...] = ()):
         self.kernel = kernel
         self.table: dict = {}
         self.hits = 0
+        names = list(getattr(kernel, "arg_names", ()))
+        self.unkeyed = frozenset(names.index(n) for n in unkeyed)
 
     def __getitem__(self, grid):
         return functools.partial(self.launch, grid)
@@ -62,7 +65,8 @@ class _Direct:
         if not (DIRECT and device.type == "cuda" and _triton_run_matches()):
             return self.kernel[grid](*args, **meta)
         key = (device.index, tuple(meta.items()),
-               *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else (type(a), a) for a in args])
+               *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+                 else (int, -2**31 <= a < 2**31) if i in self.unkeyed else (type(a), a) for i, a in enumerate(args)])
         entry = self.table.get(key)
         if entry is None:
             compiled = self.kernel[grid](*args, **meta)
@@ -85,6 +89,9 @@ class _Direct:
         return compiled
 
 
-def direct(kernel) -> _Direct:
-    """Wrap a ``@triton.jit`` kernel so that repeated launches skip Triton's per-call binding."""
-    return _Direct(kernel)
+def direct(kernel, unkeyed: tuple[str, ...] = ()) -> _Direct:
+    """Wrap a ``@triton.jit`` kernel so that repeated launches skip Triton's per-call binding.
+
+    ``unkeyed`` names integer arguments in the kernel's ``do_not_specialize`` whose value changes
+    on every call (a random seed): a new value then reuses the compiled kernel."""
+    return _Direct(kernel, unkeyed)
