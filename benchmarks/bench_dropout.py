@@ -1,10 +1,12 @@
-"""Dropout benchmark: the ``triton`` operator with dropout against SDPA's flash and efficient kernels.
+"""Dropout benchmark: the ``triton`` operator with dropout against FlashAttention-2, cuDNN and CUTLASS.
 
-For no bias and causal, bf16, H=16, B·M = 16384 tokens, each provider runs forward and
-forward+backward with ``dropout_p`` 0 and ``--p`` in one process (median of ``triton.testing.do_bench``).
-The table gives each time, the cost of dropout (time with dropout / time without) and our speed
-against each peer with dropout (peer time / ours, > 1: we are faster). ``auto`` is ``ba.attention``
-without ``op``: the operator the dispatcher picks for a dropout call.
+For no bias, causal and a causal window of 1024 keys, bf16, H=16, B·M = 16384 tokens, each provider
+runs forward and forward+backward with ``dropout_p`` 0 and ``--p`` in one process (median of
+``triton.testing.do_bench``). ``flash2`` is our operator over PyTorch's FlashAttention-2 (it takes
+the window); ``sdpa_*`` are SDPA's backends (no window). The table gives each time with dropout, the
+cost of dropout for ``triton`` (time with dropout / time without) and each peer's time over ours with
+dropout (> 1: we are faster). ``auto`` is ``ba.attention`` without ``op``: the operator the
+dispatcher picks for a dropout call.
 
     PYTHONPATH=. python benchmarks/bench_dropout.py --out benchmarks/results/h200
 """
@@ -26,16 +28,21 @@ from bench_attention import _git_commit  # noqa: E402
 
 import biasattn as ba  # noqa: E402
 
-PEERS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+_DEV = "cuda" if torch.cuda.is_available() else "cpu"
+BIASES = {"none": None, "causal": ba.LowerTriangularMask().to(_DEV), "window": ba.LocalAttentionMask(1023, 0).to(_DEV)}
+PEERS = {"flash2": None, "sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
          "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
 
 
-def provider(name: str, causal: bool, p: float):
+def provider(name: str, case: str, p: float):
     """``fn(q, k, v) -> out`` for one provider, or None when it cannot run."""
-    if name in ("triton", "auto"):
-        bias = ba.LowerTriangularMask().to("cuda") if causal else None
-        op = "triton" if name == "triton" else None
+    if name in ("triton", "auto", "flash2"):
+        bias = BIASES[case]
+        op = None if name == "auto" else name
         return lambda q, k, v: ba.attention(q, k, v, bias, dropout_p=p, op=op)
+    if case == "window":
+        return None
+    causal = case == "causal"
 
     def sdpa(q, k, v):
         with sdpa_kernel(PEERS[name]):
@@ -68,11 +75,14 @@ def run(sizes, p: float, D: int = 128, H: int = 16, tokens: int = 16384) -> list
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(B, H, M, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
                    for _ in range(3))
-        for case in ("none", "causal"):
+        for case in BIASES:
             for mode in ("fwd", "fwd+bwd"):
                 for name in ("triton", "auto", *PEERS):
                     for prob in (0.0, p):
-                        ms = time_ms(provider(name, case == "causal", prob), q, k, v, mode)
+                        fn = provider(name, case, prob)
+                        if fn is None:
+                            continue
+                        ms = time_ms(fn, q, k, v, mode)
                         rows.append(dict(case=case, M=M, B=B, H=H, D=D, mode=mode, provider=name, dropout_p=prob,
                                          median_ms=ms, commit=_git_commit(), device=torch.cuda.get_device_name()))
                         print(f"{case:7s} M={M:5d} {mode:7s} {name:15s} p={prob:.2f}: "
