@@ -35,6 +35,9 @@ SPLITK_MAX_MQ = 16  # triton_splitk is a decode kernel: only tried first for seq
 # head, or 4 queries per sequence, triton_splitk is faster, by up to 19x (cuDNN does not share a K/V
 # tile between the heads of a group).
 CUDNN_DECODE_MAX_GROUPS = 16
+# With dropout, FlashAttention-2 goes before triton: drawing the mask costs our kernels 1.7-2.0x their
+# time without dropout against FA2's 1.15-1.25x, which leaves triton at 0.78-0.94x flash2 on no bias,
+# causal and window 1024 (results/h200/dropout.md; cudnn, where it runs, is faster than both).
 
 
 def priority(device_type: str, inp: AttentionInputs | None = None) -> tuple[str, ...]:
@@ -50,6 +53,9 @@ def priority(device_type: str, inp: AttentionInputs | None = None) -> tuple[str,
     elif "cudnn" in order and "triton_splitk" in order and _cudnn_decodes_faster(inp, longest):
         order.remove("cudnn")
         order.insert(order.index("triton_splitk"), "cudnn")
+    if inp.dropout_p > 0 and "flash2" in order and "triton" in order:
+        order.remove("flash2")
+        order.insert(order.index("triton"), "flash2")
     return tuple(order)
 
 

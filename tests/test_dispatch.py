@@ -194,6 +194,15 @@ def test_cuda_priority_puts_cudnn_first_for_single_query_decoding_of_small_group
     assert order.index("cudnn") < order.index("cutlass") < order.index("triton_splitk")
 
 
+def test_cuda_priority_with_dropout_puts_flash2_before_triton():
+    q = torch.randn(2, 4, 64, 8)
+    plain = dispatch.priority("cuda", make_inputs(q, q, q))
+    dropped = dispatch.priority("cuda", make_inputs(q, q, q, dropout_p=0.1))
+    assert plain.index("triton") < plain.index("flash2")
+    assert dropped.index("cudnn") < dropped.index("flash2") < dropped.index("triton") < dropped.index("cutlass")
+    assert sorted(plain) == sorted(dropped)
+
+
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_an_operator_that_runs_the_backward_runs_the_forward(data):

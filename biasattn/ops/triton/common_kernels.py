@@ -204,15 +204,7 @@ def _dropout_keep_tile(seed, row_base, rows, c0, row_blocks, thresh, ROWS: tl.co
     cnt = (row_base + rows.to(tl.int64)[:, None] * row_blocks
            + (c0 // 8 + tl.arange(0, COLS // 8)).to(tl.int64)[None, :])
     r0, r1, r2, r3 = tl.randint4x(seed, cnt)
-    # compared before they are interleaved: bytes, not words, change layout on the way to the score tile
-    lo = tl.join(tl.join(_keep8(r0 & 0xFFFF, thresh), _keep8(r2 & 0xFFFF, thresh)),
-                 tl.join(_keep8(r1 & 0xFFFF, thresh), _keep8(r3 & 0xFFFF, thresh)))
-    hi = tl.join(tl.join(_keep8(r0 >> 16, thresh), _keep8(r2 >> 16, thresh)),
-                 tl.join(_keep8(r1 >> 16, thresh), _keep8(r3 >> 16, thresh)))
-    keep = tl.join(lo, hi)  # [R, COLS / 8, a, b, c] (the last join varies fastest): word 2a + b, half c
-    return tl.reshape(keep, (ROWS, COLS)) != 0
-
-
-@triton.jit
-def _keep8(bits, thresh):
-    return (bits.to(tl.int32) >= thresh).to(tl.int8)
+    lo = tl.join(tl.join(r0 & 0xFFFF, r2 & 0xFFFF), tl.join(r1 & 0xFFFF, r3 & 0xFFFF))
+    hi = tl.join(tl.join(r0 >> 16, r2 >> 16), tl.join(r1 >> 16, r3 >> 16))
+    bits = tl.join(lo, hi)  # [R, COLS / 8, a, b, c] (the last join varies fastest): word 2a + b, half c
+    return tl.reshape(bits, (ROWS, COLS)).to(tl.int32) >= thresh
