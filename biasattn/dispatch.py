@@ -35,9 +35,9 @@ SPLITK_MAX_MQ = 16  # triton_splitk is a decode kernel: only tried first for seq
 # head, or 4 queries per sequence, triton_splitk is faster, by up to 19x (cuDNN does not share a K/V
 # tile between the heads of a group).
 CUDNN_DECODE_MAX_GROUPS = 16
-# With dropout, FlashAttention-2 goes before triton: drawing the mask costs our kernels 1.7-2.0x their
-# time without dropout against FA2's 1.15-1.25x, which leaves triton at 0.78-0.94x flash2 on no bias,
-# causal and window 1024 (results/h200/dropout.md; cudnn, where it runs, is faster than both).
+# With dropout, FlashAttention-2 goes before triton: drawing the mask costs our kernels 1.60-1.95x their
+# time without dropout against FA2's 1.09-1.25x, which leaves triton at 0.84-1.00x flash2 on no bias,
+# causal and window 1024 (results/h200/dropout.md at cac0379; cudnn, where it runs, beats both).
 
 
 def priority(device_type: str, inp: AttentionInputs | None = None) -> tuple[str, ...]:

@@ -388,6 +388,25 @@ def test_dropout_seed_follows_torch_manual_seed():
     torch.testing.assert_close(ba.attention(q, k, v, op="triton", dropout_p=0.0), ba.attention(q, k, v, op="reference"))
 
 
+def test_backward_after_another_operators_forward():
+    """The dispatcher may pair another forward with this backward; that forward's ctx is not a seed."""
+    from biasattn.ops import autograd
+
+    q, k, v = (t.requires_grad_() for t in qkv(Mq=20, Mk=24, dtype=torch.float16))  # chunked keeps an object
+    bias = ba.LowerTriangularMask()
+    inp = make_inputs(q, k, v, bias, requires_grad=True)
+    out, _ = autograd.run(inp, ba.ops.get("chunked"), OP)
+    dout = torch.ones_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    r_in = [_leaf(t, torch.float64) for t in (q, k, v)]
+    ref = torch.autograd.grad(ba.attention(*r_in, bias, op="reference"), r_in, dout.double())
+    l_in = [_leaf(t) for t in (q, k, v)]
+    low_out, _ = softmax_attention(*l_in, dense_bias(inp, torch.float16, None), inp.scale, torch.float16)
+    low = torch.autograd.grad(low_out, l_in, dout)
+    for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref, low):
+        assert_close(name, g, r, lo, factor=3.0)
+
+
 # ----------------------------------------------------------------------------------------- properties
 @st.composite
 def cases(draw):

@@ -162,12 +162,14 @@ class TritonOperator(Operator):
         add = inp.additive
         need = add is not None and add.requires_grad
         lse = lse.to(torch.float32).contiguous()
+        # with dropout the seed is this operator's own forward's; without, ctx may be another operator's
+        seed = ctx if inp.dropout_p > 0 else 0
         if torch.compiler.is_compiling():
             dq, dk, dv, dadd = triton_flash_bwd(
-                inp.q, inp.k, inp.v, out, lse, dout, dlse, *_spec_to_args(inp.spec), inp.scale, need, inp.dropout_p, ctx or 0
+                inp.q, inp.k, inp.v, out, lse, dout, dlse, *_spec_to_args(inp.spec), inp.scale, need, inp.dropout_p, seed
             )
         else:
             dq, dk, dv, dadd = _launchers().attn_bwd(
-                inp.q, inp.k, inp.v, out, lse, dout, dlse, inp.spec, inp.scale, need, inp.dropout_p, ctx or 0
+                inp.q, inp.k, inp.v, out, lse, dout, dlse, inp.spec, inp.scale, need, inp.dropout_p, seed
             )
         return dq, dk, dv, (dadd if need else None)
