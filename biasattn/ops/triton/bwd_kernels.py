@@ -97,6 +97,7 @@ def _dkdv_tile(
             )
         sT = tl.where(vis, sT, float("-inf"))
     pT = tl.math.exp2(sT - lse2[None, :])
+    dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:  # dV sees the dropped probabilities; dP reaches only the kept ones
         if DROP_ALIGNED:
             keepT = tl.trans(_dropout_keep_tile(
@@ -104,10 +105,9 @@ def _dkdv_tile(
         else:  # a key tile that starts off the 8-key grid (packed segments): element by element
             keepT = _dropout_keep(seed, LD_off * row_blocks, rows[None, :], cols[:, None], row_blocks, drop_thresh)
         dv += tl.dot(tl.where(keepT, pT * drop_scale, 0.0).to(do.dtype), do, input_precision=DOT_PRECISION)
-        dpT = tl.where(keepT, tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) * drop_scale, 0.0)
-    else:  # in this order the sm_90 compile of the 64x128 tile spills 48 B, with dP first 112 B
+        dpT = tl.where(keepT, dpT * drop_scale, 0.0)
+    else:
         dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PRECISION)
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     dsT = pT * (dpT - delta[None, :])
     dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PRECISION)
     if FULL_DBIAS:
