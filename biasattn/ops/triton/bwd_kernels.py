@@ -15,7 +15,8 @@ import triton.language as tl
 from .common_kernels import (
     LOG2E,
     _add_load,
-    _bias_tile,
+    _additive_tile,
+    _alibi_tile,
     _col_row_bounds,
     _dropout_keep,
     _dropout_keep_tile,
@@ -80,14 +81,14 @@ def _dkdv_tile(
         lse = tl.load(Lse + LD_off + rows64)
         delta = tl.load(Delta + LD_off + rows64)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # rows that saw nothing get p = 0
-    if HAS_ADDITIVE or HAS_ALIBI:  # the bias enters as the dot's accumulator, in the dot's own layout
-        biasT = _bias_tile(
-            rows[None, :], cols[:, None], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
-            Slopes, stride_sb, stride_sh, alibi_shift, bias_raw, HAS_ADDITIVE, HAS_ALIBI, PRELOADED, INDEX_64,
-        )
+    if HAS_ADDITIVE:  # the additive tile enters as the dot's accumulator, in the dot's own layout
+        biasT = _additive_tile(rows[None, :], cols[:, None], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
+                               bias_raw, PRELOADED, INDEX_64)
         sT = tl.dot(k, tl.trans(q), acc=biasT * (1.0 / qk_scale), input_precision=DOT_PRECISION) * qk_scale
     else:
         sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+    if HAS_ALIBI:
+        sT += _alibi_tile(rows[None, :], cols[:, None], m0, b, h, Slopes, stride_sb, stride_sh, alibi_shift)
     if MASKED:
         vis = (rows[None, :] >= ilo[:, None]) & (rows[None, :] < ihi[:, None])
         if LAYOUT_MASK:
@@ -411,14 +412,14 @@ def _dq_tile(
     dvd = tl.arange(0, HEAD_DIM_V)
     k = _load_lines(K_base + cols64[:, None] * stride_kn + dkd[None, :] * stride_kd, cols, Mk, dkd, D, MASKED, EVEN_D)
     v = _load_lines(V_base + cols64[:, None] * stride_vn + dvd[None, :] * stride_vd, cols, Mk, dvd, Dv, MASKED, EVEN_D)
-    if HAS_ADDITIVE or HAS_ALIBI:  # the bias enters as the dot's accumulator, in the dot's own layout
-        bias = _bias_tile(
-            rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
-            Slopes, stride_sb, stride_sh, alibi_shift, bias_raw, HAS_ADDITIVE, HAS_ALIBI, PRELOADED, INDEX_64,
-        )
+    if HAS_ADDITIVE:  # the additive tile enters as the dot's accumulator, in the dot's own layout
+        bias = _additive_tile(rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
+                              bias_raw, PRELOADED, INDEX_64)
         s = tl.dot(q, tl.trans(k), acc=bias * (1.0 / qk_scale), input_precision=DOT_PRECISION) * qk_scale
     else:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if HAS_ALIBI:
+        s += _alibi_tile(rows[:, None], cols[None, :], n0, b, h, Slopes, stride_sb, stride_sh, alibi_shift)
     if MASKED:
         vis = (cols[None, :] >= klo[:, None]) & (cols[None, :] < khi[:, None])
         if LAYOUT_MASK:

@@ -127,23 +127,28 @@ def _add_load(ii, jj, b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride
 
 
 @triton.jit
-def _bias_tile(
-    ii, jj, b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
-    raw, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, PRELOADED: tl.constexpr, INDEX_64: tl.constexpr,
+def _additive_tile(
+    ii, jj, b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an, raw, PRELOADED: tl.constexpr, INDEX_64: tl.constexpr,
 ):
-    """Additive tensor plus ALiBi at rows ``ii`` and columns ``jj`` (broadcastable 2-D), in base-2 units.
+    """The additive tensor at rows ``ii`` and columns ``jj`` (broadcastable 2-D) in float32, base-2 units.
 
-    With ``PRELOADED`` the additive tile is ``raw`` (from :func:`_add_load`, issued an iteration
-    earlier so that its latency hides behind the previous tile's work)."""
-    bias = tl.zeros(ii.shape, dtype=tl.float32) + tl.zeros(jj.shape, dtype=tl.float32)
-    if HAS_ADDITIVE:
-        if not PRELOADED:
-            raw = _add_load(ii, jj, b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an, INDEX_64)
-        bias += raw.to(tl.float32) * LOG2E
-    if HAS_ALIBI:
-        slope = tl.load(Slopes + b * stride_sb + h * stride_sh).to(tl.float32)
-        bias -= (slope * LOG2E) * tl.abs(jj - ii - alibi_shift).to(tl.float32)
-    return bias
+    With ``PRELOADED`` the tile is ``raw`` (from :func:`_add_load`, issued an iteration earlier so
+    that its latency hides behind the previous tile's work)."""
+    if not PRELOADED:
+        raw = _add_load(ii, jj, b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an, INDEX_64)
+    return raw.to(tl.float32) * LOG2E
+
+
+@triton.jit
+def _alibi_tile(ii, jj, ref, b, h, Slopes, stride_sb, stride_sh, alibi_shift):
+    """ALiBi's ``-slope·|j - i - shift|`` at rows ``ii`` and columns ``jj`` (broadcastable 2-D), base-2 units.
+
+    Positions are converted to float32 relative to ``ref`` (a position near the tile) while still
+    a row or a column vector, so the tile itself costs one subtraction and one multiply-add per
+    score instead of integer arithmetic and a conversion; exact while the positions and the shift
+    stay within 2**24 of ``ref``."""
+    slope = tl.load(Slopes + b * stride_sb + h * stride_sh).to(tl.float32) * LOG2E
+    return -slope * tl.abs((jj - ref).to(tl.float32) - (ii + alibi_shift - ref).to(tl.float32))
 
 
 @triton.jit

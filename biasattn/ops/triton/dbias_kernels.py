@@ -10,7 +10,16 @@ only (a tile may then straddle documents); the dK/dV kernel serves that case.
 import triton
 import triton.language as tl
 
-from .common_kernels import LOG2E, _add_load, _bias_tile, _dropout_keep_tile, _dropout_seed, _layout_visible, _load_lines
+from .common_kernels import (
+    LOG2E,
+    _add_load,
+    _additive_tile,
+    _alibi_tile,
+    _dropout_keep_tile,
+    _dropout_seed,
+    _layout_visible,
+    _load_lines,
+)
 
 
 @triton.jit(do_not_specialize=["n_sharers", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
@@ -89,11 +98,11 @@ def _attn_bwd_dbias_kernel(
             lse = tl.load(Lse + ld, mask=rows < Mq, other=float("-inf"))
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # rows that saw nothing get p = 0
             delta = tl.load(Delta + ld, mask=rows < Mq, other=0.0)
-            bias = _bias_tile(
-                rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
-                Slopes, stride_sb, stride_sh, alibi_shift, raw, True, HAS_ALIBI, True, INDEX_64,
-            )
+            bias = _additive_tile(rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
+                                  raw, True, INDEX_64)
             s = tl.dot(q, tl.trans(k), acc=bias * (1.0 / qk_scale), input_precision=DOT_PRECISION) * qk_scale
+            if HAS_ALIBI:
+                s += _alibi_tile(rows[:, None], cols[None, :], tn * BLOCK_N, b, h, Slopes, stride_sb, stride_sh, alibi_shift)
             vis = vis0
             if HAS_PADDED:
                 vis = vis & (cols[None, :] < tl.load(KvLens + b))

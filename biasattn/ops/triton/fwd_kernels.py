@@ -12,7 +12,8 @@ import triton.language as tl
 from .common_kernels import (
     LN2,
     _add_load,
-    _bias_tile,
+    _additive_tile,
+    _alibi_tile,
     _dropout_keep_tile,
     _dropout_seed,
     _layout_visible,
@@ -43,14 +44,14 @@ def _fwd_tile(
     dk = tl.arange(0, HEAD_DIM)
     dv = tl.arange(0, HEAD_DIM_V)
     k = _load_lines(K_base + cols64[:, None] * stride_kn + dk[None, :] * stride_kd, cols, Mk, dk, D, MASKED, EVEN_D)
-    if HAS_ADDITIVE or HAS_ALIBI:  # the bias enters as the dot's accumulator, in the dot's own layout
-        bias = _bias_tile(
-            rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
-            Slopes, stride_sb, stride_sh, alibi_shift, bias_raw, HAS_ADDITIVE, HAS_ALIBI, PRELOADED, INDEX_64,
-        )
+    if HAS_ADDITIVE:  # the additive tile enters as the dot's accumulator, in the dot's own layout
+        bias = _additive_tile(rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
+                              bias_raw, PRELOADED, INDEX_64)
         s = tl.dot(q, tl.trans(k), acc=bias * (1.0 / qk_scale), input_precision=DOT_PRECISION) * qk_scale
     else:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if HAS_ALIBI:
+        s += _alibi_tile(rows[:, None], cols[None, :], n0, b, h, Slopes, stride_sb, stride_sh, alibi_shift)
     if MASKED:
         vis = (cols[None, :] >= klo[:, None]) & (cols[None, :] < khi[:, None])
         if LAYOUT_MASK:
