@@ -499,6 +499,9 @@ def test_declarations_and_reasons():
     assert not OP.not_supported_reasons(make_inputs(q, k, v, dropout_p=0.1))
     big = make_inputs(torch.randn(1, 1, 4, 300), torch.randn(1, 1, 4, 300), torch.randn(1, 1, 4, 300))
     assert any("head dims" in r for r in OP.not_supported_reasons(big))
+    for scale in (0.0, -0.5):
+        reasons = OP.not_supported_reasons(make_inputs(q, k, v, scale=scale))
+        assert any("positive scale" in r and str(scale) in r for r in reasons)
 
 
 def test_cpu_needs_interpreter(monkeypatch):

@@ -137,10 +137,13 @@ class TritonOperator(Operator):
         return triton_environment_reasons(device)
 
     def extra_reasons(self, inp: AttentionInputs, *, backward: bool) -> list[str]:
-        """Key segments must be ordered and disjoint (always true for BlockDiagonalMask); B·Hq fits the grid."""
+        """Key segments must be ordered and disjoint (always true for BlockDiagonalMask); B·Hq fits the grid;
+        the scale is positive (the kernels take each row's maximum before scaling)."""
         from .triton.schedule import segments_disjoint
 
         reasons = []
+        if not inp.scale > 0:
+            reasons.append(f"needs a positive scale (row maxima are taken before scaling), got scale={inp.scale}")
         if inp.spec.q_seqstart is not None and not segments_disjoint(inp.spec):
             reasons.append("needs ordered, non-overlapping key segments, got overlapping ones")
         if inp.B * inp.Hq > 65535:

@@ -84,11 +84,11 @@ def _dkdv_tile(
     if HAS_ADDITIVE:  # the additive tile enters as the dot's accumulator, in the dot's own layout
         biasT = _additive_tile(rows[None, :], cols[:, None], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
                                bias_raw, PRELOADED, INDEX_64)
-        sT = tl.dot(k, tl.trans(q), acc=biasT * (1.0 / qk_scale), input_precision=DOT_PRECISION) * qk_scale
+        sT = tl.dot(k, tl.trans(q), acc=biasT * (1.0 / qk_scale), input_precision=DOT_PRECISION)
     else:
-        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M], raw: scaled in exp2's FMA
     if HAS_ALIBI:
-        sT += _alibi_tile(rows[None, :], cols[:, None], m0, b, h, Slopes, stride_sb, stride_sh, alibi_shift)
+        sT += _alibi_tile(rows[None, :], cols[:, None], m0, b, h, Slopes, stride_sb, stride_sh, alibi_shift, qk_scale)
     if MASKED:
         vis = (rows[None, :] >= ilo[:, None]) & (rows[None, :] < ihi[:, None])
         if LAYOUT_MASK:
@@ -97,7 +97,7 @@ def _dkdv_tile(
                 layout_q_off, layout_k_off, block_q, block_k,
             )
         sT = tl.where(vis, sT, float("-inf"))
-    pT = tl.math.exp2(sT - lse2[None, :])
+    pT = tl.math.exp2(sT * qk_scale - lse2[None, :])
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:  # dV sees the dropped probabilities; dP reaches only the kept ones
         if DROP_ALIGNED:
@@ -415,11 +415,11 @@ def _dq_tile(
     if HAS_ADDITIVE:  # the additive tile enters as the dot's accumulator, in the dot's own layout
         bias = _additive_tile(rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
                               bias_raw, PRELOADED, INDEX_64)
-        s = tl.dot(q, tl.trans(k), acc=bias * (1.0 / qk_scale), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k), acc=bias * (1.0 / qk_scale), input_precision=DOT_PRECISION)
     else:
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], raw: scaled in exp2's FMA
     if HAS_ALIBI:
-        s += _alibi_tile(rows[:, None], cols[None, :], n0, b, h, Slopes, stride_sb, stride_sh, alibi_shift)
+        s += _alibi_tile(rows[:, None], cols[None, :], n0, b, h, Slopes, stride_sb, stride_sh, alibi_shift, qk_scale)
     if MASKED:
         vis = (cols[None, :] >= klo[:, None]) & (cols[None, :] < khi[:, None])
         if LAYOUT_MASK:
@@ -428,7 +428,7 @@ def _dq_tile(
                 layout_q_off, layout_k_off, block_q, block_k,
             )
         s = tl.where(vis, s, float("-inf"))
-    p = tl.math.exp2(s - lse2[:, None])
+    p = tl.math.exp2(s * qk_scale - lse2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
         keep = _dropout_keep_tile(seed, drop_base, rows, n0, row_blocks, drop_thresh, rows.shape[0], BLOCK_N)

@@ -140,14 +140,15 @@ def _additive_tile(
 
 
 @triton.jit
-def _alibi_tile(ii, jj, ref, b, h, Slopes, stride_sb, stride_sh, alibi_shift):
-    """ALiBi's ``-slope·|j - i - shift|`` at rows ``ii`` and columns ``jj`` (broadcastable 2-D), base-2 units.
+def _alibi_tile(ii, jj, ref, b, h, Slopes, stride_sb, stride_sh, alibi_shift, qk_scale):
+    """ALiBi's ``-slope·|j - i - shift|`` at rows ``ii`` and columns ``jj`` (broadcastable 2-D), in the units
+    of the raw score ``q·k`` (base-2 units divided by ``qk_scale``).
 
     Positions are converted to float32 relative to ``ref`` (a position near the tile) while still
     a row or a column vector, so the tile itself costs one subtraction and one multiply-add per
     score instead of integer arithmetic and a conversion; exact while the positions and the shift
     stay within 2**24 of ``ref``."""
-    slope = tl.load(Slopes + b * stride_sb + h * stride_sh).to(tl.float32) * LOG2E
+    slope = tl.load(Slopes + b * stride_sb + h * stride_sh).to(tl.float32) * (LOG2E / qk_scale)
     return -slope * tl.abs((jj - ref).to(tl.float32) - (ii + alibi_shift - ref).to(tl.float32))
 
 

@@ -100,9 +100,10 @@ def _attn_bwd_dbias_kernel(
             delta = tl.load(Delta + ld, mask=rows < Mq, other=0.0)
             bias = _additive_tile(rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
                                   raw, True, INDEX_64)
-            s = tl.dot(q, tl.trans(k), acc=bias * (1.0 / qk_scale), input_precision=DOT_PRECISION) * qk_scale
+            s = tl.dot(q, tl.trans(k), acc=bias * (1.0 / qk_scale), input_precision=DOT_PRECISION)
             if HAS_ALIBI:
-                s += _alibi_tile(rows[:, None], cols[None, :], tn * BLOCK_N, b, h, Slopes, stride_sb, stride_sh, alibi_shift)
+                s += _alibi_tile(rows[:, None], cols[None, :], tn * BLOCK_N, b, h, Slopes, stride_sb, stride_sh, alibi_shift,
+                                 qk_scale)
             vis = vis0
             if HAS_PADDED:
                 vis = vis & (cols[None, :] < tl.load(KvLens + b))
@@ -111,7 +112,7 @@ def _attn_bwd_dbias_kernel(
                     rows[:, None], cols[None, :], b, h, Layout, stride_lb, stride_lh, stride_lq, stride_lk,
                     layout_q_off, layout_k_off, block_q, block_k,
                 )
-            p = tl.math.exp2(tl.where(vis, s, float("-inf")) - lse2[:, None])
+            p = tl.math.exp2(tl.where(vis, s, float("-inf")) * qk_scale - lse2[:, None])
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             if HAS_DROPOUT:
                 keep = _dropout_keep_tile(seed, (b64 * H + h64) * Mq * row_blocks, rows, tn * BLOCK_N, row_blocks,

@@ -26,6 +26,71 @@ from .common_kernels import (
 
 
 @triton.jit
+def _fwd_scores(
+    q, rows, klo, khi, n0, b, h, K_base, stride_kn, stride_kd, Mq, Mk, D, qk_scale,
+    Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
+    Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, bias_raw,
+    MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, PRELOADED: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+):
+    """Raw scores ``q·k + bias / qk_scale`` of key tile ``[n0, n0 + BLOCK_N)``, -inf where hidden (MASKED tiles)."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    if INDEX_64:
+        cols64 = cols.to(tl.int64)
+    else:
+        cols64 = cols
+    dk = tl.arange(0, HEAD_DIM)
+    k = _load_lines(K_base + cols64[:, None] * stride_kn + dk[None, :] * stride_kd, cols, Mk, dk, D, MASKED, EVEN_D)
+    if HAS_ADDITIVE:  # the additive tile enters as the dot's accumulator, in the dot's own layout
+        bias = _additive_tile(rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
+                              bias_raw, PRELOADED, INDEX_64)
+        s = tl.dot(q, tl.trans(k), acc=bias * (1.0 / qk_scale), input_precision=DOT_PRECISION)
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], raw: scaled in exp2's FMA
+    if HAS_ALIBI:
+        s += _alibi_tile(rows[:, None], cols[None, :], n0, b, h, Slopes, stride_sb, stride_sh, alibi_shift, qk_scale)
+    if MASKED:
+        vis = (cols[None, :] >= klo[:, None]) & (cols[None, :] < khi[:, None])
+        if LAYOUT_MASK:
+            vis = vis & _layout_visible(
+                rows[:, None], cols[None, :], b, h, Layout, stride_lb, stride_lh, stride_lq, stride_lk,
+                layout_q_off, layout_k_off, block_q, block_k,
+            )
+        s = tl.where(vis, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _fwd_update(
+    acc, m_i, l_i, s, rows, n0, V_base, stride_vn, stride_vd, Mk, Dv, qk_scale,
+    MASKED: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+    seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT: tl.constexpr,
+):
+    """The online-softmax step of raw scores ``s`` of key tile ``[n0, n0 + BLOCK_N)``: new ``acc``, max and sum."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    if INDEX_64:
+        cols64 = cols.to(tl.int64)
+    else:
+        cols64 = cols
+    dv = tl.arange(0, HEAD_DIM_V)
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # qk_scale > 0: the scale commutes with the max
+    if MASKED or HAS_ADDITIVE:  # a row may have seen nothing yet: keep exp2 away from inf - inf
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.math.exp2(s * qk_scale - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if HAS_DROPOUT:  # the normalizer sums every probability; only the kept ones reach the output
+        keep = _dropout_keep_tile(seed, drop_base, rows, n0, row_blocks, drop_thresh, rows.shape[0], BLOCK_N)
+        p = tl.where(keep, p, 0.0)
+    v = _load_lines(V_base + cols64[:, None] * stride_vn + dv[None, :] * stride_vd, cols, Mk, dv, Dv, MASKED, EVEN_D)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _fwd_tile(
     acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base,
     stride_kn, stride_kd, stride_vn, stride_vd, Mq, Mk, D, Dv, qk_scale,
@@ -36,44 +101,16 @@ def _fwd_tile(
     seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT: tl.constexpr,
 ):
     """One key tile ``[n0, n0 + BLOCK_N)`` of the online softmax."""
-    cols = n0 + tl.arange(0, BLOCK_N)
-    if INDEX_64:
-        cols64 = cols.to(tl.int64)
-    else:
-        cols64 = cols
-    dk = tl.arange(0, HEAD_DIM)
-    dv = tl.arange(0, HEAD_DIM_V)
-    k = _load_lines(K_base + cols64[:, None] * stride_kn + dk[None, :] * stride_kd, cols, Mk, dk, D, MASKED, EVEN_D)
-    if HAS_ADDITIVE:  # the additive tile enters as the dot's accumulator, in the dot's own layout
-        bias = _additive_tile(rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
-                              bias_raw, PRELOADED, INDEX_64)
-        s = tl.dot(q, tl.trans(k), acc=bias * (1.0 / qk_scale), input_precision=DOT_PRECISION) * qk_scale
-    else:
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-    if HAS_ALIBI:
-        s += _alibi_tile(rows[:, None], cols[None, :], n0, b, h, Slopes, stride_sb, stride_sh, alibi_shift)
-    if MASKED:
-        vis = (cols[None, :] >= klo[:, None]) & (cols[None, :] < khi[:, None])
-        if LAYOUT_MASK:
-            vis = vis & _layout_visible(
-                rows[:, None], cols[None, :], b, h, Layout, stride_lb, stride_lh, stride_lq, stride_lk,
-                layout_q_off, layout_k_off, block_q, block_k,
-            )
-        s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MASKED or HAS_ADDITIVE:  # a row may have seen nothing yet: keep exp2 away from inf - inf
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_use = m_new
-    p = tl.math.exp2(s - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if HAS_DROPOUT:  # the normalizer sums every probability; only the kept ones reach the output
-        keep = _dropout_keep_tile(seed, drop_base, rows, n0, row_blocks, drop_thresh, rows.shape[0], BLOCK_N)
-        p = tl.where(keep, p, 0.0)
-    v = _load_lines(V_base + cols64[:, None] * stride_vn + dv[None, :] * stride_vd, cols, Mk, dv, Dv, MASKED, EVEN_D)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
+    s = _fwd_scores(
+        q, rows, klo, khi, n0, b, h, K_base, stride_kn, stride_kd, Mq, Mk, D, qk_scale,
+        Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
+        Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, bias_raw,
+        MASKED, LAYOUT_MASK, HAS_ADDITIVE, HAS_ALIBI, PRELOADED, BLOCK_N, HEAD_DIM, EVEN_D, DOT_PRECISION, INDEX_64,
+    )
+    return _fwd_update(
+        acc, m_i, l_i, s, rows, n0, V_base, stride_vn, stride_vd, Mk, Dv, qk_scale, MASKED, HAS_ADDITIVE,
+        BLOCK_N, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64, seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT,
+    )
 
 
 @triton.jit(do_not_specialize=["B", "n_prog_m", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
