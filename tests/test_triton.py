@@ -545,3 +545,35 @@ def test_launch_arguments_keep_no_cycle_through_the_spec():
         assert spec() is None
     finally:
         gc.enable()
+
+
+def test_short_spans_pick_short_forward_tiles():
+    """The forward's tile choice sees how many keys a row visits on average (a bucket, not a length)."""
+    from biasattn.ops.triton import configs, flash
+
+    def spec(bias, Mq, Mk, B=1):
+        return make_inputs(torch.empty(B, 1, Mq, 8), torch.empty(B, 1, Mk, 8), torch.empty(B, 1, Mk, 8), bias).spec
+
+    def brute(bias, Mq, Mk, B=1):  # every row of a 64-row sequence is sampled, so the estimate is exact
+        vis = bias.materialize((B, 1, Mq, Mk)) == 0 if bias is not None else torch.ones(B, 1, Mq, Mk, dtype=torch.bool)
+        return vis.sum(-1).double().mean().item()
+
+    for bias, B, Mq, Mk in [
+        (None, 1, 64, 300),
+        (ba.LowerTriangularMask(), 1, 64, 64),
+        (ba.LocalAttentionMask(10, 3), 1, 64, 90),
+        (ba.PaddedKeysMask([40, 90, 7]), 3, 64, 90),
+        (ba.BlockDiagonalMask.from_seqlens([64, 64], [30, 70]), 1, 128, 100),
+        (ba.BlockDiagonalMask.from_seqlens([64, 64]).make_causal(), 1, 128, 128),
+    ]:
+        assert flash.mean_visible_keys(spec(bias, Mq, Mk, B), Mq, Mk) == pytest.approx(brute(bias, Mq, Mk, B)), bias
+    causal = ba.LowerTriangularMask()
+    assert flash._fwd_span_features(spec(causal, 1024, 1024), 1024, 1024) == ("short_span",)
+    assert flash._fwd_span_features(spec(causal, 2048, 2048), 2048, 2048) == ()
+    assert flash._fwd_span_features(spec(ba.LocalAttentionMask(1024), 16384, 16384), 16384, 16384) == ("short_span",)
+    assert flash._fwd_span_features(spec(None, 1024, 1024), 1024, 1024) == ()
+    assert flash._fwd_span_features(spec(None, 1024, 900), 1024, 900) == ("short_span",)
+    short = configs._candidates_for("fwd", 128, torch.bfloat16, ("band", "short_span"))
+    assert short[0] == configs.TileConfig(64, 64, 4, 3)
+    assert configs._candidates_for("fwd", 128, torch.bfloat16, ("band",))[0] == configs.TileConfig(128, 128, 8, 3)
+    assert configs._candidates_for("fwd", 256, torch.bfloat16, ("band", "short_span")) == configs.candidates("fwd", 256)
