@@ -84,8 +84,10 @@ def override(**configs: TileConfig) -> Iterator[None]:
 
 def _candidates_for(kernel: str, head_dim: int, dtype: torch.dtype, features: tuple = ()) -> tuple[TileConfig, ...]:
     cands = candidates(kernel, head_dim)
-    if kernel == "fwd" and "short_span" in features and head_dim == 128 and not {"additive", "dropout"} & set(features):
-        cands = (TileConfig(64, 64, 4, 3), *(c for c in cands if c != TileConfig(64, 64, 4, 3)))  # H200: 7-12% at 2k
+    short = "short_span" in features and head_dim == 128 and not {"additive", "dropout"} & set(features)
+    if short and kernel in ("fwd", "dkdv"):  # rows see few keys: shorter tiles, more programs (H200, notes 36)
+        first = TileConfig(64, 64, 4, 3) if kernel == "fwd" else TileConfig(32, 64, 4, 4)
+        cands = (first, *(c for c in cands if c != first))
     if kernel == "fwd" and "additive" in features:  # the bias tile adds registers: narrower key tiles first,
         # and at head dim 64 shorter query tiles (128 rows at 4 warps spill the prefetched bias tile)
         cands = tuple(sorted(cands, key=lambda c: (c.block_n > 64, head_dim <= 64 and c.block_m > 64)))

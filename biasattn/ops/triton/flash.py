@@ -175,13 +175,14 @@ def mean_visible_keys(spec: BiasSpec, Mq: int, Mk: int) -> float:
     return float((per_sequence * nq).sum() / total) if total > 0 else 0.0
 
 
-def _fwd_span_features(spec: BiasSpec, Mq: int, Mk: int) -> tuple[str, ...]:
+def _span_features(spec: BiasSpec, Mq: int, Mk: int) -> tuple[str, ...]:
     """``("short_span",)`` when query rows see few keys on average (packed documents, a 1k window, short caches).
 
-    A query tile then visits few key tiles, and 64-row tiles (twice the programs, each half as long)
-    finish sooner: on an H200 +25% for packed documents, +4-10% for a 1k window or 1k-key rows, a loss
-    of 2-7% once rows see 2k keys or more (benchmarks/NOTES.md, 36). Lengths enter only through this
-    bucket, so a new sequence length changes the config key at most once. Block layouts keep their tiles."""
+    A tile then meets few tiles of the other side, and shorter tiles (more programs, each shorter)
+    finish sooner: on an H200 the forward's 64x64 tiles gain 25% on packed documents and 4-10% on a 1k
+    window or 1k-key rows, and lose 2-7% once rows see 2k keys or more; the dK/dV kernel's 32x64 tiles
+    gain 17% on packed documents (benchmarks/NOTES.md, 36). Lengths enter only through this bucket, so
+    a new sequence length changes the config key at most once. Block layouts keep their tiles."""
     if spec.layout is not None:
         return ()
     return spec.cached(("short_span", Mq, Mk),
@@ -268,7 +269,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
             INDEX_64=index_64, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
         )
 
-    feats = args.features + (("dropout",) if dropout_p > 0 else ()) + _fwd_span_features(spec, Mq, Mk)
+    feats = args.features + (("dropout",) if dropout_p > 0 else ()) + _span_features(spec, Mq, Mk)
     configs.launch("fwd", max(hd, hdv), q.dtype, q.device, feats, run)
     return out, lse
 
@@ -351,6 +352,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         _slice_span(dk), _slice_span(dv), args.add_span, g_span,
     )
     feats = args.features + ((plan,) if plan else ()) + (("dropout",) if dropout_p > 0 else ())
+    feats += _span_features(spec, Mq, Mk)
     drop = dropout_args(dropout_p, seed)
     has_dropout = dropout_p > 0
 
