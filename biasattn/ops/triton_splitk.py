@@ -49,8 +49,11 @@ class TritonSplitKOperator(Operator):
                 yield reason
 
     def extra_reasons(self, inp: AttentionInputs, *, backward: bool) -> list[str]:
-        """Packed sequences of more than MAX_MQ queries; bfloat16 under the interpreter (its bf16 dot is inexact)."""
+        """Packed sequences of more than MAX_MQ queries; bfloat16 under the interpreter (its bf16 dot is inexact);
+        a scale that is not positive (the kernel takes each row's maximum before scaling)."""
         reasons = []
+        if not inp.scale > 0:
+            reasons.append(f"needs a positive scale (row maxima are taken before scaling), got scale={inp.scale}")
         qs = inp.spec.host.q_seqstart
         if inp.spec.q_seqstart is not None and qs is not None:
             longest = max([b - a for a, b in zip(qs, qs[1:])], default=0)

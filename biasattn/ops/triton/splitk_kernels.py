@@ -40,22 +40,22 @@ def _splitk_tile(
         k = tl.load(k_ptrs)
     else:
         k = tl.load(k_ptrs, mask=offs_d[None, :] < D, other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N], raw: scaled in exp2's FMA
     if HAS_ADDITIVE:
         bias = tl.load(add_rows + offs_j[None, :].to(tl.int64) * stride_an, mask=in_seq[None, :], other=0.0)
-        s += bias.to(tl.float32) * 1.4426950408889634
-    if HAS_ALIBI:
-        dist = tl.abs(offs_j[None, :] - i_row[:, None] - alibi_shift).to(tl.float32)
-        s -= (slope[:, None] * 1.4426950408889634) * dist
+        s += bias.to(tl.float32) * (1.4426950408889634 / qk_scale)
+    if HAS_ALIBI:  # distances in float32 relative to the tile (exact within 2**24 positions)
+        dist = tl.abs(offs_n[None, :].to(tl.float32) - (i_row + alibi_shift - j0).to(tl.float32)[:, None])
+        s -= (slope[:, None] * (1.4426950408889634 / qk_scale)) * dist
     if MASKED:
         visible = in_seq[None, :]
         if HAS_BAND:
             d = offs_j[None, :] - i_row[:, None]
             visible = visible & (d >= band_lo) & (d <= band_hi)
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # qk_scale > 0: the scale commutes with the max
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-    p = tl.math.exp2(s - m_safe[:, None])
+    p = tl.math.exp2(s * qk_scale - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASKED:
