@@ -83,8 +83,8 @@ def _dkdv_tile(
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # rows that saw nothing get p = 0
     if HAS_ADDITIVE:  # the additive tile enters as the dot's accumulator, in the dot's own layout
         biasT = _additive_tile(rows[None, :], cols[:, None], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
-                               bias_raw, PRELOADED, INDEX_64)
-        sT = tl.dot(k, tl.trans(q), acc=biasT * (1.0 / qk_scale), input_precision=DOT_PRECISION)
+                               qk_scale, bias_raw, PRELOADED, INDEX_64)
+        sT = tl.dot(k, tl.trans(q), acc=biasT, input_precision=DOT_PRECISION)
     else:
         sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M], raw: scaled in exp2's FMA
     if HAS_ALIBI:
@@ -414,8 +414,8 @@ def _dq_tile(
     v = _load_lines(V_base + cols64[:, None] * stride_vn + dvd[None, :] * stride_vd, cols, Mk, dvd, Dv, MASKED, EVEN_D)
     if HAS_ADDITIVE:  # the additive tile enters as the dot's accumulator, in the dot's own layout
         bias = _additive_tile(rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
-                              bias_raw, PRELOADED, INDEX_64)
-        s = tl.dot(q, tl.trans(k), acc=bias * (1.0 / qk_scale), input_precision=DOT_PRECISION)
+                              qk_scale, bias_raw, PRELOADED, INDEX_64)
+        s = tl.dot(q, tl.trans(k), acc=bias, input_precision=DOT_PRECISION)
     else:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], raw: scaled in exp2's FMA
     if HAS_ALIBI:

@@ -128,15 +128,17 @@ def _add_load(ii, jj, b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride
 
 @triton.jit
 def _additive_tile(
-    ii, jj, b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an, raw, PRELOADED: tl.constexpr, INDEX_64: tl.constexpr,
+    ii, jj, b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an, qk_scale, raw,
+    PRELOADED: tl.constexpr, INDEX_64: tl.constexpr,
 ):
-    """The additive tensor at rows ``ii`` and columns ``jj`` (broadcastable 2-D) in float32, base-2 units.
+    """The additive tensor at rows ``ii`` and columns ``jj`` (broadcastable 2-D) in float32, in the units
+    of the raw score ``q·k`` (base-2 units divided by ``qk_scale``): one multiply per element.
 
     With ``PRELOADED`` the tile is ``raw`` (from :func:`_add_load`, issued an iteration earlier so
     that its latency hides behind the previous tile's work)."""
     if not PRELOADED:
         raw = _add_load(ii, jj, b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an, INDEX_64)
-    return raw.to(tl.float32) * LOG2E
+    return raw.to(tl.float32) * (LOG2E / qk_scale)
 
 
 @triton.jit

@@ -99,8 +99,8 @@ def _attn_bwd_dbias_kernel(
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # rows that saw nothing get p = 0
             delta = tl.load(Delta + ld, mask=rows < Mq, other=0.0)
             bias = _additive_tile(rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
-                                  raw, True, INDEX_64)
-            s = tl.dot(q, tl.trans(k), acc=bias * (1.0 / qk_scale), input_precision=DOT_PRECISION)
+                                  qk_scale, raw, True, INDEX_64)
+            s = tl.dot(q, tl.trans(k), acc=bias, input_precision=DOT_PRECISION)
             if HAS_ALIBI:
                 s += _alibi_tile(rows[:, None], cols[None, :], tn * BLOCK_N, b, h, Slopes, stride_sb, stride_sh, alibi_shift,
                                  qk_scale)

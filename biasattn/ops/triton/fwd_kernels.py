@@ -43,8 +43,8 @@ def _fwd_scores(
     k = _load_lines(K_base + cols64[:, None] * stride_kn + dk[None, :] * stride_kd, cols, Mk, dk, D, MASKED, EVEN_D)
     if HAS_ADDITIVE:  # the additive tile enters as the dot's accumulator, in the dot's own layout
         bias = _additive_tile(rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
-                              bias_raw, PRELOADED, INDEX_64)
-        s = tl.dot(q, tl.trans(k), acc=bias * (1.0 / qk_scale), input_precision=DOT_PRECISION)
+                              qk_scale, bias_raw, PRELOADED, INDEX_64)
+        s = tl.dot(q, tl.trans(k), acc=bias, input_precision=DOT_PRECISION)
     else:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], raw: scaled in exp2's FMA
     if HAS_ALIBI:
