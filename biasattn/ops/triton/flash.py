@@ -182,7 +182,9 @@ def _span_features(spec: BiasSpec, Mq: int, Mk: int) -> tuple[str, ...]:
     finish sooner: on an H200 the forward's 64x64 tiles gain 25% on packed documents and 4-10% on a 1k
     window or 1k-key rows, and lose 2-7% once rows see 2k keys or more; the dK/dV kernel's 32x64 tiles
     gain 17% on packed documents (benchmarks/NOTES.md, 36). Lengths enter only through this bucket, so
-    a new sequence length changes the config key at most once. Block layouts keep their tiles."""
+    a new sequence length changes the config key at most once. Block layouts keep their tiles. Traced
+    calls (``torch.compile``) carry only the segments' host lengths, so there a band or padded lengths
+    do not count: the tiles may differ from an eager call's, the results do not."""
     if spec.layout is not None:
         return ()
     return spec.cached(("short_span", Mq, Mk),
