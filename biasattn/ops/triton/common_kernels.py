@@ -6,8 +6,9 @@ keys and the band each cut an interval, and intervals intersect into an interval
 these intervals over a tile to find which neighbouring tiles can be visible at all (``lo``/``hi``)
 and which are visible in every element (``full_lo``/``full_hi``, no element mask needed).
 
-Scores are kept in base-2 units (``log2(e)`` folded into the scale and the biases) so the softmax
-uses ``exp2``.
+Score tiles are kept raw (``q·k`` plus the biases divided by ``qk_scale``, which includes ``log2(e)``);
+the scale is applied inside the softmax's ``exp2(s · qk_scale - m)``, one multiply-add per score, and
+row maxima are taken before scaling, which needs a positive scale.
 """
 
 import triton

@@ -146,7 +146,7 @@ def _slice_span(t: torch.Tensor) -> int:
     return max(m - 1, 0) * abs(sm) + max(d - 1, 0) * abs(sd)
 
 
-SHORT_SPAN_KEYS = 1000  # mean visible keys per query row at or under which the forward takes short tiles
+SHORT_SPAN_KEYS = 1000  # mean visible keys per query row at or under which fwd and dK/dV take short tiles
 
 
 def mean_visible_keys(spec: BiasSpec, Mq: int, Mk: int) -> float:

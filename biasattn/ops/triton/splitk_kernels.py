@@ -7,7 +7,8 @@ sequence's visible key range is cut into pieces of ``tiles_per_split`` whole til
 takes any rest, so every length is covered); short sequences leave their later splits empty, which
 keeps the work proportional to the keys present. A program writes its piece's normalized output and
 log-sum-exp, and ``_merge_partials_kernel`` combines the pieces.
-Scores are kept in base 2 (``qk_scale`` includes log2(e)).
+Score tiles are kept raw and scaled inside ``exp2`` (``qk_scale`` includes log2(e)); row maxima are taken
+before scaling, which needs a positive scale.
 """
 
 import triton
