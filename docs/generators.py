@@ -69,6 +69,7 @@ DECLARATION_TITLES = {
     "dtypes": "dtypes",
     "head_dims": "head dims",
     "max_mq": "max Mq",
+    "scale": "scale",
 }
 FLAG_TITLES = {
     "backward": "backward",

@@ -179,6 +179,25 @@ def test_declarations_are_data():
     assert set(d["dtypes"]) == {"float16", "bfloat16", "float32", "float64"}
 
 
+def test_non_positive_scales_go_to_operators_that_take_any_scale():
+    """Kernels that take row maxima before scaling (or are unverified otherwise) refuse a scale <= 0 by
+    declaration; the dispatcher then picks an operator that computes the same function as the reference."""
+    from biasattn.testing import reference_attention
+
+    q, k, v = qkv(M=7)
+    for scale in (-0.7, 0.0):
+        inp = make_inputs(q, k, v, ba.LowerTriangularMask(), scale=scale)
+        for name in ba.ops.available():
+            op = ba.ops.get(name)
+            assert op.declarations()["scale"] == ("> 0" if op.POSITIVE_SCALE_ONLY else "any")
+            if op.POSITIVE_SCALE_ONLY:
+                assert f"needs a positive scale, got scale={scale}" in op.not_supported_reasons(inp)
+        out = ba.attention(q, k, v, ba.LowerTriangularMask(), scale=scale)
+        ref, _ = reference_attention(q.double(), k.double(), v.double(), ba.LowerTriangularMask(), scale=scale)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+    assert {"triton", "triton_splitk"} <= {n for n in ba.ops.available() if ba.ops.get(n).POSITIVE_SCALE_ONLY}
+
+
 def _decode(Hq, Hkv, Mq, bias=None):
     q, k = torch.randn(2, Hq, Mq, 8), torch.randn(2, Hkv, 40, 8)
     return make_inputs(q, k, k, bias)

@@ -259,8 +259,7 @@ def test_reasons():
     q, k, v = qkv(1, 2, 2, 2, 20, 16, torch.float32)
     grad = OP.not_supported_reasons(make_inputs(q, k, v, requires_grad=True))
     assert grad == ["has no backward pass and gradients are required"]
-    assert OP.not_supported_reasons(make_inputs(q, k, v, scale=-0.25)) == [
-        "needs a positive scale (row maxima are taken before scaling), got scale=-0.25"]
+    assert OP.not_supported_reasons(make_inputs(q, k, v, scale=-0.25)) == ["needs a positive scale, got scale=-0.25"]
     layout = torch.ones(1, 1, 1, 2, dtype=torch.bool, device=DEVICE)
     assert any("layout" in r for r in OP.not_supported_reasons(make_inputs(q, k, v, ba.BlockSparseMask(layout, 16))))
     with pytest.raises(ba.NotSupportedError, match="triton_splitk"):

@@ -44,6 +44,7 @@ class Operator:
     DETERMINISTIC: ClassVar[bool] = True
     MAX_MQ: ClassVar[int | None] = None
     SUPPORTS_EMPTY: ClassVar[bool] = False
+    POSITIVE_SCALE_ONLY: ClassVar[bool] = False  # kernels that take row maxima before scaling, or are unverified otherwise
 
     @property
     def name(self) -> str:
@@ -100,6 +101,8 @@ class Operator:
             yield f"handles at most Mq={self.MAX_MQ} queries, got Mq={inp.Mq}"
         if backward and torch.are_deterministic_algorithms_enabled() and not self.DETERMINISTIC:
             yield "is not deterministic and torch.use_deterministic_algorithms(True) is set"
+        if self.POSITIVE_SCALE_ONLY and not inp.scale > 0:
+            yield f"needs a positive scale, got scale={inp.scale}"
         if min(inp.B, inp.Mq, inp.Mk) == 0 and not self.SUPPORTS_EMPTY:
             yield f"does not handle empty inputs (B={inp.B}, Mq={inp.Mq}, Mk={inp.Mk})"
         yield from self.extra_reasons(inp, backward=backward)
@@ -132,6 +135,7 @@ class Operator:
             "lse": self.SUPPORTS_LSE,
             "deterministic": self.DETERMINISTIC,
             "max_mq": self.MAX_MQ,
+            "scale": "> 0" if self.POSITIVE_SCALE_ONLY else "any",
         }
 
     def __repr__(self) -> str:

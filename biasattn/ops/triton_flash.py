@@ -130,6 +130,7 @@ class TritonOperator(Operator):
     SUPPORTS_GQA = True
     SUPPORTS_LSE = True
     DETERMINISTIC = True
+    POSITIVE_SCALE_ONLY = True  # row maxima are taken before scaling (the scale is applied inside exp2)
     SUPPORTS_EMPTY = True
 
     def environment_reasons(self, device: torch.device | None = None) -> list[str]:
@@ -137,13 +138,10 @@ class TritonOperator(Operator):
         return triton_environment_reasons(device)
 
     def extra_reasons(self, inp: AttentionInputs, *, backward: bool) -> list[str]:
-        """Key segments must be ordered and disjoint (always true for BlockDiagonalMask); B·Hq fits the grid;
-        the scale is positive (the kernels take each row's maximum before scaling)."""
+        """Key segments must be ordered and disjoint (always true for BlockDiagonalMask); B·Hq fits the grid."""
         from .triton.schedule import segments_disjoint
 
         reasons = []
-        if not inp.scale > 0:
-            reasons.append(f"needs a positive scale (row maxima are taken before scaling), got scale={inp.scale}")
         if inp.spec.q_seqstart is not None and not segments_disjoint(inp.spec):
             reasons.append("needs ordered, non-overlapping key segments, got overlapping ones")
         if inp.B * inp.Hq > 65535:

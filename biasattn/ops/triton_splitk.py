@@ -35,6 +35,7 @@ class TritonSplitKOperator(Operator):
     SUPPORTS_GQA = True
     SUPPORTS_EMPTY = True
     MAX_MQ = 16
+    POSITIVE_SCALE_ONLY = True  # row maxima are taken before scaling (the scale is applied inside exp2)
 
     def environment_reasons(self, device: torch.device | None = None) -> list[str]:
         """Triton must be installed; on the CPU the Triton interpreter must be on."""
@@ -49,11 +50,8 @@ class TritonSplitKOperator(Operator):
                 yield reason
 
     def extra_reasons(self, inp: AttentionInputs, *, backward: bool) -> list[str]:
-        """Packed sequences of more than MAX_MQ queries; bfloat16 under the interpreter (its bf16 dot is inexact);
-        a scale that is not positive (the kernel takes each row's maximum before scaling)."""
+        """Packed sequences of more than MAX_MQ queries; bfloat16 under the interpreter (its bf16 dot is inexact)."""
         reasons = []
-        if not inp.scale > 0:
-            reasons.append(f"needs a positive scale (row maxima are taken before scaling), got scale={inp.scale}")
         qs = inp.spec.host.q_seqstart
         if inp.spec.q_seqstart is not None and qs is not None:
             longest = max([b - a for a, b in zip(qs, qs[1:])], default=0)

@@ -412,6 +412,7 @@ class VendorOperator(Operator):
 
     DEVICES = frozenset({"cuda"})
     DETERMINISTIC = False
+    POSITIVE_SCALE_ONLY = True  # FlashAttention-2 takes row maxima of unscaled scores; the others are unverified
     ENTRY_POINTS: ClassVar[tuple[str, ...]] = ()
 
     def environment_reasons(self, device=None) -> list[str]:
