@@ -26,20 +26,23 @@ from .common_kernels import (
 
 
 @triton.jit
-def _fwd_scores(
-    q, rows, klo, khi, n0, b, h, K_base, stride_kn, stride_kd, Mq, Mk, D, qk_scale,
+def _fwd_tile(
+    acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base,
+    stride_kn, stride_kd, stride_vn, stride_vd, Mq, Mk, D, Dv, qk_scale,
     Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
     Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, bias_raw,
     MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, PRELOADED: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+    seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT: tl.constexpr,
 ):
-    """Raw scores ``q·k + bias / qk_scale`` of key tile ``[n0, n0 + BLOCK_N)``, -inf where hidden (MASKED tiles)."""
+    """One key tile ``[n0, n0 + BLOCK_N)`` of the online softmax."""
     cols = n0 + tl.arange(0, BLOCK_N)
     if INDEX_64:
         cols64 = cols.to(tl.int64)
     else:
         cols64 = cols
     dk = tl.arange(0, HEAD_DIM)
+    dv = tl.arange(0, HEAD_DIM_V)
     k = _load_lines(K_base + cols64[:, None] * stride_kn + dk[None, :] * stride_kd, cols, Mk, dk, D, MASKED, EVEN_D)
     if HAS_ADDITIVE:  # the additive tile enters as the dot's accumulator, in the dot's own layout
         bias = _additive_tile(rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
@@ -57,23 +60,6 @@ def _fwd_scores(
                 layout_q_off, layout_k_off, block_q, block_k,
             )
         s = tl.where(vis, s, float("-inf"))
-    return s
-
-
-@triton.jit
-def _fwd_update(
-    acc, m_i, l_i, s, rows, n0, V_base, stride_vn, stride_vd, Mk, Dv, qk_scale,
-    MASKED: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
-    seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT: tl.constexpr,
-):
-    """The online-softmax step of raw scores ``s`` of key tile ``[n0, n0 + BLOCK_N)``: new ``acc``, max and sum."""
-    cols = n0 + tl.arange(0, BLOCK_N)
-    if INDEX_64:
-        cols64 = cols.to(tl.int64)
-    else:
-        cols64 = cols
-    dv = tl.arange(0, HEAD_DIM_V)
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # qk_scale > 0: the scale commutes with the max
     if MASKED or HAS_ADDITIVE:  # a row may have seen nothing yet: keep exp2 away from inf - inf
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -88,29 +74,6 @@ def _fwd_update(
     v = _load_lines(V_base + cols64[:, None] * stride_vn + dv[None, :] * stride_vd, cols, Mk, dv, Dv, MASKED, EVEN_D)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
-
-
-@triton.jit
-def _fwd_tile(
-    acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base,
-    stride_kn, stride_kd, stride_vn, stride_vd, Mq, Mk, D, Dv, qk_scale,
-    Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
-    Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, bias_raw,
-    MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, PRELOADED: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
-    seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT: tl.constexpr,
-):
-    """One key tile ``[n0, n0 + BLOCK_N)`` of the online softmax."""
-    s = _fwd_scores(
-        q, rows, klo, khi, n0, b, h, K_base, stride_kn, stride_kd, Mq, Mk, D, qk_scale,
-        Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
-        Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, bias_raw,
-        MASKED, LAYOUT_MASK, HAS_ADDITIVE, HAS_ALIBI, PRELOADED, BLOCK_N, HEAD_DIM, EVEN_D, DOT_PRECISION, INDEX_64,
-    )
-    return _fwd_update(
-        acc, m_i, l_i, s, rows, n0, V_base, stride_vn, stride_vd, Mk, Dv, qk_scale, MASKED, HAS_ADDITIVE,
-        BLOCK_N, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64, seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT,
-    )
 
 
 @triton.jit(do_not_specialize=["B", "n_prog_m", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
