@@ -352,6 +352,7 @@ AB_SWITCHES = {  # name: (module.attribute, state A, state B, value A, value B)
     "offsets": ("flash.FORCE_INDEX_64", "32-bit in-slice offsets", "64-bit in-slice offsets", False, True),
     "concurrent": ("flash.CONCURRENT_BWD", "dQ beside dK/dV on a side stream", "dQ after dK/dV", True, False),
     "direct": ("launch.DIRECT", "direct launches of compiled kernels", "Triton's kernel[grid] launches", True, False),
+    "delta": ("flash.FUSED_DELTA", "delta computed by dQ", "delta preprocessing launch", True, False),
 }
 
 

@@ -213,6 +213,20 @@ def test_block_sparse_list_only(monkeypatch):
     assert len(taken) == 3 and all(taken)  # forward, dK/dV and dQ
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["delta_in_dq", "delta_preprocessed"])
+@pytest.mark.parametrize("case", ["segments", "causal_gqa"])
+def test_backward_delta_paths(monkeypatch, fused, case):
+    """dQ computing delta for dK/dV (two launches) and the separate preprocessing launch both match."""
+    from biasattn.ops.triton import flash
+
+    monkeypatch.setattr(flash, "FUSED_DELTA", fused)
+    if case == "segments":  # per-segment dQ tiles that end mid-tile, a segment without keys
+        bias = ba.BlockDiagonalMask.from_seqlens([10, 0, 19, 7, 1], [12, 5, 3, 25, 0], device=DEVICE)
+        check(*qkv(Mq=37, Mk=45), const(bias))
+    else:
+        check(*qkv(B=2, Hq=4, Hkv=2, Mq=37, Mk=45), const(ba.LowerTriangularMask()))
+
+
 @pytest.mark.parametrize(
     "shape",
     [(2, 2, 37, 45), (1, 2, 37, 45), (2, 1, 37, 45), (1, 1, 37, 45), (2, 2, 1, 45), (1, 2, 37, 1), (1, 1, 1, 1)],

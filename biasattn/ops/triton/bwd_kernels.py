@@ -3,7 +3,8 @@
 Deterministic: every output element is written by one program. The dK/dV program owns a key tile
 of one (batch, KV head) and loops over the query heads of its group and the query tiles that can
 see it (GQA reduction in registers). The dQ program owns a query tile and loops over key tiles,
-like the forward. The additive-bias gradient ``dS`` is written by the dK/dV program (full bias,
+like the forward; when dQ runs before dK/dV (no side stream) it also computes ``delta`` for its rows,
+so the backward is two launches instead of three. The additive-bias gradient ``dS`` is written by the dK/dV program (full bias,
 or column sums for a bias broadcast over queries) or by the dQ program (row sums for a bias
 broadcast over keys); a full bias broadcast over batch or heads makes one dK/dV program loop over
 the batch rows / heads sharing it and accumulate its tile in place.
@@ -443,7 +444,7 @@ def _dq_tile(
 @triton.jit(do_not_specialize=["B", "n_prog_m", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
                              "seed_lo", "seed_hi", "drop_thresh"])  # values that vary per call: no recompiles
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, DRow,
+    Q, K, V, DO, Lse, Delta, DQ, DRow, Out, DLse,
     Add, Slopes, Layout, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, Sched, TileCount, TileIdx,
     qk_scale, sm_scale,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -451,6 +452,7 @@ def _attn_bwd_dq_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_ob, stride_oh, stride_om, stride_od,
     stride_ab, stride_ah, stride_am, stride_an,
     stride_sb, stride_sh,
     stride_lb, stride_lh, stride_lq, stride_lk,
@@ -461,9 +463,12 @@ def _attn_bwd_dq_kernel(
     SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
     BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, ROW_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
-    BATCH_INNER: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    BATCH_INNER: tl.constexpr, HAS_DROPOUT: tl.constexpr, FUSED_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
-    """Grid ``(query tiles, B * Hq)`` (``(query tiles * B, Hq)`` with ``BATCH_INNER``). Writes ``DQ [B, Hq, Mq, D]`` (and ``DRow [B, Hq, Mq]`` row sums of dS)."""
+    """Grid ``(query tiles, B * Hq)`` (``(query tiles * B, Hq)`` with ``BATCH_INNER``). Writes ``DQ [B, Hq, Mq, D]`` (and ``DRow [B, Hq, Mq]`` row sums of dS).
+
+    With ``FUSED_DELTA`` the program computes its rows' ``Delta = rowsum(dO * Out) - dLse`` and stores
+    it for the dK/dV kernel launched after it (no preprocessing launch); otherwise it reads ``Delta``."""
     pid_m, b, h, pid_bh = _program_ids(B, H, BATCH_INNER)
     hk = h // G
     row_blocks = (Mk + 7) // 8
@@ -497,7 +502,15 @@ def _attn_bwd_dq_kernel(
                      rows, Mq, dvd, Dv, True, EVEN_D)
     lse = tl.load(Lse + pid_bh.to(tl.int64) * Mq + rows64, mask=rows < Mq, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-    delta = tl.load(Delta + pid_bh.to(tl.int64) * Mq + rows64, mask=rows < Mq, other=0.0)
+    if FUSED_DELTA:
+        o = _load_lines(Out + b64 * stride_ob + h64 * stride_oh + rows64[:, None] * stride_om + dvd[None, :] * stride_od,
+                        rows, Mq, dvd, Dv, True, EVEN_D)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        if HAS_DLSE:
+            delta -= tl.load(DLse + pid_bh.to(tl.int64) * Mq + rows64, mask=rows < Mq, other=0.0)
+        tl.store(Delta + pid_bh.to(tl.int64) * Mq + rows64, delta, mask=rows < m_end)  # this program's rows only
+    else:
+        delta = tl.load(Delta + pid_bh.to(tl.int64) * Mq + rows64, mask=rows < Mq, other=0.0)
     K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
     V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)

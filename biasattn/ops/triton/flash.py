@@ -32,6 +32,7 @@ LOG2E = 1.4426950408889634
 POISON_OUTPUTS = False  # tests set this: fresh outputs start as NaN, so a skipped write shows
 FORCE_INDEX_64 = False  # tests set this: 64-bit offsets inside a (batch, head) slice even when not needed
 CONCURRENT_BWD = True  # dQ runs on a side stream beside dK/dV, so its programs fill the SMs dK/dV's tail leaves idle
+FUSED_DELTA = True  # without the side stream, dQ runs first and computes delta itself: one launch fewer
 
 _dummies: dict = {}
 _side_streams: dict = {}
@@ -324,11 +325,15 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     delta = torch.empty((B, H, Mq), dtype=torch.float32, device=dev)
     dlse_t = dlse.to(torch.float32).contiguous() if dlse is not None else args.f32
-    pre_bm = 16 if INTERPRETED else 64
-    _preprocess[(cdiv(Mq, pre_bm), B * H)](
-        out, dout, dlse_t, delta, *out.stride(), *dout.stride(), H, Mq, Dv,
-        BLOCK_M=pre_bm, HEAD_DIM_V=hdv, HAS_DLSE=dlse is not None,
-    )
+    concurrent = (CONCURRENT_BWD and dev.type == "cuda" and not INTERPRETED
+                  and _long_backward(spec, B, H, Mq, Mk, max(D, Dv)))
+    fused_delta = FUSED_DELTA and not concurrent  # dQ first, writing delta for dK/dV
+    if not fused_delta:
+        pre_bm = 16 if INTERPRETED else 64
+        _preprocess[(cdiv(Mq, pre_bm), B * H)](
+            out, dout, dlse_t, delta, *out.stride(), *dout.stride(), H, Mq, Dv,
+            BLOCK_M=pre_bm, HEAD_DIM_V=hdv, HAS_DLSE=dlse is not None,
+        )
     plan = _dbias_plan(add, B, H, Mq, Mk) if need_dbias else None
     d32 = args.f32
     b_bcast = plan == "full" and add.shape[0] == 1 and B > 1
@@ -387,15 +392,15 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_n, True, dev)
         grid = (sched.n * B, H) if batch_inner else (sched.n, B * H)
         _dq[grid](
-            q, k, v, dout, lse, delta, dq, drow,
+            q, k, v, dout, lse, delta, dq, drow, out, dlse_t,
             args.add, args.slopes, args.layout, args.ks, args.kl, args.kv, args.band_lo, args.band_hi,
             sched.table if sched.table is not None else args.d32, count, index,
             scale * LOG2E, scale,
-            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *common, *cs, *ts,
+            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *out.stride(), *common, *cs, *ts,
             B, H, H // Hkv, Mq, Mk, D, Dv, sched.n,
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even, BATCH_INNER=batch_inner,
-            HAS_DROPOUT=has_dropout,
+            HAS_DROPOUT=has_dropout, FUSED_DELTA=fused_delta, HAS_DLSE=dlse is not None,
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only, ROW_DBIAS=plan == "row",
             DOT_PRECISION=_dot_precision(q.dtype), INDEX_64=index_64,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
@@ -420,16 +425,18 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         )
 
     hmax = max(hd, hdv)
-    concurrent = (CONCURRENT_BWD and dev.type == "cuda" and not INTERPRETED
-                  and _long_backward(spec, B, H, Mq, Mk, max(D, Dv)))
     if concurrent:
         # dK/dV and dQ depend only on what is queued so far: fork dQ to a side stream and join it
         # back, so every later use on the caller's stream (and any reuse of these buffers) waits for it
         main, side = torch.cuda.current_stream(dev), _side_stream(dev)
         side.wait_stream(main)
-    configs.launch("dkdv", hmax, q.dtype, dev, feats, run_dkdv)
-    with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
+    if fused_delta:
         configs.launch("dq", hmax, q.dtype, dev, feats, run_dq)
+        configs.launch("dkdv", hmax, q.dtype, dev, feats, run_dkdv)
+    else:
+        configs.launch("dkdv", hmax, q.dtype, dev, feats, run_dkdv)
+        with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
+            configs.launch("dq", hmax, q.dtype, dev, feats, run_dq)
     if shared_dbias:
         configs.launch("dbias", hmax, q.dtype, dev, feats, run_dbias)
     if concurrent:
