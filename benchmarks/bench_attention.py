@@ -374,12 +374,12 @@ def ab_switch(args) -> None:
                         inputs.append(case.dense_mask())
                     fn = provider_fn("triton", case, None)
                     ms = {a: [], b: []}
-                    for _ in range(3):
+                    for _ in range(args.rounds):
                         for flag in (a, b):
                             setattr(module, attr, flag)
                             ms[flag].append(measure(fn, inputs, mode)[0])
                     setattr(module, attr, default)
-                    ta, tb = sorted(ms[a])[1], sorted(ms[b])[1]
+                    ta, tb = sorted(ms[a])[args.rounds // 2], sorted(ms[b])[args.rounds // 2]
                     print(f"ab D={D} M={M} {case_name} {mode}: {name_a} {ta:.3f} ms, {name_b} {tb:.3f} ms, "
                           f"B/A time {tb / ta:.3f}", flush=True)
                     del case
@@ -406,6 +406,7 @@ def main(argv=None) -> int:
                    help="kernels whose configs --tune times")
     p.add_argument("--ab", choices=list(AB_SWITCHES), help="A/B of a launcher switch (triton only): " + "; ".join(
         f"{k}: {v[1]} vs {v[2]}" for k, v in AB_SWITCHES.items()))
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of --ab (medians reported)")
     args = p.parse_args(argv)
     if args.quick:
         args.cases, args.seqlens, args.head_dims = ["none", "causal"], [2048], [128]
