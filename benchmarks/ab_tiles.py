@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/ab_tiles.py --kernel fwd --a 64,64,4,3 --b 128,128,8,3 \\
         --cases causal window varlen --seqlens 1024 2048 4096 8192
 
-Prints the median of 3 rounds per config and ``B/A`` (> 1: config A is faster). The forward is timed
+Prints the median of ``--rounds`` (3) rounds per config and ``B/A`` (> 1: config A is faster). The forward is timed
 alone for ``--kernel fwd``; the other kernels are timed inside a forward+backward call.
 """
 
@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     p.add_argument("--cases", nargs="+", default=["causal", "window", "varlen"], choices=CASE_NAMES)
     p.add_argument("--seqlens", nargs="+", type=int, default=[2048, 8192])
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (medians reported)")
     args = p.parse_args(argv)
     mode = "fwd" if args.kernel == "fwd" else "fwd+bwd"
     for case_name in args.cases:
@@ -43,11 +44,11 @@ def main(argv=None) -> int:
             inputs = [case.q, case.k, case.v] + ([case.dense_mask()] if case.name == "additive" and mode != "fwd" else [])
             fn = provider_fn("triton", case, None)
             ms = {args.a: [], args.b: []}
-            for _ in range(3):
+            for _ in range(args.rounds):
                 for cfg in (args.a, args.b):
                     with configs.override(**{args.kernel: cfg}):
                         ms[cfg].append(measure(fn, inputs, mode)[0])
-            ta, tb = sorted(ms[args.a])[1], sorted(ms[args.b])[1]
+            ta, tb = sorted(ms[args.a])[args.rounds // 2], sorted(ms[args.b])[args.rounds // 2]
             print(f"{args.kernel} {case_name} M={M} {mode}: A {ta:.3f} ms, B {tb:.3f} ms, B/A {tb / ta:.3f}", flush=True)
             del case
             torch.cuda.empty_cache()
