@@ -20,7 +20,6 @@ from biasattn.ops.merge import merge_partials, merge_partials_torch
 from biasattn.ops.reference import dense_bias, softmax_attention
 
 triton = pytest.importorskip("triton")
-from biasattn.ops.triton import splitk  # noqa: E402
 from biasattn.ops.triton.splitk import (  # noqa: E402
     choose_num_splits,
     merge_partials_triton,
@@ -82,11 +81,11 @@ def qkv(B, Hq, Hkv, Mq, Mk, D, dtype, Dv=None, seed=0):
     return r(B, Hq, Mq, D), r(B, Hkv, Mk, D), r(B, Hkv, Mk, Dv or D)
 
 
-def check(q, k, v, bias=None, splits=(None, 1, 3, 8), scale=None, config=None):
+def check(q, k, v, bias=None, splits=(None, 1, 3, 8), scale=None):
     for s in splits:
         inp = make_inputs(q, k, v, bias, scale=scale)
         assert not OP.not_supported_reasons(inp), OP.not_supported_reasons(inp)
-        out, lse = run_poisoned(inp, num_splits=s, config=config)
+        out, lse = run_poisoned(inp, num_splits=s)
         assert_close_to_reference(out, lse, inp)
 
 
@@ -247,86 +246,6 @@ def test_empty_inputs():
     q, k, v = qkv(1, 2, 2, 2, 0, 16, torch.float32)
     out, lse = ba.attention_with_lse(q, k, v, op="triton_splitk")
     assert (out == 0).all() and torch.isneginf(lse).all()
-
-
-# ------------------------------------------------------------------------------------ fused merge
-def count_merge_launches(monkeypatch):
-    """The list that every later second-launch merge of the split-KV launcher appends to."""
-    calls = []
-    real = splitk.merge_partials_triton
-    monkeypatch.setattr(splitk, "merge_partials_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    return calls
-
-
-@pytest.mark.parametrize("splits", [2, 3, 8, 45])
-def test_fused_merge_with_empty_splits_and_sequences_of_zero_and_one_key(monkeypatch, splits):
-    """The last split of each row block merges all of them, however many are empty (45 splits: in up to 3 steps)."""
-    monkeypatch.setattr(splitk, "FUSED_MERGE", True)
-    monkeypatch.setattr(splitk, "FUSED_MERGE_MAX_STEPS", 64)
-    second_launches = count_merge_launches(monkeypatch)
-    q, k, v = qkv(4, 4, 2, 2, 45, 16, torch.float16)
-    check(q, k, v, ba.PaddedKeysMask([0, 1, 45, 20], device=DEVICE), splits=(splits,))
-    q_lens, kv_lens = [1, 0, 3, 2, 1], [5, 4, 1, 19, 0]
-    bias = ba.BlockDiagonalMask.from_seqlens(q_lens, kv_lens, device=DEVICE).make_causal_from_bottom_right()
-    q, k, v = qkv(1, 4, 2, sum(q_lens), sum(kv_lens), 16, torch.float32)
-    check(q, k, v, bias, splits=(splits,))
-    q, k, v = qkv(1, 2, 1, 5, 3, 16, torch.float32)  # top-left causal, Mq > Mk: rows that see nothing
-    check(q, k, v, ba.LowerTriangularMask().to(DEVICE), splits=(splits,))
-    q, k, v = qkv(1, 16, 1, 2, 40, 16, torch.float32)  # 32 rows: two row blocks of 16
-    check(q, k, v, ba.PaddedKeysMask([40], device=DEVICE), splits=(splits,), config=splitk.SplitKConfig(16, 16, 4, 1))
-    assert not second_launches
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_fused_and_two_launch_merges_agree(monkeypatch, dtype):
-    q, k, v = qkv(3, 4, 1, 3, 70, 24, dtype, Dv=40)
-    bias = ba.PaddedKeysMask([70, 1, 33], device=DEVICE) & ba.LowerTriangularFromBottomRightMask().to(DEVICE)
-    inp = make_inputs(q, k, v, bias)
-    second_launches = count_merge_launches(monkeypatch)
-    results = []
-    for fused in (True, False):
-        monkeypatch.setattr(splitk, "FUSED_MERGE", fused)
-        results.append(run_poisoned(inp, num_splits=5))
-        assert len(second_launches) == (0 if fused else 1)
-    (out, lse), (out2, lse2) = results
-    assert_close_to_reference(out, lse, inp)
-    torch.testing.assert_close(out, out2, atol=1e-6, rtol=1e-3 if dtype == torch.float16 else 1e-6)
-    torch.testing.assert_close(lse, lse2, atol=1e-6, rtol=1e-6)
-
-
-def test_long_merges_take_the_second_launch(monkeypatch):
-    """16 rows of 16 values: 16 splits per step of the epilogue's merge (4096 values), 17 need a second step."""
-    monkeypatch.setattr(splitk, "FUSED_MERGE_MAX_STEPS", 1)
-    second_launches = count_merge_launches(monkeypatch)
-    q, k, v = qkv(1, 8, 1, 2, 40, 16, torch.float32)
-    check(q, k, v, splits=(16, 17))
-    assert len(second_launches) == 1
-    monkeypatch.setattr(splitk, "MERGE_TILE_ELEMENTS_PER_THREAD", 1)  # not even one split fits in a step
-    check(q, k, v, splits=(2,))
-    assert len(second_launches) == 2
-
-
-def test_arrival_counters_reset_themselves(monkeypatch):
-    """After each fused call every counter is 0 again, so the next call (or graph replay) starts clean."""
-    monkeypatch.setattr(splitk, "FUSED_MERGE", True)
-    q, k, v = qkv(2, 4, 2, 1, 50, 16, torch.float32)
-    inp = make_inputs(q, k, v, ba.PaddedKeysMask([50, 3], device=DEVICE))
-    counters = splitk.arrival_counters(DEVICE, 2 * 2)  # the ones the calls below use: one per (sequence, KV head)
-    for s in (3, 2, 7, 3):
-        out, lse = run_poisoned(inp, num_splits=s)
-        assert_close_to_reference(out, lse, inp)
-        assert (counters == 0).all(), f"counters left at {counters[:4].tolist()} after {s} splits"
-
-
-def test_arrival_counter_regions_grow_without_reuse():
-    counters = splitk._ArrivalCounters()
-    small = counters.get(DEVICE, 10)
-    assert counters.get(DEVICE, 10) is small and small.numel() >= 10 and small.dtype == torch.int32
-    big = counters.get(DEVICE, small.numel() + 1)
-    assert big.numel() > small.numel() and (big == 0).all()
-    a, b = small.data_ptr(), big.data_ptr()
-    assert a + 4 * small.numel() <= b or b + 4 * big.numel() <= a, "a new region overlaps an old one"
-    assert counters.get(DEVICE, 10) is big
 
 
 # ------------------------------------------------------------------------------------ declarations

@@ -1,9 +1,8 @@
 """Merging partial attention results by log-sum-exp (split-KV, chunked prefill, ring attention).
 
-One function, two paths: on CUDA, when no gradient is needed, the Triton kernel
-(:func:`biasattn.ops.triton.splitk.merge_partials_triton`) whose merge code the split-KV operator
-also runs, in its split kernel's epilogue or as this same kernel; otherwise the differentiable
-PyTorch path below. Both compute the same math.
+One function, two paths: on CUDA, when no gradient is needed, the Triton kernel that the split-KV
+operator also uses (:func:`biasattn.ops.triton.splitk.merge_partials_triton`); otherwise the
+differentiable PyTorch path below. Both compute the same math.
 """
 
 from __future__ import annotations

@@ -4,9 +4,7 @@ For a few queries per sequence (``Mq <= 16``) against a long KV cache, a flash k
 parallelises over query tiles leaves most of the GPU idle at small batch. This operator packs the
 query heads of a GQA group and the sequence's queries into one tile (each K/V tile is read once per
 group), splits every sequence's visible keys across programs (:func:`~biasattn.ops.triton.splitk.choose_num_splits`),
-and merges the partial results by log-sum-exp with the merge code behind ``ba.merge_attentions``: in
-the split kernel's epilogue (the last split of each row block to finish merges them all), or in a
-second launch when the merge is too large for one program.
+and merges the partial results by log-sum-exp with the kernel behind ``ba.merge_attentions``.
 
 Biases: padded keys (each sequence's own cache length; keys past it are never read), packed
 sequences (``Mq <= 16`` per sequence), bands (bottom-right causal, sliding windows), ALiBi, and

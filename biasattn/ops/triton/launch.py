@@ -41,20 +41,9 @@ def _triton_run_matches() -> bool:
 def _runtime():
     """``(current-stream getter, Triton's knobs)``, looked up once instead of on every launch."""
     from triton import knobs
-
-    return _stream_getter(), knobs
-
-
-@functools.cache
-def _stream_getter():
     from triton.runtime import driver
 
-    return driver.active.get_current_stream
-
-
-def current_stream(device: torch.device) -> int:
-    """Handle of a CUDA device's current stream: the stream that Triton launches on that device go to."""
-    return _stream_getter()(device.index)
+    return driver.active.get_current_stream, knobs
 
 
 class _Direct:

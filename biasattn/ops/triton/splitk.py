@@ -3,19 +3,12 @@
 Everything here is host-side and free of device syncs: the grid, the split count and the buffer
 sizes depend on shapes and on the spec's host metadata only, never on device values, so a call can
 be captured in a CUDA graph and replayed with new cache lengths written into the same tensors.
-
-A call split in ``S > 1`` pieces merges them in the split kernel's epilogue (``FUSED_MERGE``): the
-last program of each (sequence, KV head, row block) to finish, told by an arrival counter, merges
-the pieces of its rows, which saves the merge launch. The counters live in
-:class:`_ArrivalCounters`; calls whose merge is too large for one program
-(``FUSED_MERGE_MAX_STEPS``) and ``FUSED_MERGE = False`` merge in a second launch instead.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,7 +17,7 @@ import torch
 
 from ...inputs import AttentionInputs
 from ..common import cdiv, next_power_of_2, tile_size
-from .launch import current_stream, direct
+from .launch import direct
 from .splitk_kernels import _merge_partials_kernel, _splitk_fwd_kernel
 
 _split, _merge = direct(_splitk_fwd_kernel), direct(_merge_partials_kernel)
@@ -33,20 +26,6 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 128
 SPLIT_SLACK = 0.05
 MERGE_OVERHEAD_TILES = 8.0  # the merge launch, in one program's tile loads (fitted on an H200, benchmarks/NOTES.md)
-
-FUSED_MERGE = True
-"""Merge the partial results in the split kernel's epilogue; False merges them in a second launch (A/B runs).
-
-Both paths run the same merge code (``_lse_merge``); results differ at most in the order of the sums."""
-FUSED_MERGE_MAX_STEPS = 2
-"""Most load steps of the epilogue's merge, one after another, each of as many splits as fit in
-``MERGE_TILE_ELEMENTS_PER_THREAD`` values per thread (none fitting: no epilogue merge).
-
-Past it the second launch's programs, one per row, merge faster than one program per row block
-(grouped heads with many splits: benchmarks/NOTES.md, note 12)."""
-MERGE_TILE_ELEMENTS_PER_THREAD = 32  # per step of the epilogue's merge; 64 takes the kernel to 255 registers (sm_90)
-COUNTER_ARENA_SLOTS = 1 << 16  # arrival counters zeroed at once per device (256 KiB)
-COUNTER_REGION_SLOTS = 1 << 10  # the fewest counters a stream is given
 
 
 def choose_num_splits(
@@ -122,73 +101,6 @@ def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.devi
     return SplitKConfig(block_m, block_n, 4 if block_m <= 64 else 8, 4)  # 4 stages: measured best on H200
 
 
-class _ArrivalCounters:
-    """Int32 arrival counters of the fused merge: a launch uses one per (sequence, KV head, row block).
-
-    A counter is 0 between launches: the last program to arrive sets it back (self-resetting), so
-    nothing ever clears them, and eager calls and calls captured in CUDA graphs on one stream share
-    them safely, their kernels running one after another. Each (device, stream) has its own
-    counters, so launches on concurrent streams never meet (graphs captured on one stream share
-    its counters: replay them one at a time). Counters come from per-device arenas zeroed outside
-    any capture; the stream of a capture gets zeroed ones too (``torch.cuda.graph`` synchronizes
-    the device before it captures, so the zeroing is done). A stream that needs more counters gets a
-    new, larger region; no counter is freed or handed out twice, since a captured graph may still
-    use it. No allocation depends on data and nothing syncs with the host.
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._regions: dict[tuple[torch.device, int], torch.Tensor] = {}
-        self._arenas: dict[torch.device, list[_Arena]] = {}  # every arena stays alive
-
-    def get(self, device: torch.device, slots: int) -> torch.Tensor | None:
-        """``slots`` zero counters for the current stream of ``device``; None in a capture that finds none free."""
-        stream = current_stream(device) if device.type == "cuda" else 0
-        region = self._regions.get((device, stream))
-        if region is not None and region.numel() >= slots:
-            return region
-        grown = max(slots, COUNTER_REGION_SLOTS, 2 * region.numel() if region is not None else 0)
-        with self._lock:
-            return self._new_region(device, stream, grown)
-
-    def _new_region(self, device: torch.device, stream: int, slots: int) -> torch.Tensor | None:
-        capturing = False
-        if device.type == "cuda":
-            with torch.cuda.device(device):
-                capturing = torch.cuda.is_current_stream_capturing()
-        arenas = self._arenas.setdefault(device, [])
-        if not arenas or arenas[-1].used + slots > arenas[-1].zeros.numel():
-            if capturing:  # zeros made now would be written only when the graph replays
-                return None
-            arenas.append(_Arena(device, stream, max(COUNTER_ARENA_SLOTS, 4 * slots)))
-        arena = arenas[-1]
-        if arena.zeroed is not None and arena.stream != stream and not capturing:
-            torch.cuda.current_stream(device).wait_event(arena.zeroed)
-        region = arena.zeros[arena.used:arena.used + slots]
-        arena.used += slots
-        self._regions[(device, stream)] = region
-        return region
-
-
-class _Arena:
-    """Zeroed int32 counters of one device, handed out to streams in regions from ``used`` on."""
-
-    def __init__(self, device: torch.device, stream: int, slots: int):
-        self.zeros = torch.zeros(slots, dtype=torch.int32, device=device)
-        self.stream, self.used, self.zeroed = stream, 0, None
-        if device.type == "cuda":  # other streams wait for the zeroing
-            self.zeroed = torch.cuda.Event()
-            self.zeroed.record(torch.cuda.current_stream(device))
-
-
-_COUNTERS = _ArrivalCounters()
-
-
-def arrival_counters(device: torch.device, slots: int) -> torch.Tensor | None:
-    """The fused merge's arrival counters for the current stream of ``device`` (see :class:`_ArrivalCounters`)."""
-    return _COUNTERS.get(device, slots)
-
-
 def _key_bounds(inp: AttentionInputs, mq_stride: int) -> tuple[int, list[int] | None]:
     """``(bound, lengths)``: keys a sequence's rows can see, and each sequence's own count if they differ.
 
@@ -225,9 +137,7 @@ def splitk_attention_fwd(
 
     ``num_splits`` and ``config`` override the heuristic and the default tiles (tests, benchmarks).
     ``out``/``lse`` receive the result; ``partials`` (``[S, B, Hq, Mq, Dv]`` and ``[S, B, Hq, Mq]``
-    float32) receive the per-split results when ``S > 1``. All are allocated when not given. The
-    split kernel merges the per-split results itself when ``FUSED_MERGE`` allows, else a second
-    launch does (:func:`merge_partials_triton`).
+    float32) receive the per-split results when ``S > 1``. All are allocated when not given.
     """
     q, k, v, spec = inp.q, inp.k, inp.v, inp.spec
     B, Hq, Mq, D = q.shape
@@ -266,7 +176,6 @@ def splitk_attention_fwd(
         num_splits = cdiv(key_tiles, cdiv(key_tiles, num_splits))
     tiles_per_split = cdiv(key_tiles, num_splits)
 
-    grid = (Z * Hkv * row_blocks, num_splits)
     if num_splits == 1:
         o_buf, l_buf = out, lse
         so, sl = (0,) + tuple(out.stride()), (0,) + tuple(lse.stride())
@@ -278,17 +187,6 @@ def splitk_attention_fwd(
             )
         o_buf, l_buf = partials
         so, sl = o_buf.stride(), l_buf.stride()
-    merge_rows = min(cfg.block_m, next_power_of_2(rows))  # the rows of a row block that can be valid
-    per_step = MERGE_TILE_ELEMENTS_PER_THREAD * 32 * cfg.num_warps // (merge_rows * head_dim_v)  # splits
-    merge_block_s = min(next_power_of_2(num_splits), max(1, per_step))
-    counters = None
-    if FUSED_MERGE and num_splits > 1 and per_step >= 1 and cdiv(num_splits, merge_block_s) <= FUSED_MERGE_MAX_STEPS:
-        counters = arrival_counters(dev, grid[0])
-    if counters is not None:
-        final, sf, sg = (out, lse, counters), tuple(out.stride()), tuple(lse.stride())
-    else:
-        final, sf, sg = (q, q, q), (0, 0, 0, 0), (0, 0, 0)
-        merge_rows = merge_block_s = 1
 
     add = spec.additive
     slopes = spec.alibi_slopes
@@ -296,14 +194,15 @@ def splitk_attention_fwd(
     ss = (0, 0) if slopes is None else tuple(0 if n == 1 else s for n, s in zip(slopes.shape, slopes.stride()))
     band_per_segment = spec.band_lo is not None and spec.band_lo.numel() > 1
     placeholder = spec.kv_seqlens if spec.kv_seqlens is not None else q
+    grid = (Z * Hkv * row_blocks, num_splits)
     _split[grid](
         q, k, v, o_buf, l_buf,
         placeholder, spec.q_seqstart if segments else q, spec.k_seqstart if segments else q,
         spec.k_seqlen if segments else q,
         spec.band_lo if spec.band_lo is not None else q, spec.band_hi if spec.band_hi is not None else q,
-        add if add is not None else q, slopes if slopes is not None else q, *final,
+        add if add is not None else q, slopes if slopes is not None else q,
         inp.scale * LOG2E, spec.alibi_shift,
-        *q.stride(), *k.stride(), *v.stride(), *so, *sl, *sa, *ss, *sf, *sg,
+        *q.stride(), *k.stride(), *v.stride(), *so, *sl, *sa, *ss,
         Hkv, Mq, Mk, D, Dv, G, row_blocks, num_splits, tiles_per_split, mq_stride,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
         HAS_KV_LEN=spec.kv_seqlens is not None and not segments, HAS_SEGMENTS=segments,
@@ -311,10 +210,9 @@ def splitk_attention_fwd(
         HAS_ADDITIVE=add is not None, HAS_ALIBI=slopes is not None,
         EVEN_D=head_dim == D, EVEN_DV=head_dim_v == Dv,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FUSED_MERGE=counters is not None, MERGE_ROWS=merge_rows, MERGE_BLOCK_S=merge_block_s,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if num_splits > 1 and counters is None:
+    if num_splits > 1:
         merge_partials_triton(o_buf, l_buf, out=out, lse=lse)
     if segments and (qs[0] > 0 or qs[-1] < Mq):  # rows outside every segment see nothing
         for rows_ in (slice(0, qs[0]), slice(qs[-1], Mq)):

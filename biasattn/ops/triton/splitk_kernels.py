@@ -6,13 +6,7 @@ program are the query heads of one GQA group times the sequence's queries (row `
 sequence's visible key range is cut into pieces of ``tiles_per_split`` whole tiles (the last split
 takes any rest, so every length is covered); short sequences leave their later splits empty, which
 keeps the work proportional to the keys present. A program writes its piece's normalized output and
-log-sum-exp. With ``FUSED_MERGE`` the pieces are combined in the same launch: once all its threads
-have stored (a barrier), a program counts its arrival on an int32 counter of its (sequence, KV head,
-row block) with an acquire-release atomic, and the last one to arrive sets the counter back to 0
-and merges all pieces of its rows into the final output, reading them past the L1 cache (``.cg``).
-Otherwise ``_merge_partials_kernel`` combines them in a second launch. Both merge with
-``_lse_merge``.
-
+log-sum-exp, and ``_merge_partials_kernel`` combines the pieces.
 Score tiles are kept raw and scaled inside ``exp2`` (``qk_scale`` includes log2(e)); row maxima are taken
 before scaling, which needs a positive scale.
 """
@@ -76,52 +70,9 @@ def _splitk_tile(
 
 
 @triton.jit
-def _block_rows(rb, hkv, q_start, nq, groups, MQ_STRIDE, ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The first ROWS rows of row block ``rb``: ``(query head, query index, valid)`` of each."""
-    r = rb * BLOCK_M + tl.arange(0, ROWS)
-    g = r // MQ_STRIDE
-    i_local = r % MQ_STRIDE
-    return hkv * groups + g, q_start + i_local, (g < groups) & (i_local < nq)
-
-
-@triton.jit
-def _lse_merge(parts, lses, stride_ps, stride_ls, S, mask, row_mask, BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
-    """Merge ``S`` partial results of a block of rows: ``(out [R, C], lse [R])`` in float32.
-
-    ``parts [R, C]`` and ``lses [R]`` point at the first split's values, ``stride_ps`` and
-    ``stride_ls`` step to the next split; ``mask``/``row_mask`` select the block's elements.
-    ``lse = log Σ_s exp(lse_s)`` and ``out = Σ_s exp(lse_s - lse) · part_s``, in one pass over the
-    splits, BLOCK_S at a time (running maximum, earlier sums rescaled). A split with
-    ``lse_s = -inf`` is skipped whatever its output holds, and a row with every ``lse_s = -inf``
-    gives 0 and -inf. ``CACHE`` is the loads' cache modifier.
-    """
-    offs_s = tl.arange(0, BLOCK_S)
-    m = tl.full(lses.shape, float("-inf"), dtype=tl.float32)
-    total = tl.zeros(lses.shape, dtype=tl.float32)
-    acc = tl.zeros(parts.shape, dtype=tl.float32)
-    for s0 in range(0, S, BLOCK_S):
-        s = (s0 + offs_s).to(tl.int64)
-        live = s < S
-        l_ptrs = lses[None, :] + s[:, None] * stride_ls  # [BLOCK_S, R]
-        l = tl.load(l_ptrs, mask=live[:, None] & row_mask[None, :], other=float("-inf"), cache_modifier=CACHE)
-        p_ptrs = parts[None, :, :] + s[:, None, None] * stride_ps  # [BLOCK_S, R, C]
-        part = tl.load(p_ptrs, mask=live[:, None, None] & mask[None, :, :], other=0.0, cache_modifier=CACHE)
-        m_new = tl.maximum(m, tl.max(l.to(tl.float32), 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)  # 0 while nothing was seen
-        w = tl.exp(l.to(tl.float32) - m_safe[None, :])  # [BLOCK_S, R]
-        acc = acc * alpha[:, None] + tl.sum(tl.where(w[:, :, None] > 0, w[:, :, None] * part.to(tl.float32), 0.0), 0)
-        total = total * alpha + tl.sum(w, 0)
-        m = m_new
-    safe = tl.where(total > 0, total, 1.0)
-    return acc / safe[:, None], tl.where(total > 0, m + tl.log(safe), float("-inf"))
-
-
-@triton.jit
 def _splitk_fwd_kernel(
     Q, K, V, Out, Lse,
     KvLen, QStart, KStart, KLen, BandLo, BandHi, Add, Slopes,
-    FinalOut, FinalLse, Counter,
     qk_scale, alibi_shift,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
@@ -130,20 +81,13 @@ def _splitk_fwd_kernel(
     stride_ls, stride_lz, stride_lh, stride_lm,
     stride_az, stride_ah, stride_am, stride_an,
     stride_sz, stride_sh,
-    stride_fz, stride_fh, stride_fm, stride_fd,
-    stride_gz, stride_gh, stride_gm,
     Hkv, Mq, Mk, D, Dv, groups, row_blocks, num_splits, tiles_per_split, MQ_STRIDE,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_KV_LEN: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_BAND: tl.constexpr, BAND_PER_SEGMENT: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
-    PRECISION: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """Attention of one row block over one split of its sequence's keys; writes out and lse of the split.
-
-    With FUSED_MERGE, the last split of the row block to finish also merges every split's result
-    into ``FinalOut``/``FinalLse``, ``MERGE_BLOCK_S`` splits of ``MERGE_ROWS`` rows at a time;
-    ``Counter[pid]`` is 0 before and after the launch.
-    """
+    """Attention of one row block over one split of its sequence's keys; writes out and lse of the split."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rb = pid % row_blocks
@@ -166,7 +110,12 @@ def _splitk_fwd_kernel(
         if HAS_KV_LEN:
             seq_hi = tl.minimum(tl.load(KvLen + z), Mk)
 
-    h, i_row, row_valid = _block_rows(rb, hkv, q_start, nq, groups, MQ_STRIDE, BLOCK_M, BLOCK_M)
+    r = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = r // MQ_STRIDE
+    i_local = r % MQ_STRIDE
+    row_valid = (g < groups) & (i_local < nq)
+    h = hkv * groups + g
+    i_row = q_start + i_local
     i_last = q_start + nq - 1
 
     # Keys some row sees [key_lo, key_hi), and keys every row sees [full_lo, full_hi) (no mask needed).
@@ -246,27 +195,6 @@ def _splitk_fwd_kernel(
     l_ptrs = Lse + split64 * stride_ls + zb64 * stride_lz + h64 * stride_lh + i_row * stride_lm
     tl.store(l_ptrs, lse, mask=row_valid)
 
-    if FUSED_MERGE:
-        tl.debug_barrier()  # every thread's stores come before the release of the arrival below
-        arrived = tl.atomic_add(Counter + pid, 1, sem="acq_rel")
-        if arrived == num_splits - 1:  # the last split of this row block: all partials are written
-            tl.atomic_xchg(Counter + pid, 0, sem="relaxed")  # ready for the next launch
-            tl.debug_barrier()  # every thread reads after the acquire
-            # Decode row blocks are mostly padding: merge only the first MERGE_ROWS rows, which hold every valid one.
-            # (Names differ from the ones above: a runtime branch may not change a variable's shape.)
-            mh, mi, mvalid = _block_rows(rb, hkv, q_start, nq, groups, MQ_STRIDE, MERGE_ROWS, BLOCK_M)
-            mh64 = mh.to(tl.int64)
-            if EVEN_DV:  # a mask constant along rows keeps the loads and stores vectorized
-                mmask = tl.broadcast_to(mvalid[:, None], [MERGE_ROWS, HEAD_DIM_V])
-            else:
-                mmask = mvalid[:, None] & (offs_dv[None, :] < Dv)
-            parts = Out + zb64 * stride_oz + mh64[:, None] * stride_oh + mi[:, None] * stride_om + offs_dv[None, :] * stride_od
-            lses = Lse + zb64 * stride_lz + mh64 * stride_lh + mi * stride_lm
-            merged, merged_lse = _lse_merge(parts, lses, stride_os, stride_ls, num_splits, mmask, mvalid, MERGE_BLOCK_S, ".cg")
-            f_ptrs = FinalOut + zb64 * stride_fz + mh64[:, None] * stride_fh + mi[:, None] * stride_fm + offs_dv[None, :] * stride_fd
-            tl.store(f_ptrs, merged.to(FinalOut.dtype.element_ty), mask=mmask)
-            tl.store(FinalLse + zb64 * stride_gz + mh64 * stride_gh + mi * stride_gm, merged_lse, mask=mvalid)
-
 
 @triton.jit
 def _merge_partials_kernel(
@@ -274,12 +202,30 @@ def _merge_partials_kernel(
     stride_ps, stride_pr, stride_pd, stride_ls, stride_lr, stride_or, stride_od, stride_lser,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Row ``r``, columns of block ``program_id(1)``: ``_lse_merge`` of the row's ``S`` partial results."""
-    row = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # a block of one row
+    """Row ``r``: ``out = Σ_s exp(lse_s - lse) · parts_s`` and ``lse = log Σ_s exp(lse_s)``, BLOCK_S splits at a time."""
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask = cols[None, :] < Dv
-    parts = Parts + row[:, None] * stride_pr + cols[None, :] * stride_pd
-    out, lse = _lse_merge(parts, PartLse + row * stride_lr, stride_ps, stride_ls, S, mask, row >= 0, BLOCK_S, "")
-    tl.store(Out + row[:, None] * stride_or + cols[None, :] * stride_od, out.to(Out.dtype.element_ty), mask=mask)
+    cmask = cols < Dv
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_row = PartLse + row * stride_lr
+    m = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        m = tl.maximum(m, tl.load(lse_row + (s0 + offs_s) * stride_ls, mask=s0 + offs_s < S, other=float("-inf")).to(tl.float32))
+    m_all = tl.max(m, 0)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    total = tl.zeros([BLOCK_S], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
+    part_row = Parts + row * stride_pr
+    for s0 in range(0, S, BLOCK_S):
+        smask = s0 + offs_s < S
+        w = tl.exp(tl.load(lse_row + (s0 + offs_s) * stride_ls, mask=smask, other=float("-inf")).to(tl.float32) - m_safe)
+        part_ptrs = part_row + (s0 + offs_s)[:, None].to(tl.int64) * stride_ps + cols[None, :] * stride_pd  # [BLOCK_S, BLOCK_D]
+        part = tl.load(part_ptrs, mask=smask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        acc += tl.where(w[:, None] > 0, w[:, None] * part, 0.0)
+        total += w
+    out = tl.sum(acc, 0)  # [BLOCK_D]
+    tot = tl.sum(total, 0)
+    safe = tl.where(tot > 0, tot, 1.0)
+    tl.store(Out + row * stride_or + cols * stride_od, (out / safe).to(Out.dtype.element_ty), mask=cmask)
     if tl.program_id(1) == 0:
-        tl.store(Lse + row * stride_lser, lse)
+        tl.store(Lse + row * stride_lser, tl.where(tot > 0, m_safe + tl.log(safe), float("-inf")))
