@@ -192,9 +192,13 @@ def test_block_sparse(layout_shape, block):
     check(*qkv(B=2, Hq=2, Hkv=1, Mq=Mq, Mk=Mk), const(ba.BlockSparseMask(layout, block)))
 
 
-def test_block_sparse_list_only(monkeypatch):
-    """Layout alone, kernel tiles inside its blocks, lengths in whole tiles: the branch-free list loops."""
+@pytest.mark.parametrize("in_registers", [True, False], ids=["list_in_registers", "list_loaded"])
+def test_block_sparse_list_only(monkeypatch, in_registers):
+    """Layout alone, kernel tiles inside its blocks, lengths in whole tiles: the branch-free list loops,
+    with the tile list held in registers or read entry by entry."""
     from biasattn.ops.triton import configs, flash
+
+    monkeypatch.setattr(flash, "LIST_IN_REGISTERS", in_registers)
 
     taken = []
     real = flash._SpecArgs.tile_lists

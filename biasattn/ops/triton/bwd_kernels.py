@@ -23,6 +23,8 @@ from .common_kernels import (
     _dropout_keep_tile,
     _dropout_seed,
     _layout_visible,
+    _list_entry,
+    _list_registers,
     _load_lines,
     _program_ids,
     _row_key_bounds,
@@ -139,7 +141,8 @@ def _dkdv_head(
     stride_lb, stride_lh, stride_lq, stride_lk, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
     H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr, LIST_TILES: tl.constexpr,
+    HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
     FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr, COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INDEX_64: tl.constexpr,
     seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT: tl.constexpr, DROP_ALIGNED: tl.constexpr,
@@ -154,8 +157,9 @@ def _dkdv_head(
         count = tl.load(TileCount + b * stride_cb + h * stride_ch + pid_n)
         tiles = TileIdx + b64 * stride_tb + h64 * stride_th + pid_n.to(tl.int64) * stride_tp
         if LIST_ONLY:  # every listed tile is fully visible: a loop without branches, which Triton pipelines
+            slots, listed = _list_registers(tiles, count, LIST_TILES)
             for t in range(0, count):
-                m0 = tl.load(tiles + t) * BLOCK_M
+                m0 = _list_entry(tiles, t, slots, listed, LIST_TILES) * BLOCK_M
                 dk, dv, dcol = _dkdv_tile(
                     dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
                     Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
@@ -258,7 +262,8 @@ def _dkdv_program(
     BLOCK_N: tl.constexpr, GQA: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr,
     HAS_BAND: tl.constexpr, BAND_PER_SEGMENT: tl.constexpr,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr, LIST_TILES: tl.constexpr,
+    HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
     FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr, COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INDEX_64: tl.constexpr,
     seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT: tl.constexpr, DROP_ALIGNED: tl.constexpr,
@@ -292,7 +297,7 @@ def _dkdv_program(
     stride_gb, stride_gh, stride_gm, stride_gn, stride_ab, stride_ah, stride_am, stride_an, stride_sb, stride_sh,
     stride_lb, stride_lh, stride_lq, stride_lk, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
     H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
-                BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, HAS_ADDITIVE, HAS_ALIBI,
+                BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, LIST_TILES, HAS_ADDITIVE, HAS_ALIBI,
     FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
                 seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
             )
@@ -304,7 +309,7 @@ def _dkdv_program(
     stride_gb, stride_gh, stride_gm, stride_gn, stride_ab, stride_ah, stride_am, stride_an, stride_sb, stride_sh,
     stride_lb, stride_lh, stride_lq, stride_lk, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
     H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
-            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, HAS_ADDITIVE, HAS_ALIBI,
+            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, LIST_TILES, HAS_ADDITIVE, HAS_ALIBI,
     FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
             seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
         )
@@ -336,6 +341,7 @@ def _attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
     SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
     BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr,
+    LIST_TILES: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr,
     COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
     GQA: tl.constexpr, OUTER_LOOPS: tl.constexpr, HAS_DROPOUT: tl.constexpr, DROP_ALIGNED: tl.constexpr,
@@ -371,7 +377,7 @@ def _attn_bwd_dkdv_kernel(
             stride_lb, stride_lh, stride_lq, stride_lk, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
             H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
             BLOCK_N, GQA, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT,
-            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, HAS_ADDITIVE, HAS_ALIBI,
+            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, LIST_TILES, HAS_ADDITIVE, HAS_ALIBI,
             FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
                     seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
                 )
@@ -386,7 +392,7 @@ def _attn_bwd_dkdv_kernel(
             stride_lb, stride_lh, stride_lq, stride_lk, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
             H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
             BLOCK_N, GQA, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT,
-            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, HAS_ADDITIVE, HAS_ALIBI,
+            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, LIST_TILES, HAS_ADDITIVE, HAS_ALIBI,
             FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
             seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
         )
@@ -462,6 +468,7 @@ def _attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
     SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
     BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr,
+    LIST_TILES: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, ROW_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
     BATCH_INNER: tl.constexpr, HAS_DROPOUT: tl.constexpr, FUSED_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
@@ -519,8 +526,9 @@ def _attn_bwd_dq_kernel(
         count = tl.load(TileCount + b * stride_cb + h * stride_ch + prog)
         tiles = TileIdx + b64 * stride_tb + h64 * stride_th + prog.to(tl.int64) * stride_tp
         if LIST_ONLY:  # every listed tile is fully visible: a loop without branches, which Triton pipelines
+            slots, listed = _list_registers(tiles, count, LIST_TILES)
             for t in range(0, count):
-                n0 = tl.load(tiles + t) * BLOCK_N
+                n0 = _list_entry(tiles, t, slots, listed, LIST_TILES) * BLOCK_N
                 dq, drow = _dq_tile(
                     dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                     Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,

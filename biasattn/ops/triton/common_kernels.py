@@ -108,6 +108,29 @@ def _span(lo_v, hi_v, valid):
 
 
 @triton.jit
+def _list_registers(tiles, count, LIST_TILES: tl.constexpr):
+    """``(slots, listed)``: a program's tile list held in registers (``LIST_TILES > 0``), else nothing."""
+    if LIST_TILES > 0:
+        slots = tl.arange(0, LIST_TILES)
+        listed = tl.load(tiles + slots, mask=slots < count, other=0)
+    else:
+        slots = 0
+        listed = 0
+    return slots, listed
+
+
+@triton.jit
+def _list_entry(tiles, t, slots, listed, LIST_TILES: tl.constexpr):
+    """Entry ``t`` of a tile list: picked from the registers, so no load sits between the loop counter
+    and the tile's address (Triton then prefetches K/V as for a regular loop), or loaded."""
+    if LIST_TILES > 0:
+        entry = tl.sum(tl.where(slots == t, listed, 0), 0)
+    else:
+        entry = tl.load(tiles + t)
+    return entry
+
+
+@triton.jit
 def _tile_split(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
     """Tiles ``lo + t*BLOCK``: ``[0, a)`` and ``[e, n)`` need element masks, ``[a, e)`` are fully visible."""
     n = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ...bias.spec import BiasSpec
-from ..common import cdiv, tile_size
+from ..common import cdiv, next_power_of_2, tile_size
 from . import configs, schedule
 from .bwd_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from .dbias_kernels import _attn_bwd_dbias_kernel
@@ -33,6 +33,7 @@ POISON_OUTPUTS = False  # tests set this: fresh outputs start as NaN, so a skipp
 FORCE_INDEX_64 = False  # tests set this: 64-bit offsets inside a (batch, head) slice even when not needed
 CONCURRENT_BWD = True  # dQ runs on a side stream beside dK/dV, so its programs fill the SMs dK/dV's tail leaves idle
 FUSED_DELTA = True  # without the side stream, dQ runs first and computes delta itself: one launch fewer
+LIST_IN_REGISTERS = True  # branch-free tile-list loops keep the program's list in registers
 
 _dummies: dict = {}
 _side_streams: dict = {}
@@ -138,6 +139,11 @@ def _spec_args(spec: BiasSpec, device) -> _SpecArgs:
     They are kept in ``spec.derived`` and hold no reference to the spec, so no cycle keeps the spec's
     tensors (a large additive bias, say) alive after the call."""
     return spec.cached(("triton", str(device)), lambda: _SpecArgs(spec, device))
+
+
+def _list_tiles(index: torch.Tensor, list_only: bool) -> int:
+    """Register slots for a program's tile list in the branch-free list loops (0: read from memory)."""
+    return max(16, next_power_of_2(index.shape[-1])) if list_only and LIST_IN_REGISTERS else 0
 
 
 def _slice_span(t: torch.Tensor) -> int:
@@ -268,6 +274,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=(D == hd and Dv == hdv),
             BATCH_INNER=batch_inner, HAS_DROPOUT=dropout_p > 0,
+            LIST_TILES=_list_tiles(index, list_only),
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only, DOT_PRECISION=_dot_precision(q.dtype),
             INDEX_64=index_64, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
         )
@@ -378,7 +385,8 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             H, H // Hkv, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop,
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
-            SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only, FULL_DBIAS=plan_kv == "full",
+            SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only,
+            LIST_TILES=_list_tiles(index, list_only), FULL_DBIAS=plan_kv == "full",
             DBIAS_ACCUM=plan_kv == "full" and (nb_loop > 1 or h_bcast), COL_DBIAS=plan == "col",
             DOT_PRECISION=_dot_precision(q.dtype),
             INDEX_64=index_64, GQA=H != Hkv, OUTER_LOOPS=nb_loop * nhk_loop > 1,
@@ -401,7 +409,8 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even, BATCH_INNER=batch_inner,
             HAS_DROPOUT=has_dropout, FUSED_DELTA=fused_delta, HAS_DLSE=dlse is not None,
-            SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only, ROW_DBIAS=plan == "row",
+            SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only,
+            LIST_TILES=_list_tiles(index, list_only), ROW_DBIAS=plan == "row",
             DOT_PRECISION=_dot_precision(q.dtype), INDEX_64=index_64,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
         )

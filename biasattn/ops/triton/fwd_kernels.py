@@ -17,6 +17,8 @@ from .common_kernels import (
     _dropout_keep_tile,
     _dropout_seed,
     _layout_visible,
+    _list_entry,
+    _list_registers,
     _load_lines,
     _program_ids,
     _row_key_bounds,
@@ -96,7 +98,7 @@ def _attn_fwd_kernel(
     SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
     BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
-    BATCH_INNER: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    BATCH_INNER: tl.constexpr, HAS_DROPOUT: tl.constexpr, LIST_TILES: tl.constexpr,
 ):
     """Grid ``(query tiles, B * Hq)`` (``(query tiles * B, Hq)`` with ``BATCH_INNER``). Writes ``Out [B, Hq, Mq, Dv]`` and ``Lse [B, Hq, Mq]`` (natural log).
 
@@ -140,9 +142,11 @@ def _attn_fwd_kernel(
         count = tl.load(TileCount + b * stride_cb + h * stride_ch + prog)
         tiles = TileIdx + b64 * stride_tb + h.to(tl.int64) * stride_th + prog.to(tl.int64) * stride_tp
         if LIST_ONLY:  # every listed tile is fully visible: a loop without branches, which Triton pipelines
+            slots, listed = _list_registers(tiles, count, LIST_TILES)
             for t in range(0, count):
+                n0 = _list_entry(tiles, t, slots, listed, LIST_TILES) * BLOCK_N
                 acc, m_i, l_i = _fwd_tile(
-                    acc, m_i, l_i, q, rows, klo, khi, tl.load(tiles + t) * BLOCK_N, b, h, K_base, V_base, stride_kn, stride_kd,
+                    acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd,
                     stride_vn, stride_vd, Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes,
                     stride_sb, stride_sh, alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off,
                     layout_k_off, block_q, block_k, 0.0,
