@@ -29,7 +29,7 @@ def tile(text: str) -> configs.TileConfig:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kernel", default="fwd", choices=["fwd", "dkdv", "dq", "dbias"])
+    p.add_argument("--kernel", default="fwd", choices=["fwd", "dkdv", "dq", "dbias", "dq_ds"])
     p.add_argument("--a", type=tile, required=True)
     p.add_argument("--b", type=tile, required=True)
     p.add_argument("--cases", nargs="+", default=["causal", "window", "varlen"], choices=CASE_NAMES)

@@ -353,6 +353,8 @@ AB_SWITCHES = {  # name: (module.attribute, state A, state B, value A, value B)
     "concurrent": ("flash.CONCURRENT_BWD", "dQ beside dK/dV on a side stream", "dQ after dK/dV", True, False),
     "direct": ("launch.DIRECT", "direct launches of compiled kernels", "Triton's kernel[grid] launches", True, False),
     "delta": ("flash.FUSED_DELTA", "delta computed by dQ", "delta preprocessing launch", True, False),
+    "dq_from_ds": ("flash.DQ_FROM_DS", "dQ read back from a per-(batch, head) bias gradient", "dQ recomputing S and dP",
+                   True, False),
 }
 
 
@@ -402,7 +404,7 @@ def main(argv=None) -> int:
     p.add_argument("--render", help="only write attention.md and the PNGs from this attention.csv")
     p.add_argument("--quick", action="store_true", help="causal and no bias at M=2048, D=128")
     p.add_argument("--tune", action="store_true", help="time each kernel's candidate tile configs")
-    p.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq", "dbias"],
+    p.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq", "dbias", "dq_ds"],
                    help="kernels whose configs --tune times")
     p.add_argument("--ab", choices=list(AB_SWITCHES), help="A/B of a launcher switch (triton only): " + "; ".join(
         f"{k}: {v[1]} vs {v[2]}" for k, v in AB_SWITCHES.items()))

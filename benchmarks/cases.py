@@ -57,6 +57,22 @@ def _seqlens(total: int, n: int, gen: torch.Generator) -> list[int]:
     return lens.tolist()
 
 
+def _block_layout(H: int, nb: int, density: float, gen: torch.Generator) -> torch.Tensor:
+    """``[1, H, nb, nb]`` bool layout with ``round(density · nb²)`` visible blocks per head, the diagonal among them.
+
+    The diagonal keeps every query block's row non-empty; the other visible blocks are drawn
+    uniformly from the off-diagonal ones, so the density is the one asked for at every ``nb``
+    (or-ing the diagonal into a random layout would make it ``density + (1 - density) / nb``).
+    """
+    keep = max(nb, round(density * nb * nb))
+    eye = torch.eye(nb, dtype=torch.bool)
+    off = (~eye).flatten().nonzero().squeeze(1)
+    layout = eye.flatten().repeat(H, 1)
+    for h in range(H):
+        layout[h, off[torch.randperm(off.numel(), generator=gen)[: keep - nb]]] = True
+    return layout.view(1, H, nb, nb)
+
+
 def make_case(
     name: str, *, B: int, H: int, M: int, D: int = 128, dtype=torch.bfloat16, device="cuda",
     requires_grad: bool = False, seed: int = 0, window: int = 1024, block: int = 128,
@@ -106,9 +122,7 @@ def make_case(
             extra={"seqlens": lens},
         )
     if name == "block_sparse":
-        nb = math.ceil(M / block)
-        layout = torch.rand(1, H, nb, nb, generator=gen) < density
-        layout |= torch.eye(nb, dtype=torch.bool)[None, None]  # no empty rows
+        layout = _block_layout(H, math.ceil(M / block), density, gen)
         bias = ba.BlockSparseMask(layout.to(device), block)
         layout_dev = layout.to(device)
         vis = float(B * layout.sum()) * block * block  # M is a multiple of block in the suite

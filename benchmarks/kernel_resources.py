@@ -42,6 +42,7 @@ def _biases(M: int) -> dict:
         "block_sparse": "block_sparse",
         "alibi": "alibi",
         "additive": "additive",
+        "additive_own": "additive_own",  # a bias slice per (batch row, head): dQ is read back from dS
     }
 
 
@@ -52,6 +53,8 @@ def capture(case: str, D: int, dtype, kernel: str, cfg: configs.TileConfig, drop
     bias = _biases(M)[case]
     if isinstance(bias, str) and bias == "additive":
         bias = ba.AdditiveBias(torch.randn(1, H, M, M, dtype=dtype))
+    elif isinstance(bias, str) and bias == "additive_own":
+        bias = ba.AdditiveBias(torch.randn(B, H, M, M, dtype=dtype))
     elif isinstance(bias, str) and bias == "block_sparse":
         bias = ba.BlockSparseMask(torch.rand(1, H, M // 128, M // 128) < 0.5, 128)
     elif isinstance(bias, str) and bias == "alibi":
@@ -126,14 +129,14 @@ def main(argv=None) -> int:
     p.add_argument("--case", nargs="+", default=["none"], choices=list(_biases(8)))
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--kernel", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq", "dbias"])
+    p.add_argument("--kernel", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq", "dbias", "dq_ds"])
     p.add_argument("--config", action="append", help="block_m,block_n,num_warps,num_stages (default: the candidates)")
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--dropout", type=float, default=0.0, help="compile the dropout variants (this drop probability)")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     names = {"fwd": "_attn_fwd_kernel", "dkdv": "_attn_bwd_dkdv_kernel", "dq": "_attn_bwd_dq_kernel",
-             "dbias": "_attn_bwd_dbias_kernel"}
+             "dbias": "_attn_bwd_dbias_kernel", "dq_ds": "_attn_bwd_dq_from_ds_kernel"}
     for case in args.case:
         for kernel in args.kernel:
             cfgs = ([configs.TileConfig(*map(int, c.split(","))) for c in args.config] if args.config

@@ -340,7 +340,7 @@ CASE_TEXT = {
     "window": "causal sliding window, `LocalAttentionMask(window_left)`",
     "padded": "right-padded keys, `PaddedKeysMask` with lengths between M/2 and M",
     "varlen": "packed documents, `BlockDiagonalMask.from_seqlens(...).make_causal()`, batch of one",
-    "block_sparse": "`BlockSparseMask`, per-head random layout with the diagonal kept",
+    "block_sparse": "`BlockSparseMask` of 128-blocks, per-head random layout of exactly 25% of the blocks, diagonal included",
     "additive": "`AdditiveBias` of a dense `[1, H, M, M]` tensor",
     "alibi": "`ALiBi(ALiBi.standard_slopes(H))`",
 }

@@ -264,6 +264,48 @@ def test_shared_additive_gradient_with_masks(monkeypatch, masks):
     assert launched, "the shared bias gradient did not go through its kernel"
 
 
+@pytest.mark.parametrize("masks", ["none", "causal_padded", "window_gqa", "dropout"])
+def test_own_additive_gradient_gives_dq(monkeypatch, masks):
+    """A bias slice per (batch row, head): dK/dV writes dS as the gradient once, and dQ is read back from it."""
+    from biasattn.ops.triton import flash
+
+    launched = []
+    monkeypatch.setattr(flash, "_dq_ds", _Counting(flash._dq_ds, launched))
+    gen = torch.Generator().manual_seed(6)
+    add = torch.randn(2, 2, 37, 45, generator=gen).to(DEVICE)
+    Hkv = 1 if masks == "window_gqa" else 2
+    if masks == "causal_padded":
+        extra = ba.LowerTriangularFromBottomRightMask() & ba.PaddedKeysMask([30, 45], device=DEVICE)
+    elif masks == "window_gqa":
+        extra = ba.LocalAttentionMask(9, 3)
+    else:
+        extra = None
+    p = 0.3 if masks == "dropout" else 0.0
+    check(*qkv(B=2, Hq=2, Hkv=Hkv, Mq=37, Mk=45), lambda a: ba.AdditiveBias(a) if extra is None else extra + ba.AdditiveBias(a),
+          add, dropout_p=p)
+    assert launched, "dQ was not read back from the bias gradient"
+
+
+def test_dq_reads_dbias_only_when_dS_is_the_gradient():
+    """dQ comes from the bias gradient only for a slice per (batch row, head), precise enough, without segments or layouts."""
+    from biasattn.bias.spec import lower
+    from biasattn.ops.triton.flash import _dq_reads_dbias
+
+    def spec(shape, dtype=torch.float16, extra=None):
+        bias = ba.AdditiveBias(torch.zeros(shape, dtype=dtype))
+        return lower((extra + bias) if extra is not None else bias, 2, 4, 8, 8)
+
+    h = torch.float16
+    assert _dq_reads_dbias(spec((2, 4, 8, 8)), "full", 2, 4, h)
+    assert _dq_reads_dbias(spec((2, 4, 8, 8), torch.float32), "full", 2, 4, h)
+    assert not _dq_reads_dbias(spec((2, 4, 8, 8), torch.bfloat16), "full", 2, 4, h)  # dS would lose bits
+    assert not _dq_reads_dbias(spec((1, 4, 8, 8)), "full", 2, 4, h)  # shared by the batch: a sum of dS
+    assert not _dq_reads_dbias(spec((2, 1, 8, 8)), "full", 2, 4, h)  # shared by heads
+    assert not _dq_reads_dbias(spec((2, 4, 1, 8)), "col", 2, 4, h)
+    layout = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    assert not _dq_reads_dbias(spec((2, 4, 8, 8), extra=ba.BlockSparseMask(layout, 8)), "full", 2, 4, h)
+
+
 class _Counting:
     """A kernel stand-in that records its launches and forwards them."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_triton import _poison, assert_close, check, const, qkv  # noqa: F401  (_poison: autouse fixture)
+from test_triton import _Counting, _poison, assert_close, check, const, qkv  # noqa: F401  (_poison: autouse fixture)
 
 import biasattn as ba
 from biasattn.ops.reference import softmax_attention
@@ -97,6 +97,19 @@ def test_additive_gradient_bf16(shape):
     """``[1, H, M, M]`` broadcast over B (the benchmark's case), a full bias, and a key-padding bias."""
     add = torch.randn(shape, generator=torch.Generator().manual_seed(5)).to("cuda", torch.bfloat16)
     check(*qkv(B=2, Hq=8, Hkv=1, Mq=1000, Mk=1000, D=128, dtype=torch.bfloat16), lambda a: ba.AdditiveBias(a), add)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_own_additive_gradient_with_masks(monkeypatch, dtype):
+    """A bias slice per (batch row, head) under a causal band and padded keys: dQ comes back from dS."""
+    from biasattn.ops.triton import flash
+
+    launched = []
+    monkeypatch.setattr(flash, "_dq_ds", _Counting(flash._dq_ds, launched))
+    add = torch.randn((2, 8, 1000, 1013), generator=torch.Generator().manual_seed(7)).to("cuda", dtype)
+    masks = ba.LowerTriangularFromBottomRightMask() & ba.PaddedKeysMask([1013, 517], device="cuda")
+    check(*qkv(B=2, Hq=8, Hkv=2, Mq=1000, Mk=1013, D=128, dtype=dtype), lambda a: masks + ba.AdditiveBias(a), add)
+    assert launched, "dQ was not read back from the bias gradient"
 
 
 def _rows_check(q, k, v, add, out, lse, dq, dadd, dout, rows, head):

@@ -51,6 +51,9 @@ _CANDIDATES: dict[tuple[str, int], tuple[TileConfig, ...]] = {
     ("dbias", 128): (TileConfig(128, 64, 8, 2), TileConfig(64, 64, 4, 3), TileConfig(64, 64, 4, 2)),
     ("dbias", 256): (TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 2)),
     ("dq", 256): (TileConfig(64, 32, 4, 2), TileConfig(64, 64, 8, 1), TileConfig(32, 64, 4, 2)),
+    ("dq_ds", 64): (TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 3), TileConfig(64, 64, 4, 3)),
+    ("dq_ds", 128): (TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 3), TileConfig(64, 64, 4, 3)),
+    ("dq_ds", 256): (TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 2)),
 }
 
 _overrides: dict[str, TileConfig] = {}
@@ -65,7 +68,7 @@ def interpreted() -> bool:
 
 
 def candidates(kernel: str, head_dim: int) -> tuple[TileConfig, ...]:
-    """Candidate configs of ``kernel`` (``"fwd"``, ``"dq"``, ``"dkdv"``, ``"dbias"``) for a padded head dim."""
+    """Candidate configs of ``kernel`` (``"fwd"``, ``"dq"``, ``"dkdv"``, ``"dbias"``, ``"dq_ds"``) for a padded head dim."""
     size = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
     return _CANDIDATES[(kernel, size)]
 

@@ -1,4 +1,6 @@
-"""Gradient of an additive bias shared by batch rows or heads: ``dBias = sum dS`` over the sharers.
+"""Kernels around the gradient of an additive bias: its sum over sharers, and dQ read back from it.
+
+``_attn_bwd_dbias_kernel`` computes a gradient shared by batch rows or heads, ``dBias = sum dS``.
 
 One program owns one ``[BLOCK_M, BLOCK_N]`` tile of one bias slice and loops over the (batch row,
 head) pairs that read it, recomputing ``P`` and ``dP`` from ``Q``, ``K``, ``V``, ``dO`` and the
@@ -19,6 +21,8 @@ from .common_kernels import (
     _dropout_seed,
     _layout_visible,
     _load_lines,
+    _row_key_bounds,
+    _span,
 )
 
 
@@ -122,3 +126,51 @@ def _attn_bwd_dbias_kernel(
     g_ptrs = (DBias + bb.to(tl.int64) * stride_gb + hh.to(tl.int64) * stride_gh
               + rows64[:, None] * stride_gm + cols64[None, :] * stride_gn)
     tl.store(g_ptrs, acc.to(DBias.dtype.element_ty), mask=(rows[:, None] < Mq) & (cols[None, :] < Mk))
+
+
+@triton.jit(do_not_specialize=["B"])
+def _attn_bwd_dq_from_ds_kernel(
+    K, DS, DQ, KvLens, BandLo, BandHi, sm_scale,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_gb, stride_gh, stride_gm, stride_gn,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    B, H, G, Mq, Mk, D,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+):
+    """Grid ``(query tiles, B * Hq)``: ``DQ = sm_scale · dS @ K`` from the bias gradient ``DS [B, Hq, Mq, Mk]``.
+
+    When every (batch row, head) owns its bias slice, the gradient the dK/dV kernel wrote is ``dS``
+    itself (0 where a key is hidden), so dQ needs one product per tile instead of recomputing ``S``,
+    ``P`` and ``dP`` (three). The program walks the key span its rows can see.
+    """
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    klo, khi, valid = _row_key_bounds(rows, Mq, 0, b, Mk, KvLens, KvLens, KvLens, BandLo, BandHi,
+                                      False, HAS_PADDED, HAS_BAND, False)
+    lo, hi, _, _ = _span(klo, khi, valid)
+    lo = lo // 16 * 16
+    if INDEX_64:
+        rows64 = rows.to(tl.int64)
+    else:
+        rows64 = rows
+    dqd = tl.arange(0, HEAD_DIM)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    K_base = K + b64 * stride_kb + (h // G).to(tl.int64) * stride_kh
+    ds_rows = DS + b64 * stride_gb + h64 * stride_gh + rows64[:, None] * stride_gm
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = tl.multiple_of(n0, 16) + tl.arange(0, BLOCK_N)
+        if INDEX_64:
+            cols64 = cols.to(tl.int64)
+        else:
+            cols64 = cols
+        k = _load_lines(K_base + cols64[:, None] * stride_kn + dqd[None, :] * stride_kd, cols, Mk, dqd, D, True, EVEN_D)
+        ds = tl.load(ds_rows + cols64[None, :] * stride_gn, mask=(rows[:, None] < Mq) & (cols[None, :] < Mk), other=0.0)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    dq_ptrs = DQ + b64 * stride_dqb + h64 * stride_dqh + rows64[:, None] * stride_dqm + dqd[None, :] * stride_dqd
+    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=valid[:, None] & (dqd[None, :] < D))

@@ -16,7 +16,7 @@ from ...bias.spec import BiasSpec
 from ..common import cdiv, next_power_of_2, tile_size
 from . import configs, schedule
 from .bwd_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
-from .dbias_kernels import _attn_bwd_dbias_kernel
+from .dbias_kernels import _attn_bwd_dbias_kernel, _attn_bwd_dq_from_ds_kernel
 from .dropout_kernels import _dropout_mask_kernel
 from .fwd_kernels import _attn_fwd_kernel
 from .launch import direct
@@ -25,7 +25,7 @@ _SEED = ("seed_lo", "seed_hi")  # a new dropout seed per call must not miss the 
 _fwd, _dkdv, _dq, _dbias = (direct(k, _SEED) for k in (
     _attn_fwd_kernel, _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_dbias_kernel,
 ))
-_preprocess = direct(_attn_bwd_preprocess_kernel)
+_preprocess, _dq_ds = direct(_attn_bwd_preprocess_kernel), direct(_attn_bwd_dq_from_ds_kernel)
 
 INTERPRETED = configs.interpreted()
 LOG2E = 1.4426950408889634
@@ -34,6 +34,7 @@ FORCE_INDEX_64 = False  # tests set this: 64-bit offsets inside a (batch, head) 
 CONCURRENT_BWD = True  # dQ runs on a side stream beside dK/dV, so its programs fill the SMs dK/dV's tail leaves idle
 FUSED_DELTA = True  # without the side stream, dQ runs first and computes delta itself: one launch fewer
 LIST_IN_REGISTERS = True  # branch-free tile-list loops keep the program's list in registers
+DQ_FROM_DS = True  # a bias gradient of its own per (batch, head) is dS: dQ reads it back after dK/dV
 
 _dummies: dict = {}
 _side_streams: dict = {}
@@ -304,6 +305,16 @@ def _dbias_plan(add: torch.Tensor, B: int, H: int, Mq: int, Mk: int) -> str:
     return "row"
 
 
+def _dq_reads_dbias(spec: BiasSpec, plan: str | None, B: int, H: int, dtype: torch.dtype) -> bool:
+    """Whether dQ can be read back from the bias gradient: every (batch row, head) owns its slice
+    (so the dK/dV kernel writes ``dS`` itself, once per element), the slice holds ``dS`` at least as
+    precisely as the ``dS @ K`` product takes it (the bias in q's dtype or float32), and rows see
+    plain key intervals (no packed segments, no block layout)."""
+    add = spec.additive
+    return (plan == "full" and (add.shape[0] == B or B == 1) and (add.shape[1] == H or H == 1)
+            and add.dtype in (dtype, torch.float32) and spec.q_seqstart is None and spec.layout is None)
+
+
 def _reduce_to(t: torch.Tensor, shape) -> torch.Tensor:
     dims = [d for d, (n, m) in enumerate(zip(t.shape, shape)) if m == 1 and n != 1]
     return t.sum(dim=dims, keepdim=True) if dims else t
@@ -332,16 +343,17 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     delta = torch.empty((B, H, Mq), dtype=torch.float32, device=dev)
     dlse_t = dlse.to(torch.float32).contiguous() if dlse is not None else args.f32
-    concurrent = (CONCURRENT_BWD and dev.type == "cuda" and not INTERPRETED
+    plan = _dbias_plan(add, B, H, Mq, Mk) if need_dbias else None
+    dq_from_ds = DQ_FROM_DS and _dq_reads_dbias(spec, plan, B, H, q.dtype)  # dK/dV first, then dQ from dS
+    concurrent = (CONCURRENT_BWD and dev.type == "cuda" and not INTERPRETED and not dq_from_ds
                   and _long_backward(spec, B, H, Mq, Mk, max(D, Dv)))
-    fused_delta = FUSED_DELTA and not concurrent  # dQ first, writing delta for dK/dV
+    fused_delta = FUSED_DELTA and not concurrent and not dq_from_ds  # dQ first, writing delta for dK/dV
     if not fused_delta:
         pre_bm = 16 if INTERPRETED else 64
         _preprocess[(cdiv(Mq, pre_bm), B * H)](
             out, dout, dlse_t, delta, *out.stride(), *dout.stride(), H, Mq, Dv,
             BLOCK_M=pre_bm, HEAD_DIM_V=hdv, HAS_DLSE=dlse is not None,
         )
-    plan = _dbias_plan(add, B, H, Mq, Mk) if need_dbias else None
     d32 = args.f32
     b_bcast = plan == "full" and add.shape[0] == 1 and B > 1
     h_bcast = plan == "full" and add.shape[1] == 1 and H > 1
@@ -349,14 +361,18 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     # except with packed segments, where the dK/dV programs accumulate it tile by tile
     shared_dbias = (b_bcast or h_bcast) and not args.has_segments
     plan_kv = None if shared_dbias else plan  # the dK/dV kernel's part of the bias gradient
-    # the shared-gradient kernel writes each element once, in the bias' dtype; dK/dV accumulates in float32
-    g_dtype = add.dtype if shared_dbias else torch.float32
-    dbias = _new(add.shape, g_dtype, dev, zero=plan_kv == "full") if plan == "full" else d32
+    nb_loop = B if b_bcast and not shared_dbias else 1
+    nhk_loop = Hkv if h_bcast and not shared_dbias else 1
+    dbias_accum = plan_kv == "full" and (nb_loop > 1 or h_bcast)
+    # dK/dV accumulates a gradient tile shared by its (batch, head) loop in float32; every other
+    # element is written once, in the bias' dtype. Tiles that no program visits must read 0.
+    g_dtype = torch.float32 if dbias_accum or add is None else add.dtype
+    every_tile = not (args.has_segments or args.has_padded or args.has_band or args.has_layout)
+    g_zero = plan_kv == "full" and (dbias_accum or not every_tile)
+    dbias = _new(add.shape, g_dtype, dev, zero=g_zero) if plan == "full" else d32
     dcol = torch.zeros((B, H, Mk), dtype=torch.float32, device=dev) if plan == "col" else d32
     drow = torch.zeros((B, H, Mq), dtype=torch.float32, device=dev) if plan == "row" else d32
     g_strides = _bcast_strides(dbias, (B, H, Mq, Mk)) if plan == "full" else (0, 0, 0, 0)
-    nb_loop = B if b_bcast and not shared_dbias else 1
-    nhk_loop = Hkv if h_bcast and not shared_dbias else 1
     common = (
         *args.add_strides, *args.slope_strides, *args.layout_strides,
     )
@@ -387,7 +403,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only,
             LIST_TILES=_list_tiles(index, list_only), FULL_DBIAS=plan_kv == "full",
-            DBIAS_ACCUM=plan_kv == "full" and (nb_loop > 1 or h_bcast), COL_DBIAS=plan == "col",
+            DBIAS_ACCUM=dbias_accum, COL_DBIAS=plan == "col",
             DOT_PRECISION=_dot_precision(q.dtype),
             INDEX_64=index_64, GQA=H != Hkv, OUTER_LOOPS=nb_loop * nhk_loop > 1,
             HAS_DROPOUT=has_dropout, DROP_ALIGNED=sched.table is None,
@@ -413,6 +429,15 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             LIST_TILES=_list_tiles(index, list_only), ROW_DBIAS=plan == "row",
             DOT_PRECISION=_dot_precision(q.dtype), INDEX_64=index_64,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
+        )
+
+    def run_dq_ds(cfg: configs.TileConfig) -> None:
+        _dq_ds[(cdiv(Mq, cfg.block_m), B * H)](
+            k, dbias, dq, args.kv, args.band_lo, args.band_hi, scale,
+            *k.stride(), *g_strides, *dq.stride(), B, H, H // Hkv, Mq, Mk, D,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, EVEN_D=even,
+            HAS_PADDED=args.has_padded, HAS_BAND=args.has_band, DOT_PRECISION=_dot_precision(q.dtype),
+            INDEX_64=index_64, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     def run_dbias(cfg: configs.TileConfig) -> None:
@@ -442,6 +467,9 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     if fused_delta:
         configs.launch("dq", hmax, q.dtype, dev, feats, run_dq)
         configs.launch("dkdv", hmax, q.dtype, dev, feats, run_dkdv)
+    elif dq_from_ds:
+        configs.launch("dkdv", hmax, q.dtype, dev, feats, run_dkdv)
+        configs.launch("dq_ds", hmax, q.dtype, dev, feats, run_dq_ds)
     else:
         configs.launch("dkdv", hmax, q.dtype, dev, feats, run_dkdv)
         with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
