@@ -640,3 +640,26 @@ def test_short_spans_pick_short_forward_tiles():
     short_dkdv = configs._candidates_for("dkdv", 128, torch.bfloat16, ("segments", "short_span"))
     assert short_dkdv[0] == configs.TileConfig(32, 64, 4, 4)
     assert configs._candidates_for("dq", 128, torch.bfloat16, ("segments", "short_span")) == configs.candidates("dq", 128)
+
+
+def test_direct_launch_signature():
+    """The direct-launch key changes with what Triton specializes on and nothing else."""
+    from biasattn.ops.triton import launch
+    from biasattn.ops.triton.fwd_kernels import _attn_fwd_kernel
+
+    direct = launch.direct(_attn_fwd_kernel, ("seed_lo",))
+    seed = _attn_fwd_kernel.arg_names.index("seed_lo")
+    base = torch.zeros(64)
+
+    def sig(t=base, n=7, s=3, x=0.5):
+        args = [None] * (seed + 1)
+        args[0], args[1], args[2], args[seed] = t, n, x, s
+        return direct._signature(tuple(args))
+
+    assert sig() == sig(t=torch.ones(64), s=2**31 - 1)  # a new tensor of the same kind, another 32-bit seed
+    assert sig() != sig(t=base.half())  # dtype
+    assert sig() != sig(t=base[1:])  # 16-byte alignment
+    assert sig() != sig(n=8) and sig() != sig(x=0.25)  # keyed values
+    assert sig() != sig(s=2**31)  # an unkeyed integer past 32 bits
+    assert sig() != sig(n=7.0)  # argument types
+    assert sig(t=5) != sig(t=6) and sig(t=5)[0] != sig()[0]  # a tensor slot holding an int keys on its value

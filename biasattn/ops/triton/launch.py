@@ -3,9 +3,9 @@
 Triton's ``kernel[grid](...)`` binds and specializes every argument, builds a cache key and checks
 its globals on each call, which costs tens of microseconds for our kernels' 60-90 arguments. The
 wrapper here keeps, per device, the compiled kernel of each argument signature, the key being
-exactly what Triton specializes on (each tensor's dtype and 16-byte alignment, every other
-argument's value, the constexprs and launch options; for the integer arguments named as unkeyed,
-which the kernel does not specialize, only whether they fit 32 bits), and on a hit calls the compiled launcher the
+exactly what Triton specializes on (each argument's type, each tensor's dtype and 16-byte alignment,
+every other argument's value, the constexprs and launch options; for the integer arguments named as
+unkeyed, which the kernel does not specialize, only whether they fit 32 bits), and on a hit calls the compiled launcher the
 way ``JITFunction.run`` does. A miss, the interpreter, a CPU tensor, a Triton whose ``run`` does not
 end in that call, or ``DIRECT = False`` all go through ``kernel[grid](...)`` unchanged.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 
 import torch
 
@@ -46,6 +47,16 @@ def _runtime():
     return driver.active.get_current_stream, knobs
 
 
+def _picker(positions: list[int]):
+    """A function returning the tuple of ``args[i]`` for ``i`` in ``positions``."""
+    if not positions:
+        return lambda args: ()
+    if len(positions) == 1:
+        i = positions[0]
+        return lambda args: (args[i],)
+    return operator.itemgetter(*positions)
+
+
 class _Direct:
     """``kernel[grid](*args, **meta)`` with a table of compiled kernels per argument signature."""
 
@@ -55,6 +66,23 @@ class _Direct:
         self.hits = 0
         names = list(getattr(kernel, "arg_names", ()))
         self.unkeyed = frozenset(names.index(n) for n in unkeyed)
+        self.picks: dict = {}  # argument types -> pickers of the tensor, keyed and unkeyed arguments
+
+    def _signature(self, args: tuple) -> tuple:
+        """``(argument types, every keyed non-tensor value, tensor dtypes, tensor 16-byte alignments,
+        whether each unkeyed integer fits 32 bits)``: where the tensors sit is looked up once per
+        tuple of argument types, so a call costs a few C-level passes instead of a Python step per
+        argument."""
+        types = tuple(map(type, args))
+        picks = self.picks.get(types)
+        if picks is None:
+            tensors = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor)]
+            keyed = [i for i, t in enumerate(types) if i not in tensors and i not in self.unkeyed]
+            unkeyed = [i for i in self.unkeyed if i < len(types) and i not in tensors]
+            picks = self.picks[types] = (_picker(tensors), _picker(keyed), _picker(unkeyed))
+        tensors, keyed, unkeyed = (pick(args) for pick in picks)
+        return (types, keyed, tuple([t.dtype for t in tensors]), tuple([t.data_ptr() & 15 == 0 for t in tensors]),
+                tuple([-2**31 <= a < 2**31 for a in unkeyed]))
 
     def __getitem__(self, grid):
         return functools.partial(self.launch, grid)
@@ -64,9 +92,7 @@ class _Direct:
         device = args[0].device
         if not (DIRECT and device.type == "cuda" and _triton_run_matches()):
             return self.kernel[grid](*args, **meta)
-        key = (device.index, tuple(meta.items()),
-               *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
-                 else (int, -2**31 <= a < 2**31) if i in self.unkeyed else (type(a), a) for i, a in enumerate(args)])
+        key = (device.index, tuple(meta.items()), *self._signature(args))
         entry = self.table.get(key)
         if entry is None:
             compiled = self.kernel[grid](*args, **meta)
