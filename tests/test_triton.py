@@ -628,17 +628,21 @@ def test_short_spans_pick_short_forward_tiles():
     ]:
         assert flash.mean_visible_keys(spec(bias, Mq, Mk, B), Mq, Mk) == pytest.approx(brute(bias, Mq, Mk, B)), bias
     causal = ba.LowerTriangularMask()
-    assert flash._span_features(spec(causal, 1024, 1024), 1024, 1024) == ("short_span",)
+    both = ("short_span", "short_span_dkdv")
+    assert flash._span_features(spec(causal, 1024, 1024), 1024, 1024) == both
     assert flash._span_features(spec(causal, 2048, 2048), 2048, 2048) == ()
     assert flash._span_features(spec(ba.LocalAttentionMask(1024), 16384, 16384), 16384, 16384) == ("short_span",)
+    assert flash._span_features(spec(ba.LocalAttentionMask(1024), 2048, 2048), 2048, 2048) == both
     assert flash._span_features(spec(None, 1024, 1024), 1024, 1024) == ()
     assert flash._span_features(spec(None, 1024, 900), 1024, 900) == ("short_span",)
+    assert flash._span_features(spec(None, 1024, 800), 1024, 800) == both
     short = configs._candidates_for("fwd", 128, torch.bfloat16, ("band", "short_span"))
     assert short[0] == configs.TileConfig(64, 64, 4, 3)
     assert configs._candidates_for("fwd", 128, torch.bfloat16, ("band",))[0] == configs.TileConfig(128, 128, 8, 3)
     assert configs._candidates_for("fwd", 256, torch.bfloat16, ("band", "short_span")) == configs.candidates("fwd", 256)
-    short_dkdv = configs._candidates_for("dkdv", 128, torch.bfloat16, ("segments", "short_span"))
+    short_dkdv = configs._candidates_for("dkdv", 128, torch.bfloat16, ("segments",) + both)
     assert short_dkdv[0] == configs.TileConfig(32, 64, 4, 4)
+    assert configs._candidates_for("dkdv", 128, torch.bfloat16, ("band", "short_span")) == configs.candidates("dkdv", 128)
     assert configs._candidates_for("dq", 128, torch.bfloat16, ("segments", "short_span")) == configs.candidates("dq", 128)
 
 

@@ -87,8 +87,9 @@ def override(**configs: TileConfig) -> Iterator[None]:
 
 def _candidates_for(kernel: str, head_dim: int, dtype: torch.dtype, features: tuple = ()) -> tuple[TileConfig, ...]:
     cands = candidates(kernel, head_dim)
-    short = "short_span" in features and head_dim == 128 and not {"additive", "dropout"} & set(features)
-    if short and kernel in ("fwd", "dkdv"):  # rows see few keys: shorter tiles, more programs (H200, notes 36)
+    span = {"fwd": "short_span", "dkdv": "short_span_dkdv"}.get(kernel)
+    short = span in features and head_dim == 128 and not {"additive", "dropout"} & set(features)
+    if short:  # rows see few keys: shorter tiles, more programs (H200, notes 36 and 46)
         first = TileConfig(64, 64, 4, 3) if kernel == "fwd" else TileConfig(32, 64, 4, 4)
         cands = (first, *(c for c in cands if c != first))
     if kernel == "fwd" and "additive" in features:  # the bias tile adds registers: narrower key tiles first,

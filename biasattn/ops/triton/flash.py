@@ -154,7 +154,8 @@ def _slice_span(t: torch.Tensor) -> int:
     return max(m - 1, 0) * abs(sm) + max(d - 1, 0) * abs(sd)
 
 
-SHORT_SPAN_KEYS = 1000  # mean visible keys per query row at or under which fwd and dK/dV take short tiles
+SHORT_SPAN_KEYS = 1000  # mean visible keys per query row at or under which the forward takes short tiles
+SHORT_SPAN_KEYS_DKDV = 800  # ... and at or under which dK/dV does too
 
 
 def mean_visible_keys(spec: BiasSpec, Mq: int, Mk: int) -> float:
@@ -184,19 +185,25 @@ def mean_visible_keys(spec: BiasSpec, Mq: int, Mk: int) -> float:
 
 
 def _span_features(spec: BiasSpec, Mq: int, Mk: int) -> tuple[str, ...]:
-    """``("short_span",)`` when query rows see few keys on average (packed documents, a 1k window, short caches).
+    """``("short_span",)`` when query rows see few keys on average (packed documents, a 1k window, short caches),
+    plus ``"short_span_dkdv"`` when they see fewer still.
 
     A tile then meets few tiles of the other side, and shorter tiles (more programs, each shorter)
     finish sooner: on an H200 the forward's 64x64 tiles gain 25% on packed documents and 4-10% on a 1k
     window or 1k-key rows, and lose 2-7% once rows see 2k keys or more; the dK/dV kernel's 32x64 tiles
-    gain 17% on packed documents (benchmarks/NOTES.md, 36). Lengths enter only through this bucket, so
-    a new sequence length changes the config key at most once. Block layouts keep their tiles. Traced
+    gain 17% on packed documents but lose 1.7% on a 1k window at 8k (961 keys per row on average) and
+    tie at 2k (769) (benchmarks/NOTES.md, 36 and 46). Lengths enter only through these buckets, so a
+    new sequence length changes the config key at most twice. Block layouts keep their tiles. Traced
     calls (``torch.compile``) carry only the segments' host lengths, so there a band or padded lengths
     do not count: the tiles may differ from an eager call's, the results do not."""
     if spec.layout is not None:
         return ()
-    return spec.cached(("short_span", Mq, Mk),
-                       lambda: ("short_span",) if mean_visible_keys(spec, Mq, Mk) <= SHORT_SPAN_KEYS else ())
+    def buckets() -> tuple[str, ...]:
+        mean = mean_visible_keys(spec, Mq, Mk)
+        return (("short_span",) if mean <= SHORT_SPAN_KEYS else ()) + (
+            ("short_span_dkdv",) if mean <= SHORT_SPAN_KEYS_DKDV else ())
+
+    return spec.cached(("short_span", Mq, Mk), buckets)
 
 
 def _index_64(*spans: int) -> bool:
