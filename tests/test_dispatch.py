@@ -198,8 +198,8 @@ def test_non_positive_scales_go_to_operators_that_take_any_scale():
     assert {"triton", "triton_splitk"} <= {n for n in ba.ops.available() if ba.ops.get(n).POSITIVE_SCALE_ONLY}
 
 
-def _decode(Hq, Hkv, Mq, bias=None):
-    q, k = torch.randn(2, Hq, Mq, 8), torch.randn(2, Hkv, 40, 8)
+def _decode(Hq, Hkv, Mq, bias=None, B=2, Mk=40):
+    q, k = torch.randn(B, Hq, Mq, 8), torch.randn(B, Hkv, Mk, 8)
     return make_inputs(q, k, k, bias)
 
 
@@ -211,6 +211,15 @@ def test_cuda_priority_puts_cudnn_first_for_single_query_decoding_of_small_group
         assert dispatch.priority("cuda", inp)[0] == "triton_splitk"
     order = dispatch.priority("cuda", _decode(2, 2, 17))  # not a decode shape
     assert order.index("cudnn") < order.index("cutlass") < order.index("triton_splitk")
+
+
+def test_cuda_priority_puts_cudnn_first_for_a_few_ungrouped_queries_on_large_batches():
+    assert dispatch.priority("cuda", _decode(32, 32, 4, B=4))[0] == "cudnn"  # 128 (sequence, head) pairs
+    assert dispatch.priority("cuda", _decode(32, 32, 2, B=64))[0] == "cudnn"
+    # a small batch; 5 queries; grouped heads; a long cache
+    for inp in (_decode(32, 32, 4, B=1), _decode(32, 32, 5, B=64), _decode(32, 8, 4, B=64), _decode(4, 4, 4, B=32, Mk=8193)):
+        assert dispatch.priority("cuda", inp)[0] == "triton_splitk"
+    assert dispatch.priority("cuda", _decode(4, 4, 4, B=32, Mk=8192))[0] == "cudnn"
 
 
 def test_cuda_priority_with_dropout_puts_flash2_before_triton():
