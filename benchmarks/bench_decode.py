@@ -78,8 +78,9 @@ def make_sets(B, Hq, Hkv, Mq, Mk):
 
 def provider_fn(name, Hq, Hkv, bias=None):
     """One decoding call of provider ``name`` as ``fn(q, k, v)``."""
-    if name == "triton_splitk":
-        return lambda q, k, v: ba.attention(q, k, v, bias, op="triton_splitk")
+    if name in ("triton_splitk", "cudnn", "dispatched"):  # our operators, forced, or the dispatcher's choice
+        op = None if name == "dispatched" else name
+        return lambda q, k, v: ba.attention(q, k, v, bias, op=op)
     backend = PEERS[name]
 
     def run(q, k, v):
@@ -244,6 +245,25 @@ def plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
+def grid_points(grid):
+    """``(Mq, Hq, Hkv, B, Mk)`` of every grid point whose K/V cache fits ``MAX_KV_BYTES``."""
+    for Mq in grid["Mq"]:
+        for Hq, Hkv in grid["heads"]:
+            for B in grid["B"]:
+                for Mk in grid["Mk"]:
+                    if 2 * B * Hkv * Mk * D * 2 <= MAX_KV_BYTES:
+                        yield Mq, Hq, Hkv, B, Mk
+
+
+def operators(grid) -> None:
+    """Print GB/s of the dispatched call, forced ``triton_splitk`` and forced ``cudnn`` at every grid point."""
+    names = ["dispatched", "triton_splitk", "cudnn"]
+    for Mq, Hq, Hkv, B, Mk in grid_points(grid):
+        r = {n: g for n, _, g, _ in bench_point(B, Hq, Hkv, Mq, Mk, names)}
+        print(f"B={B:<3} {Hq}/{Hkv:<3} Mq={Mq} Mk={Mk:<7} GB/s: " + ", ".join(f"{n} {r[n]:.0f}" for n in names)
+              + f"; cudnn / triton_splitk {r['cudnn'] / r['triton_splitk']:.3f}", flush=True)
+
+
 def _git_commit() -> str:
     """The commit measured: ``BIASATTN_COMMIT`` when set (a copy of the tree without its history), else git's."""
     if os.environ.get("BIASATTN_COMMIT"):
@@ -264,6 +284,8 @@ def main(argv=None):
     ap.add_argument("--heads", nargs="+", default=None, help="head layouts Hq/Hkv instead of 32/32 32/8 32/1")
     ap.add_argument("--mq", nargs="+", type=int, default=None, help="queries per sequence instead of 1 and 4")
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse, where git works)")
+    ap.add_argument("--operators", action="store_true",
+                    help="only print the dispatched call against forced triton_splitk and cudnn (our operators)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     commit = args.commit or _git_commit()
@@ -285,19 +307,17 @@ def main(argv=None):
         grid.update(heads=tuple(tuple(int(x) for x in h.split("/")) for h in args.heads))
     if args.mq:
         grid.update(Mq=tuple(args.mq))
+    if args.operators:
+        operators(grid)
+        return 0
     rows = []
     t0 = time.time()
-    for Mq in grid["Mq"]:
-        for Hq, Hkv in grid["heads"]:
-            for B in grid["B"]:
-                for Mk in grid["Mk"]:
-                    if 2 * B * Hkv * Mk * D * 2 > MAX_KV_BYTES:
-                        continue
-                    for name, ms, gbps, note in bench_point(B, Hq, Hkv, Mq, Mk, ["triton_splitk", *PEERS]):
-                        rows.append(dict(meta, provider=name, B=B, Hq=Hq, Hkv=Hkv, Mq=Mq, Mk=Mk, ms=ms, GBps=gbps, note=note))
-                    r = {x["provider"]: x["GBps"] for x in rows[-3:]}
-                    print(f"B={B:<3} {Hq}/{Hkv:<3} Mq={Mq} Mk={Mk:<7} ours {r['triton_splitk']:7.0f}  "
-                          f"flash {r['sdpa_flash']:7.0f}  cudnn {r['sdpa_cudnn']:7.0f}  [{time.time() - t0:.0f}s]", flush=True)
+    for Mq, Hq, Hkv, B, Mk in grid_points(grid):
+        for name, ms, gbps, note in bench_point(B, Hq, Hkv, Mq, Mk, ["triton_splitk", *PEERS]):
+            rows.append(dict(meta, provider=name, B=B, Hq=Hq, Hkv=Hkv, Mq=Mq, Mk=Mk, ms=ms, GBps=gbps, note=note))
+        r = {x["provider"]: x["GBps"] for x in rows[-3:]}
+        print(f"B={B:<3} {Hq}/{Hkv:<3} Mq={Mq} Mk={Mk:<7} ours {r['triton_splitk']:7.0f}  "
+              f"flash {r['sdpa_flash']:7.0f}  cudnn {r['sdpa_cudnn']:7.0f}  [{time.time() - t0:.0f}s]", flush=True)
     padded_experiment(rows, meta)
     for B, Hq, Hkv, Mq, Mk in ((1, 32, 8, 1, 32768), (16, 32, 1, 1, 131072)):  # spread: the same point again
         key = ("triton_splitk", B, Hkv, Mq, Mk)

@@ -35,12 +35,13 @@ SPLITK_MAX_MQ = 16  # triton_splitk is a decode kernel: only tried first for seq
 # head, or 4 queries per sequence, triton_splitk is faster, by up to 19x (cuDNN does not share a K/V
 # tile between the heads of a group).
 CUDNN_DECODE_MAX_GROUPS = 16
-# A few queries per sequence without grouped heads, on a batch of at least 128 (sequence, head) pairs
-# and a cache of at most 8k keys: cuDNN streams faster too (4 queries, 32/32 heads, B = 4, 16, 64,
-# caches 1k and 8k: 1.01-1.12x our GB/s); from 32k keys the two tie or triton_splitk leads (0.99-1.10x),
-# and at B = 1 triton_splitk is 1.2-3.0x faster (results/h200/decode.md).
+# A few queries per sequence without grouped heads, on a batch of at least 512 (sequence, head) pairs
+# and a cache of at most 8k keys: the cudnn operator streams faster too (H200, CUDA-graph timed, 32/32
+# heads, 2 and 4 queries, B = 16 and 64, caches 1k and 8k: 1.008-1.032x triton_splitk's GB/s); at B = 4
+# it loses at 1k (0.96-0.97x), from 16k keys the two tie within 2.5% either way, and at B = 1
+# triton_splitk is 1.3-2.7x faster (results/h200/decode.md; notes 47).
 CUDNN_DECODE_UNGROUPED_MAX_MQ = 4
-CUDNN_DECODE_UNGROUPED_MIN_PAIRS = 128
+CUDNN_DECODE_UNGROUPED_MIN_PAIRS = 512
 CUDNN_DECODE_UNGROUPED_MAX_MK = 8192
 # With dropout, FlashAttention-2 goes before triton: drawing the mask costs our kernels 1.60-1.95x their
 # time without dropout against FA2's 1.09-1.25x, which leaves triton at 0.84-1.00x flash2 on no bias,

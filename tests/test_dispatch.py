@@ -214,12 +214,12 @@ def test_cuda_priority_puts_cudnn_first_for_single_query_decoding_of_small_group
 
 
 def test_cuda_priority_puts_cudnn_first_for_a_few_ungrouped_queries_on_large_batches():
-    assert dispatch.priority("cuda", _decode(32, 32, 4, B=4))[0] == "cudnn"  # 128 (sequence, head) pairs
+    assert dispatch.priority("cuda", _decode(32, 32, 4, B=16))[0] == "cudnn"  # 512 (sequence, head) pairs
     assert dispatch.priority("cuda", _decode(32, 32, 2, B=64))[0] == "cudnn"
     # a small batch; 5 queries; grouped heads; a long cache
-    for inp in (_decode(32, 32, 4, B=1), _decode(32, 32, 5, B=64), _decode(32, 8, 4, B=64), _decode(4, 4, 4, B=32, Mk=8193)):
+    for inp in (_decode(32, 32, 4, B=4), _decode(32, 32, 5, B=64), _decode(32, 8, 4, B=64), _decode(8, 8, 4, B=64, Mk=8193)):
         assert dispatch.priority("cuda", inp)[0] == "triton_splitk"
-    assert dispatch.priority("cuda", _decode(4, 4, 4, B=32, Mk=8192))[0] == "cudnn"
+    assert dispatch.priority("cuda", _decode(8, 8, 4, B=64, Mk=8192))[0] == "cudnn"
 
 
 def test_cuda_priority_with_dropout_puts_flash2_before_triton():
