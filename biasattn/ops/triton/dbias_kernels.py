@@ -128,13 +128,13 @@ def _attn_bwd_dbias_kernel(
     tl.store(g_ptrs, acc.to(DBias.dtype.element_ty), mask=(rows[:, None] < Mq) & (cols[None, :] < Mk))
 
 
-@triton.jit(do_not_specialize=["B"])
+@triton.jit
 def _attn_bwd_dq_from_ds_kernel(
     K, DS, DQ, KvLens, BandLo, BandHi, sm_scale,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_gb, stride_gh, stride_gm, stride_gn,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    B, H, G, Mq, Mk, D,
+    H, G, Mq, Mk, D,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
 ):

@@ -198,6 +198,7 @@ def _span_features(spec: BiasSpec, Mq: int, Mk: int) -> tuple[str, ...]:
     do not count: the tiles may differ from an eager call's, the results do not."""
     if spec.layout is not None:
         return ()
+
     def buckets() -> tuple[str, ...]:
         mean = mean_visible_keys(spec, Mq, Mk)
         return (("short_span",) if mean <= SHORT_SPAN_KEYS else ()) + (
@@ -441,7 +442,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     def run_dq_ds(cfg: configs.TileConfig) -> None:
         _dq_ds[(cdiv(Mq, cfg.block_m), B * H)](
             k, dbias, dq, args.kv, args.band_lo, args.band_hi, scale,
-            *k.stride(), *g_strides, *dq.stride(), B, H, H // Hkv, Mq, Mk, D,
+            *k.stride(), *g_strides, *dq.stride(), H, H // Hkv, Mq, Mk, D,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, EVEN_D=even,
             HAS_PADDED=args.has_padded, HAS_BAND=args.has_band, DOT_PRECISION=_dot_precision(q.dtype),
             INDEX_64=index_64, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
