@@ -19,6 +19,11 @@ import biasattn as ba
 from biasattn.inputs import make_inputs
 from biasattn.ops.reference import dense_bias, softmax_attention
 
+try:  # a module global: the probe kernel of test_chunked_program_order calls it
+    from biasattn.ops.triton.common_kernels import _chunked_ids
+except ImportError:
+    _chunked_ids = None
+
 OP = ba.ops.get("triton") if "triton" in ba.ops.available() else None
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
@@ -667,3 +672,38 @@ def test_direct_launch_signature():
     assert sig() != sig(s=2**31)  # an unkeyed integer past 32 bits
     assert sig() != sig(n=7.0)  # argument types
     assert sig(t=5) != sig(t=6) and sig(t=5)[0] != sig()[0]  # a tensor slot holding an int keys on its value
+
+
+def test_chunked_program_order():
+    """Grid positions map one to one onto (tile rank, pair): chunks of pairs in turn, rank-major inside a chunk."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(Rank, Pair, n_tiles, n_pairs, chunk):
+        rank, pair = _chunked_ids(tl.program_id(0), tl.program_id(1), n_tiles, n_pairs, chunk)
+        lin = tl.program_id(1) * n_tiles + tl.program_id(0)
+        tl.store(Rank + lin, rank)
+        tl.store(Pair + lin, pair)
+
+    for n_tiles, n_pairs, chunk in ((3, 5, 2), (4, 6, 3), (2, 3, 1), (5, 4, 4), (1, 7, 3)):
+        rank = torch.full((n_tiles * n_pairs,), -1, dtype=torch.int32, device=DEVICE)
+        pair = torch.full_like(rank, -1)
+        probe[(n_tiles, n_pairs)](rank, pair, n_tiles, n_pairs, chunk)
+        got = list(zip(rank.tolist(), pair.tolist()))
+        expected = []
+        for first in range(0, n_pairs, chunk):
+            expected += [(r, p) for r in range(n_tiles) for p in range(first, min(first + chunk, n_pairs))]
+        assert got == expected, (n_tiles, n_pairs, chunk)
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, 1, 3 * 45 * 32 * 4], ids=["one_pair", "one_pair_min", "three_pairs"])
+def test_program_chunks_keep_results(monkeypatch, chunk_bytes):
+    """Programs taken one (batch, head) pair at a time or in chunks that leave a partial last chunk."""
+    from biasattn.ops.triton import flash
+
+    monkeypatch.setattr(flash, "L2_CHUNK_BYTES", chunk_bytes)
+    if chunk_bytes:
+        assert flash.program_chunk(8, 45 * 32 * 4) == (3 if chunk_bytes > 1 else 1)
+    check(*qkv(B=2, Hq=4, Hkv=4, Mq=37, Mk=45), const(ba.LowerTriangularMask()))
+    check(*qkv(B=2, Hq=4, Hkv=2, Mq=40, Mk=29), const(ba.LocalAttentionMask(7, 3)))

@@ -18,6 +18,7 @@ from .common_kernels import (
     _add_load,
     _additive_tile,
     _alibi_tile,
+    _chunked_ids,
     _col_row_bounds,
     _dropout_keep,
     _dropout_keep_tile,
@@ -319,7 +320,7 @@ def _dkdv_program(
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=cvalid[:, None] & (dvd[None, :] < Dv))
 
 
-@triton.jit(do_not_specialize=["nb_loop", "nhk_loop", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
+@triton.jit(do_not_specialize=["nb_loop", "nhk_loop", "n_prog_n", "n_pairs", "chunk", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
                              "seed_lo", "seed_hi", "drop_thresh"])  # values that vary per call: no recompiles
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, DBias, DCol,
@@ -336,7 +337,7 @@ def _attn_bwd_dkdv_kernel(
     stride_sb, stride_sh,
     stride_lb, stride_lh, stride_lq, stride_lk,
     stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
-    H, G, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop,
+    H, G, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop, n_prog_n, n_pairs, chunk,
     layout_q_off, layout_k_off, block_q, block_k, alibi_shift, seed_lo, seed_hi, drop_thresh, drop_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
     SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
@@ -346,9 +347,9 @@ def _attn_bwd_dkdv_kernel(
     COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
     GQA: tl.constexpr, OUTER_LOOPS: tl.constexpr, HAS_DROPOUT: tl.constexpr, DROP_ALIGNED: tl.constexpr,
 ):
-    """Grid ``(key tiles, (B / nb_loop) * (Hkv / nhk_loop))``. Writes ``DK``, ``DV`` ``[B, Hkv, Mk, D|Dv]``."""
-    pid_n = tl.program_id(0)
-    pid = tl.program_id(1)
+    """Grid ``(n_prog_n key tiles, n_pairs = (B / nb_loop) * (Hkv / nhk_loop))``, taken in chunks of
+    ``chunk`` pairs (:func:`_chunked_ids`). Writes ``DK``, ``DV`` ``[B, Hkv, Mk, D|Dv]``."""
+    pid_n, pid = _chunked_ids(tl.program_id(0), tl.program_id(1), n_prog_n, n_pairs, chunk)
     n_hk_groups = Hkv // nhk_loop
     bg = pid // n_hk_groups
     hg = pid % n_hk_groups
@@ -447,7 +448,7 @@ def _dq_tile(
     return dq, drow
 
 
-@triton.jit(do_not_specialize=["B", "n_prog_m", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
+@triton.jit(do_not_specialize=["B", "n_prog_m", "chunk", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
                              "seed_lo", "seed_hi", "drop_thresh"])  # values that vary per call: no recompiles
 def _attn_bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, DRow, Out, DLse,
@@ -463,7 +464,7 @@ def _attn_bwd_dq_kernel(
     stride_sb, stride_sh,
     stride_lb, stride_lh, stride_lq, stride_lk,
     stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
-    B, H, G, Mq, Mk, D, Dv, n_prog_m,
+    B, H, G, Mq, Mk, D, Dv, n_prog_m, chunk,
     layout_q_off, layout_k_off, block_q, block_k, alibi_shift, seed_lo, seed_hi, drop_thresh, drop_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
     SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
@@ -476,7 +477,7 @@ def _attn_bwd_dq_kernel(
 
     With ``FUSED_DELTA`` the program computes its rows' ``Delta = rowsum(dO * Out) - dLse`` and stores
     it for the dK/dV kernel launched after it (no preprocessing launch); otherwise it reads ``Delta``."""
-    pid_m, b, h, pid_bh = _program_ids(B, H, BATCH_INNER)
+    pid_m, b, h, pid_bh = _program_ids(B, H, n_prog_m, chunk, BATCH_INNER)
     hk = h // G
     row_blocks = (Mk + 7) // 8
     drop_base = pid_bh.to(tl.int64) * Mq * row_blocks

@@ -20,10 +20,29 @@ BIG = tl.constexpr(1073741824)  # 2**30, "unbounded" in band terms
 
 
 @triton.jit
-def _program_ids(B, H, BATCH_INNER: tl.constexpr):
+def _chunked_ids(pid0, pid1, n_tiles, n_pairs, chunk):
+    """``(tile rank, pair)`` of grid position ``(pid0, pid1)`` on a grid ``(n_tiles, n_pairs)``.
+
+    Blocks start in grid order (``pid0`` fastest). Taken as they come, the pairs' programs run
+    ``chunk`` pairs at a time, and within a chunk rank 0 of every pair, then rank 1, and so on: the
+    launcher orders ranks heaviest first, so the last programs to start are the lightest of every
+    pair (a short tail), while the chunk's K/V (sized to the L2 cache on the host) is shared by the
+    programs running together. ``chunk = 1`` is the plain order, one pair after another.
+    """
+    lin = pid1 * n_tiles + pid0
+    per = chunk * n_tiles
+    first = (lin // per) * chunk
+    cur = tl.minimum(chunk, n_pairs - first)
+    r = lin - (lin // per) * per
+    return r // cur, first + r % cur
+
+
+@triton.jit
+def _program_ids(B, H, n_tiles, chunk, BATCH_INNER: tl.constexpr):
     """``(tile program, batch, head, batch·H + head)`` of a query-tile program.
 
-    Grid ``(tiles, B·H)``, or with ``BATCH_INNER`` ``(tiles·B, H)`` with the batch varying fastest:
+    Grid ``(tiles, B·H)``, its programs taken in chunks of ``chunk`` (batch, head) pairs
+    (:func:`_chunked_ids`); or with ``BATCH_INNER`` ``(tiles·B, H)`` with the batch varying fastest:
     then the programs of one head and tile run side by side, and a bias tile broadcast over the
     batch is read from memory once for all of them (the others hit the L2 cache).
     """
@@ -33,8 +52,7 @@ def _program_ids(B, H, BATCH_INNER: tl.constexpr):
         b = pid % B
         h = tl.program_id(1)
     else:
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
+        pid_m, pid_bh = _chunked_ids(tl.program_id(0), tl.program_id(1), n_tiles, B * H, chunk)
         b = pid_bh // H
         h = pid_bh % H
     return pid_m, b, h, b * H + h

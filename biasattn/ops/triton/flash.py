@@ -154,6 +154,21 @@ def _slice_span(t: torch.Tensor) -> int:
     return max(m - 1, 0) * abs(sm) + max(d - 1, 0) * abs(sd)
 
 
+L2_CHUNK_BYTES = 16 << 20  # operand bytes of the (batch, head) pairs whose programs start together; 0: one pair at a time
+
+
+def program_chunk(pairs: int, bytes_per_pair: int) -> int:
+    """How many (batch, head) pairs' programs a kernel starts together, heaviest tiles first.
+
+    As many pairs as keep the operand their programs share (K/V for query tiles, Q/dO for key
+    tiles) within ``L2_CHUNK_BYTES``: programs running together re-read it from the L2 cache, and
+    the lightest tiles of every pair in the chunk start last, so a causal or banded kernel ends in
+    a short tail instead of one pair's heaviest tile (see ``_chunked_ids`` in the kernels)."""
+    if L2_CHUNK_BYTES <= 0 or pairs <= 1:
+        return 1
+    return max(1, min(pairs, L2_CHUNK_BYTES // max(1, bytes_per_pair)))
+
+
 SHORT_SPAN_KEYS = 1000  # mean visible keys per query row at or under which the forward takes short tiles
 SHORT_SPAN_KEYS_DKDV = 800  # ... and at or under which dK/dV does too
 
@@ -267,6 +282,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
     batch_inner = args.batch_shared_bias and B > 1
     index_64 = _index_64(_slice_span(q), _slice_span(k), _slice_span(v), _slice_span(out), args.add_span)
     drop = dropout_args(dropout_p, seed)
+    kv_chunk = program_chunk(B * H, -(-Mk * (D + Dv) * k.element_size() // (H // Hkv)))
 
     def run(cfg: configs.TileConfig) -> None:
         sched = schedule.query_schedule(spec, cfg.block_m, q.device)
@@ -279,7 +295,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
             scale * LOG2E,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *args.add_strides, *args.slope_strides,
             *args.layout_strides, *cs, *ts,
-            B, H, H // Hkv, Mq, Mk, D, Dv, sched.n,
+            B, H, H // Hkv, Mq, Mk, D, Dv, sched.n, kv_chunk,
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=(D == hd and Dv == hdv),
             BATCH_INNER=batch_inner, HAS_DROPOUT=dropout_p > 0,
@@ -393,20 +409,23 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     feats += _span_features(spec, Mq, Mk)
     drop = dropout_args(dropout_p, seed)
     has_dropout = dropout_p > 0
+    kv_chunk = program_chunk(B * H, -(-Mk * (D + Dv) * k.element_size() // (H // Hkv)))
+    q_bytes = Mq * (D + Dv) * q.element_size() * (H // Hkv) * nb_loop * nhk_loop  # Q and dO per dK/dV pair
 
     def run_dkdv(cfg: configs.TileConfig) -> None:
         if plan_kv == "full" and nb_loop * nhk_loop > 1:
             dbias.zero_()
         sched = schedule.key_schedule(spec, cfg.block_n, dev)
         count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_m, False, dev)
-        grid = (sched.n, (B // nb_loop) * (Hkv // nhk_loop))
+        pairs = (B // nb_loop) * (Hkv // nhk_loop)
+        grid = (sched.n, pairs)
         _dkdv[grid](
             q, k, v, dout, lse, delta, dk, dv, dbias, dcol,
             args.add, args.slopes, args.layout, args.qs, args.kv, args.band_lo, args.band_hi,
             sched.table if sched.table is not None else args.d32, count, index,
             scale * LOG2E, scale,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(), *g_strides, *common, *cs, *ts,
-            H, H // Hkv, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop,
+            H, H // Hkv, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop, sched.n, pairs, program_chunk(pairs, q_bytes),
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only,
@@ -429,7 +448,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             sched.table if sched.table is not None else args.d32, count, index,
             scale * LOG2E, scale,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *out.stride(), *common, *cs, *ts,
-            B, H, H // Hkv, Mq, Mk, D, Dv, sched.n,
+            B, H, H // Hkv, Mq, Mk, D, Dv, sched.n, kv_chunk,
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even, BATCH_INNER=batch_inner,
             HAS_DROPOUT=has_dropout, FUSED_DELTA=fused_delta, HAS_DLSE=dlse is not None,

@@ -78,7 +78,7 @@ def _fwd_tile(
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["B", "n_prog_m", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
+@triton.jit(do_not_specialize=["B", "n_prog_m", "chunk", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
                              "seed_lo", "seed_hi", "drop_thresh"])  # values that vary per call: no recompiles
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse,
@@ -92,7 +92,7 @@ def _attn_fwd_kernel(
     stride_sb, stride_sh,
     stride_lb, stride_lh, stride_lq, stride_lk,
     stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
-    B, H, G, Mq, Mk, D, Dv, n_prog_m,
+    B, H, G, Mq, Mk, D, Dv, n_prog_m, chunk,
     layout_q_off, layout_k_off, block_q, block_k, alibi_shift, seed_lo, seed_hi, drop_thresh, drop_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
     SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
@@ -103,7 +103,7 @@ def _attn_fwd_kernel(
     """Grid ``(query tiles, B * Hq)`` (``(query tiles * B, Hq)`` with ``BATCH_INNER``). Writes ``Out [B, Hq, Mq, Dv]`` and ``Lse [B, Hq, Mq]`` (natural log).
 
     With ``HAS_DROPOUT`` the output is the dropped, rescaled one; ``Lse`` stays that of the full softmax."""
-    pid_m, b, h, pid_bh = _program_ids(B, H, BATCH_INNER)
+    pid_m, b, h, pid_bh = _program_ids(B, H, n_prog_m, chunk, BATCH_INNER)
     row_blocks = (Mk + 7) // 8
     drop_base = pid_bh.to(tl.int64) * Mq * row_blocks
     seed = _dropout_seed(seed_lo, seed_hi)
