@@ -353,8 +353,7 @@ AB_SWITCHES = {  # name: (module.attribute, state A, state B, value A, value B)
     "concurrent": ("flash.CONCURRENT_BWD", "dQ beside dK/dV on a side stream", "dQ after dK/dV", True, False),
     "direct": ("launch.DIRECT", "direct launches of compiled kernels", "Triton's kernel[grid] launches", True, False),
     "delta": ("flash.FUSED_DELTA", "delta computed by dQ", "delta preprocessing launch", True, False),
-    "order": ("flash.L2_CHUNK_BYTES", "pairs started in L2-sized chunks, heaviest tiles first", "one pair after another",
-              16 << 20, 0),
+    "order": ("flash.ORDER_TAIL_WAVES", "last pairs started rank by rank", "plain order", 4, 0),
     "dq_from_ds": ("flash.DQ_FROM_DS", "dQ read back from a per-(batch, head) bias gradient", "dQ recomputing S and dP",
                    True, False),
 }

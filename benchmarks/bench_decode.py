@@ -125,8 +125,9 @@ def padded_experiment(out_rows, meta):
 
 def sweep(meta):
     """Tile-config variants on a few shapes (launcher called directly, graph-timed)."""
-    shapes = [(1, 32, 8, 1, 32768), (1, 32, 32, 1, 131072), (16, 32, 32, 1, 8192), (4, 32, 1, 4, 32768)]
-    configs = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 4, 2)]
+    shapes = [(1, 32, 8, 1, 32768), (1, 32, 32, 1, 131072), (16, 32, 32, 1, 8192), (4, 32, 1, 4, 32768),
+              (64, 32, 1, 4, 32768), (16, 32, 1, 4, 131072), (64, 32, 8, 4, 8192)]
+    configs = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (128, 8, 2), (32, 4, 4), (64, 4, 2)]
     for B, Hq, Hkv, Mq, Mk in shapes:
         sets = make_sets(B, Hq, Hkv, Mq, Mk)
         kv_bytes = 2 * B * Hkv * Mk * D * 2

@@ -675,7 +675,7 @@ def test_direct_launch_signature():
 
 
 def test_chunked_program_order():
-    """Grid positions map one to one onto (tile rank, pair): chunks of pairs in turn, rank-major inside a chunk."""
+    """Grid positions map one to one onto (tile rank, pair): the plain order, then the last ``chunk`` pairs rank by rank."""
     import triton
     import triton.language as tl
 
@@ -691,19 +691,18 @@ def test_chunked_program_order():
         pair = torch.full_like(rank, -1)
         probe[(n_tiles, n_pairs)](rank, pair, n_tiles, n_pairs, chunk)
         got = list(zip(rank.tolist(), pair.tolist()))
-        expected = []
-        for first in range(0, n_pairs, chunk):
-            expected += [(r, p) for r in range(n_tiles) for p in range(first, min(first + chunk, n_pairs))]
+        first = n_pairs - chunk
+        expected = [(r, p) for p in range(first) for r in range(n_tiles)]
+        expected += [(r, p) for r in range(n_tiles) for p in range(first, n_pairs)]
         assert got == expected, (n_tiles, n_pairs, chunk)
 
 
-@pytest.mark.parametrize("chunk_bytes", [0, 1, 3 * 45 * 32 * 4], ids=["one_pair", "one_pair_min", "three_pairs"])
-def test_program_chunks_keep_results(monkeypatch, chunk_bytes):
-    """Programs taken one (batch, head) pair at a time or in chunks that leave a partial last chunk."""
+@pytest.mark.parametrize("waves", [0, 1, 8], ids=["plain_order", "last_pairs_by_rank", "all_pairs_by_rank"])
+def test_program_order_keeps_results(monkeypatch, waves):
+    """Programs in the plain order, with the last pairs started rank by rank, or every pair so."""
     from biasattn.ops.triton import flash
 
-    monkeypatch.setattr(flash, "L2_CHUNK_BYTES", chunk_bytes)
-    if chunk_bytes:
-        assert flash.program_chunk(8, 45 * 32 * 4) == (3 if chunk_bytes > 1 else 1)
+    monkeypatch.setattr(flash, "ORDER_TAIL_WAVES", waves)
+    assert flash.program_chunk(8, 3, 4, 1) == {0: 1, 1: 2, 8: 8}[waves]  # 4 SMs, 3 tiles per pair
     check(*qkv(B=2, Hq=4, Hkv=4, Mq=37, Mk=45), const(ba.LowerTriangularMask()))
     check(*qkv(B=2, Hq=4, Hkv=2, Mq=40, Mk=29), const(ba.LocalAttentionMask(7, 3)))

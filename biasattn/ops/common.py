@@ -63,3 +63,15 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
     """Compute capability of a CUDA device, read once per device (it is asked on every call)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (4 for the CPU, where kernels run under the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())

@@ -347,8 +347,8 @@ def _attn_bwd_dkdv_kernel(
     COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
     GQA: tl.constexpr, OUTER_LOOPS: tl.constexpr, HAS_DROPOUT: tl.constexpr, DROP_ALIGNED: tl.constexpr,
 ):
-    """Grid ``(n_prog_n key tiles, n_pairs = (B / nb_loop) * (Hkv / nhk_loop))``, taken in chunks of
-    ``chunk`` pairs (:func:`_chunked_ids`). Writes ``DK``, ``DV`` ``[B, Hkv, Mk, D|Dv]``."""
+    """Grid ``(n_prog_n key tiles, n_pairs = (B / nb_loop) * (Hkv / nhk_loop))``, the last ``chunk``
+    pairs started rank by rank (:func:`_chunked_ids`). Writes ``DK``, ``DV`` ``[B, Hkv, Mk, D|Dv]``."""
     pid_n, pid = _chunked_ids(tl.program_id(0), tl.program_id(1), n_prog_n, n_pairs, chunk)
     n_hk_groups = Hkv // nhk_loop
     bg = pid // n_hk_groups

@@ -23,25 +23,23 @@ BIG = tl.constexpr(1073741824)  # 2**30, "unbounded" in band terms
 def _chunked_ids(pid0, pid1, n_tiles, n_pairs, chunk):
     """``(tile rank, pair)`` of grid position ``(pid0, pid1)`` on a grid ``(n_tiles, n_pairs)``.
 
-    Blocks start in grid order (``pid0`` fastest). Taken as they come, the pairs' programs run
-    ``chunk`` pairs at a time, and within a chunk rank 0 of every pair, then rank 1, and so on: the
-    launcher orders ranks heaviest first, so the last programs to start are the lightest of every
-    pair (a short tail), while the chunk's K/V (sized to the L2 cache on the host) is shared by the
-    programs running together. ``chunk = 1`` is the plain order, one pair after another.
+    Blocks start in grid order (``pid0`` fastest), one pair's ranks after another's; the launchers
+    order ranks heaviest first. The last ``chunk`` pairs start rank by rank instead (rank 0 of each,
+    then rank 1, ...), so the last programs to start are the lightest of several pairs and the
+    kernel ends in a short tail, not in one pair's heaviest tile. ``chunk = 1`` is the plain order.
     """
     lin = pid1 * n_tiles + pid0
-    per = chunk * n_tiles
-    first = (lin // per) * chunk
-    cur = tl.minimum(chunk, n_pairs - first)
-    r = lin - (lin // per) * per
-    return r // cur, first + r % cur
+    head = (n_pairs - chunk) * n_tiles
+    r = tl.maximum(lin - head, 0)
+    tail = lin >= head
+    return tl.where(tail, r // chunk, pid0), tl.where(tail, n_pairs - chunk + r % chunk, pid1)
 
 
 @triton.jit
 def _program_ids(B, H, n_tiles, chunk, BATCH_INNER: tl.constexpr):
     """``(tile program, batch, head, batch·H + head)`` of a query-tile program.
 
-    Grid ``(tiles, B·H)``, its programs taken in chunks of ``chunk`` (batch, head) pairs
+    Grid ``(tiles, B·H)``, its last ``chunk`` (batch, head) pairs started rank by rank
     (:func:`_chunked_ids`); or with ``BATCH_INNER`` ``(tiles·B, H)`` with the batch varying fastest:
     then the programs of one head and tile run side by side, and a bias tile broadcast over the
     batch is read from memory once for all of them (the others hit the L2 cache).

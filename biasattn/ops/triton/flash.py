@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ...bias.spec import BiasSpec
-from ..common import cdiv, next_power_of_2, tile_size
+from ..common import cdiv, next_power_of_2, num_sms, tile_size
 from . import configs, schedule
 from .bwd_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from .dbias_kernels import _attn_bwd_dbias_kernel, _attn_bwd_dq_from_ds_kernel
@@ -154,19 +154,23 @@ def _slice_span(t: torch.Tensor) -> int:
     return max(m - 1, 0) * abs(sm) + max(d - 1, 0) * abs(sd)
 
 
-L2_CHUNK_BYTES = 16 << 20  # operand bytes of the (batch, head) pairs whose programs start together; 0: one pair at a time
+ORDER_TAIL_WAVES = 4  # waves of programs at the end of a grid that start rank by rank across pairs; 0: plain order
+L2_CHUNK_BYTES = 16 << 20  # ... within this many bytes of the operand the pairs' programs share
 
 
-def program_chunk(pairs: int, bytes_per_pair: int) -> int:
-    """How many (batch, head) pairs' programs a kernel starts together, heaviest tiles first.
+def program_chunk(pairs: int, tiles: int, sms: int, bytes_per_pair: int) -> int:
+    """How many (batch, head) pairs at the end of a grid start their programs rank by rank.
 
-    As many pairs as keep the operand their programs share (K/V for query tiles, Q/dO for key
-    tiles) within ``L2_CHUNK_BYTES``: programs running together re-read it from the L2 cache, and
-    the lightest tiles of every pair in the chunk start last, so a causal or banded kernel ends in
-    a short tail instead of one pair's heaviest tile (see ``_chunked_ids`` in the kernels)."""
-    if L2_CHUNK_BYTES <= 0 or pairs <= 1:
+    Each pair's tiles are ordered heaviest first (a causal or banded span shrinks along them), so
+    when the last pairs start rank by rank the lightest tiles of several pairs end the kernel
+    instead of one pair's heaviest tile (``_chunked_ids`` in the kernels). Enough pairs to fill
+    ``ORDER_TAIL_WAVES`` waves of one program per multiprocessor, at most as many as keep the
+    operand their programs share (K/V for query tiles, Q/dO for key tiles) within ``L2_CHUNK_BYTES``.
+    """
+    if ORDER_TAIL_WAVES <= 0 or pairs <= 1 or tiles <= 1:
         return 1
-    return max(1, min(pairs, L2_CHUNK_BYTES // max(1, bytes_per_pair)))
+    fill = cdiv(ORDER_TAIL_WAVES * sms, tiles)
+    return max(1, min(pairs, fill, L2_CHUNK_BYTES // max(1, bytes_per_pair)))
 
 
 SHORT_SPAN_KEYS = 1000  # mean visible keys per query row at or under which the forward takes short tiles
@@ -282,7 +286,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
     batch_inner = args.batch_shared_bias and B > 1
     index_64 = _index_64(_slice_span(q), _slice_span(k), _slice_span(v), _slice_span(out), args.add_span)
     drop = dropout_args(dropout_p, seed)
-    kv_chunk = program_chunk(B * H, -(-Mk * (D + Dv) * k.element_size() // (H // Hkv)))
+    kv_bytes = cdiv(Mk * (D + Dv) * k.element_size(), H // Hkv)  # K/V per query head
 
     def run(cfg: configs.TileConfig) -> None:
         sched = schedule.query_schedule(spec, cfg.block_m, q.device)
@@ -295,7 +299,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
             scale * LOG2E,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *args.add_strides, *args.slope_strides,
             *args.layout_strides, *cs, *ts,
-            B, H, H // Hkv, Mq, Mk, D, Dv, sched.n, kv_chunk,
+            B, H, H // Hkv, Mq, Mk, D, Dv, sched.n, program_chunk(B * H, sched.n, num_sms(q.device), kv_bytes),
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=(D == hd and Dv == hdv),
             BATCH_INNER=batch_inner, HAS_DROPOUT=dropout_p > 0,
@@ -409,7 +413,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     feats += _span_features(spec, Mq, Mk)
     drop = dropout_args(dropout_p, seed)
     has_dropout = dropout_p > 0
-    kv_chunk = program_chunk(B * H, -(-Mk * (D + Dv) * k.element_size() // (H // Hkv)))
+    kv_bytes = cdiv(Mk * (D + Dv) * k.element_size(), H // Hkv)  # K/V per query head
     q_bytes = Mq * (D + Dv) * q.element_size() * (H // Hkv) * nb_loop * nhk_loop  # Q and dO per dK/dV pair
 
     def run_dkdv(cfg: configs.TileConfig) -> None:
@@ -425,7 +429,8 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             sched.table if sched.table is not None else args.d32, count, index,
             scale * LOG2E, scale,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(), *g_strides, *common, *cs, *ts,
-            H, H // Hkv, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop, sched.n, pairs, program_chunk(pairs, q_bytes),
+            H, H // Hkv, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop, sched.n, pairs,
+            program_chunk(pairs, sched.n, num_sms(dev), q_bytes),
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only,
@@ -448,7 +453,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             sched.table if sched.table is not None else args.d32, count, index,
             scale * LOG2E, scale,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *out.stride(), *common, *cs, *ts,
-            B, H, H // Hkv, Mq, Mk, D, Dv, sched.n, kv_chunk,
+            B, H, H // Hkv, Mq, Mk, D, Dv, sched.n, program_chunk(B * H, sched.n, num_sms(dev), kv_bytes),
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even, BATCH_INNER=batch_inner,
             HAS_DROPOUT=has_dropout, FUSED_DELTA=fused_delta, HAS_DLSE=dlse is not None,

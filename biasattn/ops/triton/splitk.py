@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ...inputs import AttentionInputs
-from ..common import cdiv, next_power_of_2, tile_size
+from ..common import cdiv, next_power_of_2, num_sms, tile_size
 from .launch import direct
 from .splitk_kernels import _merge_partials_kernel, _splitk_fwd_kernel
 
@@ -77,18 +77,6 @@ class SplitKConfig:
     block_n: int
     num_warps: int
     num_stages: int
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device (4 for the CPU, where kernels run under the interpreter)."""
-    if device.type != "cuda":
-        return 4
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.device) -> SplitKConfig:
