@@ -85,8 +85,8 @@ def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.devi
     block_m = min(tile_size(rows), 128 if widest <= 128 else 64)
     if device.type != "cuda":
         return SplitKConfig(block_m, 16, 4, 1)
-    block_n = 64 if widest <= 128 else 32
-    return SplitKConfig(block_m, block_n, 4 if block_m <= 64 else 8, 4)  # 4 stages: measured best on H200
+    block_n = 128 if widest <= 128 else 32
+    return SplitKConfig(block_m, block_n, 4 if block_m <= 64 else 8, 3 if block_n >= 128 else 4)  # H200, notes 49
 
 
 def _key_bounds(inp: AttentionInputs, mq_stride: int) -> tuple[int, list[int] | None]:
