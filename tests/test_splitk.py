@@ -141,6 +141,21 @@ def test_mixed_lengths_split_to_balance_the_work():
     assert choose_num_splits(128, 513, 132, programs_per_sm=1, tiles_per_sequence=mixed) > 4
 
 
+def test_key_tiles_follow_the_cache_length_and_the_grid():
+    """128-key tiles on long caches, and on mid-size ones when the grid needs splits; 64 otherwise."""
+    from biasattn.ops.triton.splitk import default_config
+
+    cuda = torch.device("cuda")
+    assert default_config(1, 128, 128, cuda, keys=1024, programs=32).block_n == 64
+    assert default_config(1, 128, 128, cuda, keys=2048, programs=128).block_n == 128
+    assert default_config(1, 128, 128, cuda, keys=4096, programs=512).block_n == 64  # a full grid
+    assert default_config(1, 128, 128, cuda, keys=8192, programs=2048).block_n == 128
+    big = default_config(128, 128, 128, cuda, keys=32768, programs=64)
+    assert (big.block_m, big.block_n, big.num_warps, big.num_stages) == (128, 128, 8, 3)
+    assert default_config(4, 256, 256, cuda, keys=32768, programs=8).block_n == 32
+    assert default_config(4, 128, 128, torch.device("cpu"), keys=32768).block_n == 16  # the interpreter's tiles
+
+
 # ------------------------------------------------------------------------------------ kernels
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("heads", [(2, 2), (4, 2), (4, 1)])

@@ -79,14 +79,25 @@ class SplitKConfig:
     num_stages: int
 
 
-def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.device) -> SplitKConfig:
-    """Tiles for ``rows`` packed query rows (group heads × queries); small key tiles under the interpreter."""
+LONG_CACHE_KEYS = 8192  # key bounds from which 128-key tiles stream faster than 64 (H200, notes 49) ...
+MID_CACHE_KEYS = 2048  # ... and from which they do on grids of fewer than FULL_GRID_PROGRAMS programs
+FULL_GRID_PROGRAMS = 512
+
+
+def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.device, keys: int = 0,
+                   programs: int = 0) -> SplitKConfig:
+    """Tiles for ``rows`` packed query rows (group heads × queries) over at most ``keys`` keys per
+    sequence, with ``programs`` (sequence, KV head, row block) triples before any split; small key
+    tiles under the interpreter."""
     widest = max(head_dim, head_dim_v)
     block_m = min(tile_size(rows), 128 if widest <= 128 else 64)
     if device.type != "cuda":
         return SplitKConfig(block_m, 16, 4, 1)
-    block_n = 128 if widest <= 128 else 32
-    return SplitKConfig(block_m, block_n, 4 if block_m <= 64 else 8, 3 if block_n >= 128 else 4)  # H200, notes 49
+    if widest > 128:
+        return SplitKConfig(block_m, 32, 4 if block_m <= 64 else 8, 4)
+    if keys >= LONG_CACHE_KEYS or (keys >= MID_CACHE_KEYS and programs < FULL_GRID_PROGRAMS):  # fewer, larger loads
+        return SplitKConfig(block_m, 128, 4 if block_m <= 64 else 8, 3)
+    return SplitKConfig(block_m, 64, 4 if block_m <= 64 else 8, 4)  # short caches: more key tiles to split
 
 
 def _key_bounds(inp: AttentionInputs, mq_stride: int) -> tuple[int, list[int] | None]:
@@ -148,9 +159,9 @@ def splitk_attention_fwd(
     mq_stride = max([b - a for a, b in zip(qs, qs[1:])] + [1])
     rows = G * mq_stride
     head_dim, head_dim_v = tile_size(D), tile_size(Dv)
-    cfg = config or default_config(rows, head_dim, head_dim_v, dev)
-    row_blocks = cdiv(rows, cfg.block_m)
     bound, lengths = _key_bounds(inp, mq_stride)
+    cfg = config or default_config(rows, head_dim, head_dim_v, dev, bound, Z * Hkv * cdiv(rows, 128))
+    row_blocks = cdiv(rows, cfg.block_m)
     key_tiles = cdiv(bound, cfg.block_n) + 1  # + 1: a range need not start on a tile boundary
     if num_splits is None:
         tile_bytes = cfg.block_n * (head_dim + head_dim_v) * q.element_size()
