@@ -680,8 +680,8 @@ def test_chunked_program_order():
     import triton.language as tl
 
     @triton.jit
-    def probe(Rank, Pair, n_tiles, n_pairs, chunk):
-        rank, pair = _chunked_ids(tl.program_id(0), tl.program_id(1), n_tiles, n_pairs, chunk)
+    def probe(Rank, Pair, n_tiles, n_pairs, chunk, TAIL_ORDER: tl.constexpr):
+        rank, pair = _chunked_ids(tl.program_id(0), tl.program_id(1), n_tiles, n_pairs, chunk, TAIL_ORDER)
         lin = tl.program_id(1) * n_tiles + tl.program_id(0)
         tl.store(Rank + lin, rank)
         tl.store(Pair + lin, pair)
@@ -689,20 +689,22 @@ def test_chunked_program_order():
     for n_tiles, n_pairs, chunk in ((3, 5, 2), (4, 6, 3), (2, 3, 1), (5, 4, 4), (1, 7, 3)):
         rank = torch.full((n_tiles * n_pairs,), -1, dtype=torch.int32, device=DEVICE)
         pair = torch.full_like(rank, -1)
-        probe[(n_tiles, n_pairs)](rank, pair, n_tiles, n_pairs, chunk)
-        got = list(zip(rank.tolist(), pair.tolist()))
-        first = n_pairs - chunk
-        expected = [(r, p) for p in range(first) for r in range(n_tiles)]
-        expected += [(r, p) for r in range(n_tiles) for p in range(first, n_pairs)]
-        assert got == expected, (n_tiles, n_pairs, chunk)
+        for tail_order in (True, False):
+            probe[(n_tiles, n_pairs)](rank, pair, n_tiles, n_pairs, chunk, tail_order)
+            got = list(zip(rank.tolist(), pair.tolist()))
+            first = n_pairs - chunk if tail_order else n_pairs
+            expected = [(r, p) for p in range(first) for r in range(n_tiles)]
+            expected += [(r, p) for r in range(n_tiles) for p in range(first, n_pairs)]
+            assert got == expected, (n_tiles, n_pairs, chunk, tail_order)
 
 
 @pytest.mark.parametrize("waves", [0, 1, 8], ids=["plain_order", "last_pairs_by_rank", "all_pairs_by_rank"])
 def test_program_order_keeps_results(monkeypatch, waves):
-    """Programs in the plain order, with the last pairs started rank by rank, or every pair so."""
+    """Banded programs in the plain order, with the last pairs started rank by rank, or every pair so."""
     from biasattn.ops.triton import flash
 
     monkeypatch.setattr(flash, "ORDER_TAIL_WAVES", waves)
     assert flash.program_chunk(8, 3, 4, 1) == {0: 1, 1: 2, 8: 8}[waves]  # 4 SMs, 3 tiles per pair
+    assert flash.program_chunk(8, 3, 4, 1, banded=False) == 1  # work that does not shrink along the tiles
     check(*qkv(B=2, Hq=4, Hkv=4, Mq=37, Mk=45), const(ba.LowerTriangularMask()))
     check(*qkv(B=2, Hq=4, Hkv=2, Mq=40, Mk=29), const(ba.LocalAttentionMask(7, 3)))

@@ -346,10 +346,11 @@ def _attn_bwd_dkdv_kernel(
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr,
     COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
     GQA: tl.constexpr, OUTER_LOOPS: tl.constexpr, HAS_DROPOUT: tl.constexpr, DROP_ALIGNED: tl.constexpr,
+    TAIL_ORDER: tl.constexpr,
 ):
     """Grid ``(n_prog_n key tiles, n_pairs = (B / nb_loop) * (Hkv / nhk_loop))``, the last ``chunk``
     pairs started rank by rank (:func:`_chunked_ids`). Writes ``DK``, ``DV`` ``[B, Hkv, Mk, D|Dv]``."""
-    pid_n, pid = _chunked_ids(tl.program_id(0), tl.program_id(1), n_prog_n, n_pairs, chunk)
+    pid_n, pid = _chunked_ids(tl.program_id(0), tl.program_id(1), n_prog_n, n_pairs, chunk, TAIL_ORDER)
     n_hk_groups = Hkv // nhk_loop
     bg = pid // n_hk_groups
     hg = pid % n_hk_groups
@@ -472,12 +473,13 @@ def _attn_bwd_dq_kernel(
     LIST_TILES: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, ROW_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
     BATCH_INNER: tl.constexpr, HAS_DROPOUT: tl.constexpr, FUSED_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr,
+    TAIL_ORDER: tl.constexpr,
 ):
     """Grid ``(query tiles, B * Hq)`` (``(query tiles * B, Hq)`` with ``BATCH_INNER``). Writes ``DQ [B, Hq, Mq, D]`` (and ``DRow [B, Hq, Mq]`` row sums of dS).
 
     With ``FUSED_DELTA`` the program computes its rows' ``Delta = rowsum(dO * Out) - dLse`` and stores
     it for the dK/dV kernel launched after it (no preprocessing launch); otherwise it reads ``Delta``."""
-    pid_m, b, h, pid_bh = _program_ids(B, H, n_prog_m, chunk, BATCH_INNER)
+    pid_m, b, h, pid_bh = _program_ids(B, H, n_prog_m, chunk, BATCH_INNER, TAIL_ORDER)
     hk = h // G
     row_blocks = (Mk + 7) // 8
     drop_base = pid_bh.to(tl.int64) * Mq * row_blocks

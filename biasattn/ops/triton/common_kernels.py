@@ -20,14 +20,17 @@ BIG = tl.constexpr(1073741824)  # 2**30, "unbounded" in band terms
 
 
 @triton.jit
-def _chunked_ids(pid0, pid1, n_tiles, n_pairs, chunk):
+def _chunked_ids(pid0, pid1, n_tiles, n_pairs, chunk, TAIL_ORDER: tl.constexpr):
     """``(tile rank, pair)`` of grid position ``(pid0, pid1)`` on a grid ``(n_tiles, n_pairs)``.
 
     Blocks start in grid order (``pid0`` fastest), one pair's ranks after another's; the launchers
     order ranks heaviest first. The last ``chunk`` pairs start rank by rank instead (rank 0 of each,
     then rank 1, ...), so the last programs to start are the lightest of several pairs and the
-    kernel ends in a short tail, not in one pair's heaviest tile. ``chunk = 1`` is the plain order.
+    kernel ends in a short tail, not in one pair's heaviest tile. Without ``TAIL_ORDER`` (or with
+    ``chunk = 1``) the order is the plain one.
     """
+    if not TAIL_ORDER:
+        return pid0, pid1
     lin = pid1 * n_tiles + pid0
     head = (n_pairs - chunk) * n_tiles
     r = tl.maximum(lin - head, 0)
@@ -36,7 +39,7 @@ def _chunked_ids(pid0, pid1, n_tiles, n_pairs, chunk):
 
 
 @triton.jit
-def _program_ids(B, H, n_tiles, chunk, BATCH_INNER: tl.constexpr):
+def _program_ids(B, H, n_tiles, chunk, BATCH_INNER: tl.constexpr, TAIL_ORDER: tl.constexpr):
     """``(tile program, batch, head, batch·H + head)`` of a query-tile program.
 
     Grid ``(tiles, B·H)``, its last ``chunk`` (batch, head) pairs started rank by rank
@@ -50,7 +53,7 @@ def _program_ids(B, H, n_tiles, chunk, BATCH_INNER: tl.constexpr):
         b = pid % B
         h = tl.program_id(1)
     else:
-        pid_m, pid_bh = _chunked_ids(tl.program_id(0), tl.program_id(1), n_tiles, B * H, chunk)
+        pid_m, pid_bh = _chunked_ids(tl.program_id(0), tl.program_id(1), n_tiles, B * H, chunk, TAIL_ORDER)
         b = pid_bh // H
         h = pid_bh % H
     return pid_m, b, h, b * H + h

@@ -158,16 +158,17 @@ ORDER_TAIL_WAVES = 4  # waves of programs at the end of a grid that start rank b
 L2_CHUNK_BYTES = 16 << 20  # ... within this many bytes of the operand the pairs' programs share
 
 
-def program_chunk(pairs: int, tiles: int, sms: int, bytes_per_pair: int) -> int:
+def program_chunk(pairs: int, tiles: int, sms: int, bytes_per_pair: int, banded: bool = True) -> int:
     """How many (batch, head) pairs at the end of a grid start their programs rank by rank.
 
-    Each pair's tiles are ordered heaviest first (a causal or banded span shrinks along them), so
-    when the last pairs start rank by rank the lightest tiles of several pairs end the kernel
+    Only ``banded`` work needs it (1 otherwise): each pair's tiles are ordered heaviest first, and
+    a causal or banded span shrinks along them, so when the last pairs start rank by rank the
+    lightest tiles of several pairs end the kernel
     instead of one pair's heaviest tile (``_chunked_ids`` in the kernels). Enough pairs to fill
     ``ORDER_TAIL_WAVES`` waves of one program per multiprocessor, at most as many as keep the
     operand their programs share (K/V for query tiles, Q/dO for key tiles) within ``L2_CHUNK_BYTES``.
     """
-    if ORDER_TAIL_WAVES <= 0 or pairs <= 1 or tiles <= 1:
+    if not banded or ORDER_TAIL_WAVES <= 0 or pairs <= 1 or tiles <= 1:
         return 1
     fill = cdiv(ORDER_TAIL_WAVES * sms, tiles)
     return max(1, min(pairs, fill, L2_CHUNK_BYTES // max(1, bytes_per_pair)))
@@ -292,6 +293,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
         sched = schedule.query_schedule(spec, cfg.block_m, q.device)
         count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_n, True, q.device)
         grid = (sched.n * B, H) if batch_inner else (sched.n, B * H)
+        chunk = program_chunk(B * H, sched.n, num_sms(q.device), kv_bytes, args.has_band)
         _fwd[grid](
             q, k, v, out, lse,
             args.add, args.slopes, args.layout, args.qs, args.ks, args.kl, args.kv, args.band_lo, args.band_hi,
@@ -299,10 +301,10 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
             scale * LOG2E,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *args.add_strides, *args.slope_strides,
             *args.layout_strides, *cs, *ts,
-            B, H, H // Hkv, Mq, Mk, D, Dv, sched.n, program_chunk(B * H, sched.n, num_sms(q.device), kv_bytes),
+            B, H, H // Hkv, Mq, Mk, D, Dv, sched.n, chunk,
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=(D == hd and Dv == hdv),
-            BATCH_INNER=batch_inner, HAS_DROPOUT=dropout_p > 0,
+            BATCH_INNER=batch_inner, HAS_DROPOUT=dropout_p > 0, TAIL_ORDER=chunk > 1,
             LIST_TILES=_list_tiles(index, list_only),
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only, DOT_PRECISION=_dot_precision(q.dtype),
             INDEX_64=index_64, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
@@ -423,14 +425,14 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_m, False, dev)
         pairs = (B // nb_loop) * (Hkv // nhk_loop)
         grid = (sched.n, pairs)
+        chunk = program_chunk(pairs, sched.n, num_sms(dev), q_bytes, args.has_band)
         _dkdv[grid](
             q, k, v, dout, lse, delta, dk, dv, dbias, dcol,
             args.add, args.slopes, args.layout, args.qs, args.kv, args.band_lo, args.band_hi,
             sched.table if sched.table is not None else args.d32, count, index,
             scale * LOG2E, scale,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(), *g_strides, *common, *cs, *ts,
-            H, H // Hkv, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop, sched.n, pairs,
-            program_chunk(pairs, sched.n, num_sms(dev), q_bytes),
+            H, H // Hkv, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop, sched.n, pairs, chunk,
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only,
@@ -438,7 +440,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             DBIAS_ACCUM=dbias_accum, COL_DBIAS=plan == "col",
             DOT_PRECISION=_dot_precision(q.dtype),
             INDEX_64=index_64, GQA=H != Hkv, OUTER_LOOPS=nb_loop * nhk_loop > 1,
-            HAS_DROPOUT=has_dropout, DROP_ALIGNED=sched.table is None,
+            HAS_DROPOUT=has_dropout, DROP_ALIGNED=sched.table is None, TAIL_ORDER=chunk > 1,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **args.switches,
         )
@@ -447,16 +449,17 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         sched = schedule.query_schedule(spec, cfg.block_m, dev)
         count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_n, True, dev)
         grid = (sched.n * B, H) if batch_inner else (sched.n, B * H)
+        chunk = program_chunk(B * H, sched.n, num_sms(dev), kv_bytes, args.has_band)
         _dq[grid](
             q, k, v, dout, lse, delta, dq, drow, out, dlse_t,
             args.add, args.slopes, args.layout, args.ks, args.kl, args.kv, args.band_lo, args.band_hi,
             sched.table if sched.table is not None else args.d32, count, index,
             scale * LOG2E, scale,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *out.stride(), *common, *cs, *ts,
-            B, H, H // Hkv, Mq, Mk, D, Dv, sched.n, program_chunk(B * H, sched.n, num_sms(dev), kv_bytes),
+            B, H, H // Hkv, Mq, Mk, D, Dv, sched.n, chunk,
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even, BATCH_INNER=batch_inner,
-            HAS_DROPOUT=has_dropout, FUSED_DELTA=fused_delta, HAS_DLSE=dlse is not None,
+            HAS_DROPOUT=has_dropout, FUSED_DELTA=fused_delta, HAS_DLSE=dlse is not None, TAIL_ORDER=chunk > 1,
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only,
             LIST_TILES=_list_tiles(index, list_only), ROW_DBIAS=plan == "row",
             DOT_PRECISION=_dot_precision(q.dtype), INDEX_64=index_64,
