@@ -18,7 +18,6 @@ from .common_kernels import (
     _add_load,
     _additive_tile,
     _alibi_tile,
-    _chunked_ids,
     _col_row_bounds,
     _dropout_keep,
     _dropout_keep_tile,
@@ -320,7 +319,7 @@ def _dkdv_program(
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=cvalid[:, None] & (dvd[None, :] < Dv))
 
 
-@triton.jit(do_not_specialize=["nb_loop", "nhk_loop", "n_prog_n", "n_pairs", "chunk", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
+@triton.jit(do_not_specialize=["nb_loop", "nhk_loop", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
                              "seed_lo", "seed_hi", "drop_thresh"])  # values that vary per call: no recompiles
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, DBias, DCol,
@@ -337,7 +336,7 @@ def _attn_bwd_dkdv_kernel(
     stride_sb, stride_sh,
     stride_lb, stride_lh, stride_lq, stride_lk,
     stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
-    H, G, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop, n_prog_n, n_pairs, chunk,
+    H, G, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop,
     layout_q_off, layout_k_off, block_q, block_k, alibi_shift, seed_lo, seed_hi, drop_thresh, drop_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
     SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
@@ -346,11 +345,10 @@ def _attn_bwd_dkdv_kernel(
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr,
     COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
     GQA: tl.constexpr, OUTER_LOOPS: tl.constexpr, HAS_DROPOUT: tl.constexpr, DROP_ALIGNED: tl.constexpr,
-    TAIL_ORDER: tl.constexpr,
 ):
-    """Grid ``(n_prog_n key tiles, n_pairs = (B / nb_loop) * (Hkv / nhk_loop))``, the last ``chunk``
-    pairs started rank by rank (:func:`_chunked_ids`). Writes ``DK``, ``DV`` ``[B, Hkv, Mk, D|Dv]``."""
-    pid_n, pid = _chunked_ids(tl.program_id(0), tl.program_id(1), n_prog_n, n_pairs, chunk, TAIL_ORDER)
+    """Grid ``(key tiles, (B / nb_loop) * (Hkv / nhk_loop))``. Writes ``DK``, ``DV`` ``[B, Hkv, Mk, D|Dv]``."""
+    pid_n = tl.program_id(0)
+    pid = tl.program_id(1)
     n_hk_groups = Hkv // nhk_loop
     bg = pid // n_hk_groups
     hg = pid % n_hk_groups
@@ -449,7 +447,7 @@ def _dq_tile(
     return dq, drow
 
 
-@triton.jit(do_not_specialize=["B", "n_prog_m", "chunk", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
+@triton.jit(do_not_specialize=["B", "n_prog_m", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
                              "seed_lo", "seed_hi", "drop_thresh"])  # values that vary per call: no recompiles
 def _attn_bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, DRow, Out, DLse,
@@ -465,7 +463,7 @@ def _attn_bwd_dq_kernel(
     stride_sb, stride_sh,
     stride_lb, stride_lh, stride_lq, stride_lk,
     stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
-    B, H, G, Mq, Mk, D, Dv, n_prog_m, chunk,
+    B, H, G, Mq, Mk, D, Dv, n_prog_m,
     layout_q_off, layout_k_off, block_q, block_k, alibi_shift, seed_lo, seed_hi, drop_thresh, drop_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
     SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
@@ -473,13 +471,12 @@ def _attn_bwd_dq_kernel(
     LIST_TILES: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, ROW_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
     BATCH_INNER: tl.constexpr, HAS_DROPOUT: tl.constexpr, FUSED_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr,
-    TAIL_ORDER: tl.constexpr,
 ):
     """Grid ``(query tiles, B * Hq)`` (``(query tiles * B, Hq)`` with ``BATCH_INNER``). Writes ``DQ [B, Hq, Mq, D]`` (and ``DRow [B, Hq, Mq]`` row sums of dS).
 
     With ``FUSED_DELTA`` the program computes its rows' ``Delta = rowsum(dO * Out) - dLse`` and stores
     it for the dK/dV kernel launched after it (no preprocessing launch); otherwise it reads ``Delta``."""
-    pid_m, b, h, pid_bh = _program_ids(B, H, n_prog_m, chunk, BATCH_INNER, TAIL_ORDER)
+    pid_m, b, h, pid_bh = _program_ids(B, H, n_prog_m, 1, BATCH_INNER, False)
     hk = h // G
     row_blocks = (Mk + 7) // 8
     drop_base = pid_bh.to(tl.int64) * Mq * row_blocks

@@ -159,14 +159,15 @@ L2_CHUNK_BYTES = 16 << 20  # ... within this many bytes of the operand the pairs
 
 
 def program_chunk(pairs: int, tiles: int, sms: int, bytes_per_pair: int, banded: bool = True) -> int:
-    """How many (batch, head) pairs at the end of a grid start their programs rank by rank.
+    """How many (batch, head) pairs at the end of the forward's grid start their programs rank by rank.
 
     Only ``banded`` work needs it (1 otherwise): each pair's tiles are ordered heaviest first, and
     a causal or banded span shrinks along them, so when the last pairs start rank by rank the
-    lightest tiles of several pairs end the kernel
-    instead of one pair's heaviest tile (``_chunked_ids`` in the kernels). Enough pairs to fill
-    ``ORDER_TAIL_WAVES`` waves of one program per multiprocessor, at most as many as keep the
-    operand their programs share (K/V for query tiles, Q/dO for key tiles) within ``L2_CHUNK_BYTES``.
+    lightest tiles of several pairs end the kernel instead of one pair's heaviest tile
+    (``_chunked_ids`` in the kernels). Enough pairs to fill
+    ``ORDER_TAIL_WAVES`` waves of one program per multiprocessor, at most as many as keep the K/V
+    their programs share within ``L2_CHUNK_BYTES``. The backward kernels keep the plain order: the
+    mapping cost them more than the shorter tail gave (notes 48).
     """
     if not banded or ORDER_TAIL_WAVES <= 0 or pairs <= 1 or tiles <= 1:
         return 1
@@ -415,24 +416,20 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     feats += _span_features(spec, Mq, Mk)
     drop = dropout_args(dropout_p, seed)
     has_dropout = dropout_p > 0
-    kv_bytes = cdiv(Mk * (D + Dv) * k.element_size(), H // Hkv)  # K/V per query head
-    q_bytes = Mq * (D + Dv) * q.element_size() * (H // Hkv) * nb_loop * nhk_loop  # Q and dO per dK/dV pair
 
     def run_dkdv(cfg: configs.TileConfig) -> None:
         if plan_kv == "full" and nb_loop * nhk_loop > 1:
             dbias.zero_()
         sched = schedule.key_schedule(spec, cfg.block_n, dev)
         count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_m, False, dev)
-        pairs = (B // nb_loop) * (Hkv // nhk_loop)
-        grid = (sched.n, pairs)
-        chunk = program_chunk(pairs, sched.n, num_sms(dev), q_bytes, args.has_band)
+        grid = (sched.n, (B // nb_loop) * (Hkv // nhk_loop))
         _dkdv[grid](
             q, k, v, dout, lse, delta, dk, dv, dbias, dcol,
             args.add, args.slopes, args.layout, args.qs, args.kv, args.band_lo, args.band_hi,
             sched.table if sched.table is not None else args.d32, count, index,
             scale * LOG2E, scale,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(), *g_strides, *common, *cs, *ts,
-            H, H // Hkv, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop, sched.n, pairs, chunk,
+            H, H // Hkv, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop,
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only,
@@ -440,7 +437,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             DBIAS_ACCUM=dbias_accum, COL_DBIAS=plan == "col",
             DOT_PRECISION=_dot_precision(q.dtype),
             INDEX_64=index_64, GQA=H != Hkv, OUTER_LOOPS=nb_loop * nhk_loop > 1,
-            HAS_DROPOUT=has_dropout, DROP_ALIGNED=sched.table is None, TAIL_ORDER=chunk > 1,
+            HAS_DROPOUT=has_dropout, DROP_ALIGNED=sched.table is None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **args.switches,
         )
@@ -449,17 +446,16 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         sched = schedule.query_schedule(spec, cfg.block_m, dev)
         count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_n, True, dev)
         grid = (sched.n * B, H) if batch_inner else (sched.n, B * H)
-        chunk = program_chunk(B * H, sched.n, num_sms(dev), kv_bytes, args.has_band)
         _dq[grid](
             q, k, v, dout, lse, delta, dq, drow, out, dlse_t,
             args.add, args.slopes, args.layout, args.ks, args.kl, args.kv, args.band_lo, args.band_hi,
             sched.table if sched.table is not None else args.d32, count, index,
             scale * LOG2E, scale,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *out.stride(), *common, *cs, *ts,
-            B, H, H // Hkv, Mq, Mk, D, Dv, sched.n, chunk,
+            B, H, H // Hkv, Mq, Mk, D, Dv, sched.n,
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even, BATCH_INNER=batch_inner,
-            HAS_DROPOUT=has_dropout, FUSED_DELTA=fused_delta, HAS_DLSE=dlse is not None, TAIL_ORDER=chunk > 1,
+            HAS_DROPOUT=has_dropout, FUSED_DELTA=fused_delta, HAS_DLSE=dlse is not None,
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only,
             LIST_TILES=_list_tiles(index, list_only), ROW_DBIAS=plan == "row",
             DOT_PRECISION=_dot_precision(q.dtype), INDEX_64=index_64,
