@@ -146,13 +146,14 @@ def test_key_tiles_follow_the_cache_length_and_the_grid():
     from biasattn.ops.triton.splitk import default_config
 
     cuda = torch.device("cuda")
-    assert default_config(1, 128, 128, cuda, keys=1024, programs=32).block_n == 64
-    assert default_config(1, 128, 128, cuda, keys=2048, programs=128).block_n == 128
-    assert default_config(1, 128, 128, cuda, keys=4096, programs=512).block_n == 64  # a full grid
-    assert default_config(1, 128, 128, cuda, keys=8192, programs=2048).block_n == 128
-    big = default_config(128, 128, 128, cuda, keys=32768, programs=64)
+    assert default_config(1, 128, 128, cuda, keys=1024, pairs=32).block_n == 64
+    assert default_config(1, 128, 128, cuda, keys=2048, pairs=128).block_n == 128
+    assert default_config(1, 128, 128, cuda, keys=4096, pairs=512).block_n == 64  # a full grid
+    assert default_config(256, 128, 128, cuda, keys=4096, pairs=256).block_n == 64  # 2 row blocks per pair
+    assert default_config(1, 128, 128, cuda, keys=8192, pairs=2048).block_n == 128
+    big = default_config(128, 128, 128, cuda, keys=32768, pairs=64)
     assert (big.block_m, big.block_n, big.num_warps, big.num_stages) == (128, 128, 8, 3)
-    assert default_config(4, 256, 256, cuda, keys=32768, programs=8).block_n == 32
+    assert default_config(4, 256, 256, cuda, keys=32768, pairs=8).block_n == 32
     assert default_config(4, 128, 128, torch.device("cpu"), keys=32768).block_n == 16  # the interpreter's tiles
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ...bias.spec import BiasSpec
-from ..common import cdiv, next_power_of_2, num_sms, tile_size
+from ..common import cdiv, next_power_of_2, num_sms, reduce_to, tile_size
 from . import configs, schedule
 from .bwd_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from .dbias_kernels import _attn_bwd_dbias_kernel, _attn_bwd_dq_from_ds_kernel
@@ -346,11 +346,6 @@ def _dq_reads_dbias(spec: BiasSpec, plan: str | None, B: int, H: int, dtype: tor
             and add.dtype in (dtype, torch.float32) and spec.q_seqstart is None and spec.layout is None)
 
 
-def _reduce_to(t: torch.Tensor, shape) -> torch.Tensor:
-    dims = [d for d, (n, m) in enumerate(zip(t.shape, shape)) if m == 1 and n != 1]
-    return t.sum(dim=dims, keepdim=True) if dims else t
-
-
 def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_dbias: bool,
              dropout_p: float = 0.0, seed: int = 0):
     """``(dq, dk, dv, dadditive or None)``; ``dlse`` (or None) enters as ``delta = rowsum(dout * out) - dlse``.
@@ -513,9 +508,9 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     if plan == "full":
         dadd = dbias
     elif plan == "col":
-        dadd = _reduce_to(dcol[:, :, None, :], add.shape)
+        dadd = reduce_to(dcol[:, :, None, :], add.shape)
     elif plan == "row":
-        dadd = _reduce_to(drow[:, :, :, None], add.shape)
+        dadd = reduce_to(drow[:, :, :, None], add.shape)
     if dadd is not None:
         dadd = dadd.to(add.dtype)
     return dq, dk, dv, dadd

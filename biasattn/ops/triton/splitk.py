@@ -85,16 +85,16 @@ FULL_GRID_PROGRAMS = 512
 
 
 def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.device, keys: int = 0,
-                   programs: int = 0) -> SplitKConfig:
-    """Tiles for ``rows`` packed query rows (group heads × queries) over at most ``keys`` keys per
-    sequence, with ``programs`` (sequence, KV head, row block) triples before any split; small key
-    tiles under the interpreter."""
+                   pairs: int = 0) -> SplitKConfig:
+    """Tiles for ``rows`` packed query rows (group heads × queries) of ``pairs`` (sequence, KV head)
+    pairs over at most ``keys`` keys per sequence; small key tiles under the interpreter."""
     widest = max(head_dim, head_dim_v)
     block_m = min(tile_size(rows), 128 if widest <= 128 else 64)
     if device.type != "cuda":
         return SplitKConfig(block_m, 16, 4, 1)
     if widest > 128:
         return SplitKConfig(block_m, 32, 4 if block_m <= 64 else 8, 4)
+    programs = pairs * cdiv(rows, block_m)  # before any split
     if keys >= LONG_CACHE_KEYS or (keys >= MID_CACHE_KEYS and programs < FULL_GRID_PROGRAMS):  # fewer, larger loads
         return SplitKConfig(block_m, 128, 4 if block_m <= 64 else 8, 3)
     return SplitKConfig(block_m, 64, 4 if block_m <= 64 else 8, 4)  # short caches: more key tiles to split
@@ -160,7 +160,7 @@ def splitk_attention_fwd(
     rows = G * mq_stride
     head_dim, head_dim_v = tile_size(D), tile_size(Dv)
     bound, lengths = _key_bounds(inp, mq_stride)
-    cfg = config or default_config(rows, head_dim, head_dim_v, dev, bound, Z * Hkv * cdiv(rows, 128))
+    cfg = config or default_config(rows, head_dim, head_dim_v, dev, bound, Z * Hkv)
     row_blocks = cdiv(rows, cfg.block_m)
     key_tiles = cdiv(bound, cfg.block_n) + 1  # + 1: a range need not start on a tile boundary
     if num_splits is None:
