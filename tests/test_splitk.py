@@ -196,6 +196,16 @@ def test_sliding_window_skips_to_the_visible_keys():
     check(q, k, v, band & ba.PaddedKeysMask([60, 30], device=DEVICE), splits=(2,))
 
 
+def test_64_bit_key_offsets(monkeypatch):
+    """The 64-bit key-offset path (a K/V slice past 2**31 elements) computes the same as the 32-bit one."""
+    from biasattn.ops.triton import splitk
+
+    monkeypatch.setattr(splitk, "FORCE_INDEX_64", True)
+    q, k, v = qkv(3, 4, 2, 4, 38, 16, torch.float16)
+    bias = ba.LowerTriangularFromBottomRightMask().to(DEVICE) & ba.PaddedKeysMask([38, 3, 0], device=DEVICE)
+    check(q, k, v, bias + ba.ALiBi(ba.ALiBi.standard_slopes(4).to(DEVICE)), splits=(None, 5))
+
+
 def test_lengths_written_after_lowering_are_honoured():
     """Cache lengths grown in place after the bias was lowered (as between CUDA-graph replays) are all read."""
     q, k, v = qkv(2, 2, 1, 1, 70, 16, torch.float32)

@@ -49,6 +49,25 @@ def test_cache_lengths_up_to_128k(lengths):
     assert_close_to_reference(*run_poisoned(inp), inp)
 
 
+def test_key_slice_beyond_2_31_elements():
+    """A cache laid out [B, Mk, Hkv, D] whose (sequence, KV head) slice spans more than 2**31 elements:
+    the key offsets switch to 64 bits. Two of the heads are checked against the reference."""
+    Hkv, D = 8, 128
+    Mk = 2**31 // (Hkv * D) + 5
+    store = [rand(1, Mk, Hkv, D, seed=s) for s in (1, 2)]
+    k, v = (t.transpose(1, 2) for t in store)  # [1, Hkv, Mk, D], key stride Hkv * D
+    assert (Mk - 1) * k.stride(2) >= 2**31
+    q = rand(1, Hkv, 1, D, seed=3)
+    lengths = [Mk - 3]
+    out, lse = run_poisoned(make_inputs(q, k, v, ba.PaddedKeysMask(lengths, device=CUDA)))
+    heads = [0, Hkv - 1]
+    del store
+    small = make_inputs(q[:, heads], k[:, heads].contiguous(), v[:, heads].contiguous(),
+                        ba.PaddedKeysMask(lengths, device=CUDA))
+    del k, v
+    assert_close_to_reference(out[:, heads], lse[:, heads], small)
+
+
 def test_window_alibi_and_additive():
     q, k, v = decode_inputs(2, 16, 4, 2, 20000, torch.float16)
     slopes = ba.ALiBi.standard_slopes(16).to(CUDA)

@@ -22,6 +22,13 @@ def tile_size(n: int, lo: int = 16) -> int:
     return max(lo, next_power_of_2(n))
 
 
+def slice_span(t: torch.Tensor) -> int:
+    """Largest element offset inside one (batch, head) slice of a 4-D ``t`` (dims 2 and 3)."""
+    _, _, m, d = t.shape
+    _, _, sm, sd = t.stride()
+    return max(m - 1, 0) * abs(sm) + max(d - 1, 0) * abs(sd)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float64 for float64 inputs, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32

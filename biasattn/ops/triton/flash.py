@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ...bias.spec import BiasSpec
-from ..common import cdiv, next_power_of_2, num_sms, reduce_to, tile_size
+from ..common import cdiv, next_power_of_2, num_sms, reduce_to, slice_span, tile_size
 from . import configs, schedule
 from .bwd_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from .dbias_kernels import _attn_bwd_dbias_kernel, _attn_bwd_dq_from_ds_kernel
@@ -145,13 +145,6 @@ def _spec_args(spec: BiasSpec, device) -> _SpecArgs:
 def _list_tiles(index: torch.Tensor, list_only: bool) -> int:
     """Register slots for a program's tile list in the branch-free list loops (0: read from memory)."""
     return max(16, next_power_of_2(index.shape[-1])) if list_only and LIST_IN_REGISTERS else 0
-
-
-def _slice_span(t: torch.Tensor) -> int:
-    """Largest element offset inside one (batch, head) slice of ``t`` (dims 2 and 3)."""
-    _, _, m, d = t.shape
-    _, _, sm, sd = t.stride()
-    return max(m - 1, 0) * abs(sm) + max(d - 1, 0) * abs(sd)
 
 
 ORDER_TAIL_WAVES = 4  # waves of programs at the end of a grid that start rank by rank across pairs; 0: plain order
@@ -286,7 +279,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
     args = _spec_args(spec, q.device)
     hd, hdv = tile_size(D), tile_size(Dv)
     batch_inner = args.batch_shared_bias and B > 1
-    index_64 = _index_64(_slice_span(q), _slice_span(k), _slice_span(v), _slice_span(out), args.add_span)
+    index_64 = _index_64(slice_span(q), slice_span(k), slice_span(v), slice_span(out), args.add_span)
     drop = dropout_args(dropout_p, seed)
     kv_bytes = cdiv(Mk * (D + Dv) * k.element_size(), H // Hkv)  # K/V per query head
 
@@ -404,8 +397,8 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     )
     g_span = (Mq - 1) * abs(g_strides[2]) + (Mk - 1) * abs(g_strides[3])
     index_64 = _index_64(
-        _slice_span(q), _slice_span(k), _slice_span(v), _slice_span(out), _slice_span(dout), _slice_span(dq),
-        _slice_span(dk), _slice_span(dv), args.add_span, g_span,
+        slice_span(q), slice_span(k), slice_span(v), slice_span(out), slice_span(dout), slice_span(dq),
+        slice_span(dk), slice_span(dv), args.add_span, g_span,
     )
     feats = args.features + ((plan,) if plan else ()) + (("dropout",) if dropout_p > 0 else ())
     feats += _span_features(spec, Mq, Mk)

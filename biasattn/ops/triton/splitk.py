@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ...inputs import AttentionInputs
-from ..common import cdiv, next_power_of_2, num_sms, tile_size
+from ..common import cdiv, next_power_of_2, num_sms, slice_span, tile_size
 from .launch import direct
 from .splitk_kernels import _merge_partials_kernel, _splitk_fwd_kernel
 
@@ -25,6 +25,7 @@ _split, _merge = direct(_splitk_fwd_kernel), direct(_merge_partials_kernel)
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 128
 SPLIT_SLACK = 0.05
+FORCE_INDEX_64 = False  # tests set this: 64-bit key offsets even when every K/V slice spans less than 2**31 elements
 MERGE_OVERHEAD_TILES = 8.0  # the merge launch, in one program's tile loads (fitted on an H200, benchmarks/NOTES.md)
 
 
@@ -209,6 +210,7 @@ def splitk_attention_fwd(
         HAS_ADDITIVE=add is not None, HAS_ALIBI=slopes is not None,
         EVEN_D=head_dim == D, EVEN_DV=head_dim_v == Dv,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        INDEX_64=FORCE_INDEX_64 or max(slice_span(k), slice_span(v)) >= 2**31,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:

@@ -24,16 +24,19 @@ def _splitk_tile(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
     HAS_BAND: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, PRECISION: tl.constexpr,
+    INDEX_64: tl.constexpr,
 ):
     """One key tile ``[j0, j0 + BLOCK_N)`` of the online softmax; MASKED tiles check every key."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, HEAD_DIM_V)
     offs_j = j0 + offs_n
-    k_tile = k_base + j0 * stride_kn  # j0 is int64
-    v_tile = v_base + j0 * stride_vn
-    k_ptrs = k_tile + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd  # [BLOCK_N, HEAD_DIM]
-    v_ptrs = v_tile + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd  # [BLOCK_N, HEAD_DIM_V]
+    if INDEX_64:  # a K or V slice spans 2**31 elements
+        offs_jk = offs_j.to(tl.int64)
+    else:  # 32-bit offsets inside the slice: 64-bit ones cost registers and spill 128x128 tiles
+        offs_jk = offs_j
+    k_ptrs = k_base + offs_jk[:, None] * stride_kn + offs_d[None, :] * stride_kd  # [BLOCK_N, HEAD_DIM]
+    v_ptrs = v_base + offs_jk[:, None] * stride_vn + offs_dv[None, :] * stride_vd  # [BLOCK_N, HEAD_DIM_V]
     in_seq = (offs_j >= seq_lo) & (offs_j < seq_hi)
     if MASKED:
         k = tl.load(k_ptrs, mask=in_seq[:, None] & (offs_d[None, :] < D), other=0.0)
@@ -55,7 +58,10 @@ def _splitk_tile(
             visible = visible & (d >= band_lo) & (d <= band_hi)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # qk_scale > 0: the scale commutes with the max
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    if MASKED or HAS_ADDITIVE:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    else:
+        m_safe = m_new
     p = tl.math.exp2(s * qk_scale - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -85,7 +91,7 @@ def _splitk_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_KV_LEN: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_BAND: tl.constexpr, BAND_PER_SEGMENT: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
 ):
     """Attention of one row block over one split of its sequence's keys; writes out and lse of the split."""
     pid = tl.program_id(0)
@@ -144,7 +150,6 @@ def _splitk_fwd_kernel(
     b = tl.where(split == num_splits - 1, t_hi, tl.minimum(a + tiles_per_split, t_hi))
     f0 = tl.minimum(tl.maximum((full_lo + BLOCK_N - 1) // BLOCK_N, a), b)
     f1 = tl.minimum(tl.maximum(tl.maximum(full_hi, 0) // BLOCK_N, f0), b)
-    a, b, f0, f1 = a.to(tl.int64), b.to(tl.int64), f0.to(tl.int64), f1.to(tl.int64)  # 64-bit key offsets
 
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, HEAD_DIM_V)
@@ -169,19 +174,19 @@ def _splitk_fwd_kernel(
         acc, m_i, l_i = _splitk_tile(
             acc, m_i, l_i, q, t * BLOCK_N, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
             add_rows, stride_an, slope, i_row, alibi_shift, seq_lo, seq_hi, band_lo, band_hi, qk_scale, D, Dv,
-            BLOCK_N, HEAD_DIM, HEAD_DIM_V, True, EVEN_D, EVEN_DV, HAS_BAND, HAS_ADDITIVE, HAS_ALIBI, PRECISION,
+            BLOCK_N, HEAD_DIM, HEAD_DIM_V, True, EVEN_D, EVEN_DV, HAS_BAND, HAS_ADDITIVE, HAS_ALIBI, PRECISION, INDEX_64,
         )
     for t in range(f0, f1):
         acc, m_i, l_i = _splitk_tile(
             acc, m_i, l_i, q, t * BLOCK_N, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
             add_rows, stride_an, slope, i_row, alibi_shift, seq_lo, seq_hi, band_lo, band_hi, qk_scale, D, Dv,
-            BLOCK_N, HEAD_DIM, HEAD_DIM_V, False, EVEN_D, EVEN_DV, HAS_BAND, HAS_ADDITIVE, HAS_ALIBI, PRECISION,
+            BLOCK_N, HEAD_DIM, HEAD_DIM_V, False, EVEN_D, EVEN_DV, HAS_BAND, HAS_ADDITIVE, HAS_ALIBI, PRECISION, INDEX_64,
         )
     for t in range(f1, b):
         acc, m_i, l_i = _splitk_tile(
             acc, m_i, l_i, q, t * BLOCK_N, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
             add_rows, stride_an, slope, i_row, alibi_shift, seq_lo, seq_hi, band_lo, band_hi, qk_scale, D, Dv,
-            BLOCK_N, HEAD_DIM, HEAD_DIM_V, True, EVEN_D, EVEN_DV, HAS_BAND, HAS_ADDITIVE, HAS_ALIBI, PRECISION,
+            BLOCK_N, HEAD_DIM, HEAD_DIM_V, True, EVEN_D, EVEN_DV, HAS_BAND, HAS_ADDITIVE, HAS_ALIBI, PRECISION, INDEX_64,
         )
 
     # Normalized output and natural-log LSE of this split; rows that saw nothing give 0 and -inf.
