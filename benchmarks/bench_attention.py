@@ -12,10 +12,15 @@ dense mask a user would build (math only where ``B·H·M²`` floats fit in 4 GiB
 compiled, with a BlockMask from compiled ``create_block_mask`` (masks) or a ``score_mod`` (additive,
 ALiBi). Writes ``attention.csv`` (long format, with device, versions, commit, date),
 ``attention.md`` and one PNG per head dim into ``--out``; ``--base CSV`` flags regressions of the
-``triton`` rows against a stored run.
+``triton`` rows against a stored run. ``--timing graph`` times CUDA-graph replays of each call
+instead (GPU work only: no host time, no launch gaps), and ``--point-rounds N`` times every
+provider of a point in N alternating rounds and keeps the median round, so that a drift of the
+GPU's clocks (this H200 runs at its power cap on dense work) does not favour whoever ran first.
 
     PYTHONPATH=. python benchmarks/bench_attention.py --out benchmarks/results/h200
     PYTHONPATH=. python benchmarks/bench_attention.py --quick          # a few rows, to check the harness
+    PYTHONPATH=. python benchmarks/bench_attention.py --timing graph --point-rounds 3 --cases causal window \
+        --seqlens 2048 8192 --head-dims 128 --out benchmarks/results/h200/graph   # GPU time only, rounds alternated
     PYTHONPATH=. python benchmarks/bench_attention.py --tune           # time the tile configs of each kernel
 """
 
@@ -114,18 +119,41 @@ def provider_fn(name: str, case, flex: Flex | None):
     return run
 
 
-def measure(fn, inputs, mode: str):
-    """``(median ms, 20% ms, 80% ms, peak MiB above the inputs, output)`` of ``fn`` in ``mode``."""
-    out = fn()
+def _call(fn, inputs, mode: str):
+    """``(call, out)``: the timed call (forward, or forward+backward with a fixed random dout) and one output."""
+    out = fn().detach()  # no autograd graph kept alive: a CUDA-graph capture of the call needs none around
     if mode == "fwd":
-        call = fn
-    else:
-        dout = torch.randn_like(out)
+        return fn, out
+    dout = torch.randn_like(out)
 
-        def call():
-            o = fn()
-            return torch.autograd.grad(o, inputs, dout)
+    def call():
+        o = fn()
+        return torch.autograd.grad(o, inputs, dout)
 
+    return call, out
+
+
+def _graphed(call):
+    """``call`` captured in a CUDA graph (after warm-up calls on a side stream); returns the graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    torch.cuda.synchronize()
+    return graph
+
+
+def prepare(fn, inputs, mode: str, timing: str = "do_bench"):
+    """``(timer, peak MiB above the inputs, output)``; ``timer()`` returns ``(median ms, 20% ms, 80% ms)``.
+
+    ``timing="do_bench"`` times the eager call (host work included, as a training loop pays it);
+    ``"graph"`` times replays of the call captured in a CUDA graph (GPU work only)."""
+    call, out = _call(fn, inputs, mode)
     call()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -133,9 +161,15 @@ def measure(fn, inputs, mode: str):
     call()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    target = call if timing == "do_bench" else _graphed(call).replay
     # 100 ms of warm-up: an idle GPU (after building the case, compiling) needs time to reach its clocks
-    ms = triton.testing.do_bench(call, warmup=100, rep=50, quantiles=[0.5, 0.2, 0.8])
-    return ms[0], ms[1], ms[2], peak, out.detach()
+    return (lambda: tuple(triton.testing.do_bench(target, warmup=100, rep=50, quantiles=[0.5, 0.2, 0.8]))), peak, out
+
+
+def measure(fn, inputs, mode: str):
+    """``(median ms, 20% ms, 80% ms, peak MiB above the inputs, output)`` of ``fn`` in ``mode`` (``do_bench``)."""
+    timer, peak, out = prepare(fn, inputs, mode)
+    return (*timer(), peak, out)
 
 
 def _warm(job) -> str:
@@ -196,7 +230,7 @@ def run_sweep(args) -> list[dict]:
         bar = tqdm(points, desc="attention", file=sys.stdout, mininterval=5)
     except ImportError:
         bar = points
-    rows = []
+    rows, kept = [], []
     for case_name, M, D, mode in bar:
         B = max(1, TOKENS // M)
         grad = mode != "fwd"
@@ -205,23 +239,41 @@ def run_sweep(args) -> list[dict]:
         if case.name == "additive" and grad:
             inputs.append(case.dense_mask())  # the additive tensor itself: its gradient is part of the work
         ref = None
+        timed = []  # (row, timer, times): every provider of the point, timed in alternating rounds
         for name in args.providers:
             if name == "flex" and (M not in args.flex_seqlens or D not in args.flex_head_dims):
                 continue
-            row = dict(meta, case=case_name, B=case.q.shape[0], H=HEADS, M=M, D=D, mode=mode, provider=name)
+            row = dict(meta, case=case_name, B=case.q.shape[0], H=HEADS, M=M, D=D, mode=mode, provider=name,
+                       timing=args.timing)
             try:
                 fn = provider_fn(name, case, flex)
                 if fn is None:
                     continue
-                ms, lo, hi, peak, out = measure(fn, inputs, mode)
+                timer, peak, out = prepare(fn, inputs, mode, args.timing)
                 if ref is None and name == "triton":
                     ref = out
                 diff = float((out.float() - ref.float()).abs().max()) if ref is not None else float("nan")
-                row.update(ms=ms, ms_q20=lo, ms_q80=hi, tflops=case.flops(mode) / ms / 1e9, peak_mib=peak,
-                           maxdiff_vs_triton=diff, status="ok")
+                row.update(peak_mib=peak, maxdiff_vs_triton=diff, status="ok")
+                timed.append((row, timer, []))
             except Exception as e:  # a provider that refuses the inputs or runs out of memory
                 row.update(ms=float("nan"), status=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
             rows.append(row)
+        for _ in range(args.point_rounds):
+            for row, timer, times in timed:
+                try:
+                    times.append(timer())
+                except Exception as e:
+                    row.update(status=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        for row, _, times in timed:
+            if times and row["status"] == "ok":
+                ms, lo, hi = sorted(times)[len(times) // 2]  # the round with the median time
+                row.update(ms=ms, ms_q20=lo, ms_q80=hi, tflops=case.flops(mode) / ms / 1e9)
+            else:
+                row.setdefault("ms", float("nan"))
+        if args.timing == "graph":  # graphs live to the end: freeing several providers' graphs and their
+            kept.append(timed)      # pools mid-run made the next CUDA call fail on the H200 (torch 2.11)
+        else:
+            del timed
             torch.cuda.empty_cache()
         del case
         if args.csv_path:
@@ -241,7 +293,9 @@ def markdown(rows: list[dict]) -> str:
     """One table per mode: TFLOP/s per provider, then triton's speed over each peer (time ratio)."""
     lines = [f"# Attention benchmark ({rows[0]['device']}, torch {rows[0]['torch']}, triton {rows[0]['triton']}, "
              f"commit {rows[0]['commit']}, {rows[0]['date']}, bf16, H={HEADS}, B·M={TOKENS})", "",
-             "TFLOP/s over visible pairs (median of do_bench); `x peer` = peer time / triton time; peak MiB of triton.", ""]
+             "TFLOP/s over visible pairs (median of do_bench over "
+             + ("CUDA-graph replays: GPU work only" if rows[0].get("timing") == "graph" else "eager calls: host work included")
+             + "); `x peer` = peer time / triton time; peak MiB of triton.", ""]
     keys = list(dict.fromkeys((r["mode"], r["D"], r["M"], r["case"]) for r in rows))
     for mode in dict.fromkeys(k[0] for k in keys):
         peers = [p for p in PROVIDERS if any(r["provider"] == p and r["mode"] == mode for r in rows)]
@@ -410,6 +464,10 @@ def main(argv=None) -> int:
     p.add_argument("--ab", choices=list(AB_SWITCHES), help="A/B of a launcher switch (triton only): " + "; ".join(
         f"{k}: {v[1]} vs {v[2]}" for k, v in AB_SWITCHES.items()))
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of --ab (medians reported)")
+    p.add_argument("--point-rounds", type=int, default=1,
+                   help="sweep: time each point's providers in this many alternating rounds (the median round is kept)")
+    p.add_argument("--timing", default="do_bench", choices=["do_bench", "graph"],
+                   help="sweep: time eager calls (host work included) or CUDA-graph replays (GPU work only)")
     args = p.parse_args(argv)
     if args.quick:
         args.cases, args.seqlens, args.head_dims = ["none", "causal"], [2048], [128]
@@ -427,6 +485,10 @@ def main(argv=None) -> int:
         return 0
     if args.precompile:
         precompile(args.cases, args.head_dims, args.precompile)
+    if args.timing == "graph" and set(args.providers) - {"triton", "flex"}:
+        # graphs of SDPA's flash/cuDNN calls beside the others left a CUDA error behind (torch 2.11, H200)
+        print("--timing graph times triton and flex only; SDPA backends run with --timing do_bench")
+        args.providers = [p for p in args.providers if p in ("triton", "flex")]
     t0 = time.time()
     rows = run_sweep(args)
     write_csv(rows, args.csv_path)
