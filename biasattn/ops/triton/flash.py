@@ -329,13 +329,18 @@ def _dbias_plan(add: torch.Tensor, B: int, H: int, Mq: int, Mk: int) -> str:
     return "row"
 
 
+def _shared_gradient(add: torch.Tensor, plan: str | None, B: int, H: int) -> tuple[bool, bool]:
+    """``(by batch rows, by heads)``: whether a full bias gradient is shared, i.e. sums ``dS`` over them."""
+    return plan == "full" and add.shape[0] == 1 and B > 1, plan == "full" and add.shape[1] == 1 and H > 1
+
+
 def _dq_reads_dbias(spec: BiasSpec, plan: str | None, B: int, H: int, dtype: torch.dtype) -> bool:
     """Whether dQ can be read back from the bias gradient: every (batch row, head) owns its slice
     (so the dK/dV kernel writes ``dS`` itself, once per element), the slice holds ``dS`` at least as
     precisely as the ``dS @ K`` product takes it (the bias in q's dtype or float32), and rows see
     plain key intervals (no packed segments, no block layout)."""
     add = spec.additive
-    return (plan == "full" and (add.shape[0] == B or B == 1) and (add.shape[1] == H or H == 1)
+    return (plan == "full" and not any(_shared_gradient(add, plan, B, H))
             and add.dtype in (dtype, torch.float32) and spec.q_seqstart is None and spec.layout is None)
 
 
@@ -374,8 +379,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             BLOCK_M=pre_bm, HEAD_DIM_V=hdv, HAS_DLSE=dlse is not None,
         )
     d32 = args.f32
-    b_bcast = plan == "full" and add.shape[0] == 1 and B > 1
-    h_bcast = plan == "full" and add.shape[1] == 1 and H > 1
+    b_bcast, h_bcast = _shared_gradient(add, plan, B, H)
     # a full gradient shared by batch rows or heads: its own kernel sums each tile over the sharers,
     # except with packed segments, where the dK/dV programs accumulate it tile by tile
     shared_dbias = (b_bcast or h_bcast) and not args.has_segments
