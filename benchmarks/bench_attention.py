@@ -407,6 +407,7 @@ AB_SWITCHES = {  # name: (module.attribute, state A, state B, value A, value B)
     "concurrent": ("flash.CONCURRENT_BWD", "dQ beside dK/dV on a side stream", "dQ after dK/dV", True, False),
     "direct": ("launch.DIRECT", "direct launches of compiled kernels", "Triton's kernel[grid] launches", True, False),
     "delta": ("flash.FUSED_DELTA", "delta computed by dQ", "delta preprocessing launch", True, False),
+    "tma": ("tma.ENABLED", "forward K/V tiles through tensor descriptors", "forward K/V through pointer loads", True, False),
     "order": ("flash.ORDER_TAIL_WAVES", "last pairs started rank by rank", "plain order", 4, 0),
     "dq_from_ds": ("flash.DQ_FROM_DS", "dQ read back from a per-(batch, head) bias gradient", "dQ recomputing S and dP",
                    True, False),
@@ -415,10 +416,10 @@ AB_SWITCHES = {  # name: (module.attribute, state A, state B, value A, value B)
 
 def ab_switch(args) -> None:
     """``triton`` with a launcher switch in state A against state B, same process, same inputs, rounds alternated."""
-    from biasattn.ops.triton import flash, launch
+    from biasattn.ops.triton import flash, launch, tma
 
     path, name_a, name_b, a, b = AB_SWITCHES[args.ab]
-    module, attr = {"flash": flash, "launch": launch}[path.split(".")[0]], path.split(".")[1]
+    module, attr = {"flash": flash, "launch": launch, "tma": tma}[path.split(".")[0]], path.split(".")[1]
     default = getattr(module, attr)
     precompile(args.cases, args.head_dims, args.precompile or 8, index_64=(False, True) if args.ab == "offsets" else (False,))
     for D in args.head_dims:

@@ -674,6 +674,68 @@ def test_direct_launch_signature():
     assert sig(t=5) != sig(t=6) and sig(t=5)[0] != sig()[0]  # a tensor slot holding an int keys on its value
 
 
+def test_direct_launch_signature_of_descriptors():
+    """A tensor descriptor keys on its dtype and block shape, not on its base or extents."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from biasattn.ops.triton import launch
+    from biasattn.ops.triton.fwd_kernels import _attn_fwd_kernel
+
+    direct = launch.direct(_attn_fwd_kernel)
+
+    def sig(t, block=(1, 1, 16, 16)):
+        return direct._signature((torch.zeros(4), TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))))
+
+    t = torch.zeros(2, 3, 40, 16)
+    assert sig(t) == sig(torch.ones(1, 2, 99, 16))
+    assert sig(t) != sig(t.half()) and sig(t) != sig(t, (1, 1, 32, 16))
+
+
+def test_descriptor_rules(monkeypatch):
+    """K/V qualify for descriptors only with 16-byte aligned strides, a unit last stride and no broadcast or empty dim."""
+    from biasattn.ops.triton import tma
+
+    monkeypatch.setattr(tma, "FORCE_INTERPRETED", True)
+    if not tma.available(torch.device(DEVICE)):
+        pytest.skip("no tensor descriptors with this Triton or device")
+    x = torch.zeros(2, 4, 40, 16, device=DEVICE, dtype=torch.float16)
+    assert tma.describable(x)
+    assert tma.describable(x.transpose(1, 2).contiguous().transpose(1, 2))  # [B, M, H, D] memory
+    assert tma.describable(x[..., :10])  # 10 of each row's 16 elements: the rows stay 32 bytes apart
+    narrow = torch.zeros(2, 4, 40, 10, device=DEVICE, dtype=torch.float16)
+    assert not tma.describable(narrow)  # rows 20 bytes apart
+    assert not tma.describable(x.transpose(2, 3))  # last stride not 1
+    assert not tma.describable(x[:, :1].expand(2, 4, 40, 16))  # a broadcast head dim
+    assert not tma.describable(x[:, :, :0])  # empty
+    assert tma.kv_descriptors(x, narrow, 16, 16, 16) is None
+    k, v = tma.kv_descriptors(x, x, 32, 16, 16)
+    assert k.block_shape == [1, 1, 32, 16] and list(v.shape) == [2, 4, 40, 16]
+    monkeypatch.setattr(tma, "ENABLED", False)
+    assert tma.kv_descriptors(x, x, 32, 16, 16) is None
+
+
+@settings(max_examples=12, deadline=None)
+@given(case=cases())
+def test_random_compositions_through_descriptors(case):
+    """The forward with K/V tiles fetched through tensor descriptors (the copy engine on Hopper, its
+    emulation under the interpreter) computes what the pointer loads do."""
+    from biasattn.ops.triton import tma
+
+    try:
+        case["make"](case["add"])
+    except ba.BiasCompositionError:
+        return
+    built = []
+    real = tma.kv_descriptors
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tma, "FORCE_INTERPRETED", True)
+        if not tma.available(case["q"].device) or not (tma.describable(case["k"]) and tma.describable(case["v"])):
+            return  # pointer loads: every other test covers them
+        mp.setattr(tma, "kv_descriptors", lambda *a: built.append(real(*a)) or built[-1])
+        check(case["q"], case["k"], case["v"], case["make"], case["add"], dropout_p=case["dropout_p"], grads=False)
+    assert built and all(d is not None for d in built)
+
+
 def test_chunked_program_order():
     """Grid positions map one to one onto (tile rank, pair): the plain order, then the last ``chunk`` pairs rank by rank."""
     import triton

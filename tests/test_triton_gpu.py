@@ -291,3 +291,40 @@ def test_forward_backward_in_a_cuda_graph(size, name):
         torch.cuda.synchronize()
         for a, b in zip(captured, eager):
             assert torch.equal(a, b)
+
+
+TMA_CASES = {
+    "causal_gqa_d80": (dict(B=2, Hq=8, Hkv=1, Mq=1000, Mk=1000, D=80), lambda M: const(ba.LowerTriangularMask())),
+    "padded_window": (dict(B=3, Hq=4, Hkv=2, Mq=113, Mk=4097, D=128),
+                      lambda M: const(ba.PaddedKeysMask([M, 17, 0], device="cuda") & ba.LocalAttentionMask(300, 3))),
+    "varlen_causal": (dict(B=1, Hq=4, Hkv=4, Mq=1000, Mk=1000, D=64),
+                      lambda M: const(ba.BlockDiagonalMask.from_seqlens([1, 17, 113, 869], device="cuda").make_causal())),
+    "block_sparse_d256": (dict(B=1, Hq=2, Hkv=1, Mq=517, Mk=517, D=256),
+                          lambda M: const(ba.BlockSparseMask(_layout((1, 2, 5, 5), 0.5), 128))),
+    "additive_dv": (dict(B=2, Hq=2, Hkv=2, Mq=300, Mk=301, D=128, Dv=64), None),
+}
+
+
+@pytest.mark.parametrize("layout", ["bhmd", "bmhd"])
+@pytest.mark.parametrize("case", list(TMA_CASES))
+def test_forward_through_tensor_descriptors(monkeypatch, case, layout):
+    """On Hopper the forward fetches K/V tiles through tensor descriptors; pointer loads give the same function."""
+    from biasattn.ops.common import cuda_capability
+    from biasattn.ops.triton import tma
+
+    if cuda_capability(torch.device("cuda")) < (9, 0):
+        pytest.skip("tensor descriptors need compute capability 9.0")
+    sizes, make = TMA_CASES[case]
+    q, k, v = qkv(**sizes, dtype=torch.bfloat16)
+    if layout == "bmhd":  # [B, M, H, D] memory seen as [B, H, M, D]
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    add = torch.randn(1, sizes["Hq"], sizes["Mq"], sizes["Mk"], device="cuda") if make is None else None
+    make_bias = ba.AdditiveBias if make is None else make(sizes["Mk"])
+    built = []
+    real = tma.kv_descriptors
+    monkeypatch.setattr(tma, "kv_descriptors", lambda *a: built.append(real(*a)) or built[-1])
+    check(q, k, v, make_bias, add, grads=False)
+    assert built and all(d is not None for d in built)
+    monkeypatch.setattr(tma, "ENABLED", False)
+    check(q, k, v, make_bias, add, grads=False)
+    assert built[-1] is None

@@ -14,7 +14,7 @@ import torch
 
 from ...bias.spec import BiasSpec
 from ..common import cdiv, next_power_of_2, num_sms, reduce_to, slice_span, tile_size
-from . import configs, schedule
+from . import configs, schedule, tma
 from .bwd_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from .dbias_kernels import _attn_bwd_dbias_kernel, _attn_bwd_dq_from_ds_kernel
 from .dropout_kernels import _dropout_mask_kernel
@@ -288,8 +288,9 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
         count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_n, True, q.device)
         grid = (sched.n * B, H) if batch_inner else (sched.n, B * H)
         chunk = program_chunk(B * H, sched.n, num_sms(q.device), kv_bytes, args.has_band)
+        descs = tma.kv_descriptors(k, v, cfg.block_n, hd, hdv)
         _fwd[grid](
-            q, k, v, out, lse,
+            q, *(descs or (k, v)), out, lse,
             args.add, args.slopes, args.layout, args.qs, args.ks, args.kl, args.kv, args.band_lo, args.band_hi,
             sched.table if sched.table is not None else args.d32, count, index,
             scale * LOG2E,
@@ -301,7 +302,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
             BATCH_INNER=batch_inner, HAS_DROPOUT=dropout_p > 0, TAIL_ORDER=chunk > 1,
             LIST_TILES=_list_tiles(index, list_only),
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only, DOT_PRECISION=_dot_precision(q.dtype),
-            INDEX_64=index_64, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
+            INDEX_64=index_64, TMA_KV=descs is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
         )
 
     feats = args.features + (("dropout",) if dropout_p > 0 else ()) + _span_features(spec, Mq, Mk)

@@ -29,15 +29,18 @@ from .common_kernels import (
 
 @triton.jit
 def _fwd_tile(
-    acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base,
+    acc, m_i, l_i, q, rows, klo, khi, n0, b, h, hk, K_base, V_base,
     stride_kn, stride_kd, stride_vn, stride_vd, Mq, Mk, D, Dv, qk_scale,
     Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
     Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, bias_raw,
     MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, PRELOADED: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
-    seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT: tl.constexpr,
+    seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT: tl.constexpr, TMA_KV: tl.constexpr,
 ):
-    """One key tile ``[n0, n0 + BLOCK_N)`` of the online softmax."""
+    """One key tile ``[n0, n0 + BLOCK_N)`` of the online softmax.
+
+    With ``TMA_KV``, ``K_base``/``V_base`` are tensor descriptors of the whole ``[B, Hkv, Mk, D]``
+    K and V: the copy engine fetches the tile and fills keys past ``Mk`` and dims past ``D`` with zeros."""
     cols = n0 + tl.arange(0, BLOCK_N)
     if INDEX_64:
         cols64 = cols.to(tl.int64)
@@ -45,7 +48,11 @@ def _fwd_tile(
         cols64 = cols
     dk = tl.arange(0, HEAD_DIM)
     dv = tl.arange(0, HEAD_DIM_V)
-    k = _load_lines(K_base + cols64[:, None] * stride_kn + dk[None, :] * stride_kd, cols, Mk, dk, D, MASKED, EVEN_D)
+    if TMA_KV:  # both loads first: the pipeliner then waits on one barrier and syncs the CTA once per tile
+        k = K_base.load([b, hk, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
+        v = V_base.load([b, hk, n0, 0]).reshape(BLOCK_N, HEAD_DIM_V)
+    else:
+        k = _load_lines(K_base + cols64[:, None] * stride_kn + dk[None, :] * stride_kd, cols, Mk, dk, D, MASKED, EVEN_D)
     if HAS_ADDITIVE:  # the additive tile enters as the dot's accumulator, in the dot's own layout
         bias = _additive_tile(rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
                               qk_scale, bias_raw, PRELOADED, INDEX_64)
@@ -73,7 +80,8 @@ def _fwd_tile(
     if HAS_DROPOUT:  # the normalizer sums every probability; only the kept ones reach the output
         keep = _dropout_keep_tile(seed, drop_base, rows, n0, row_blocks, drop_thresh, rows.shape[0], BLOCK_N)
         p = tl.where(keep, p, 0.0)
-    v = _load_lines(V_base + cols64[:, None] * stride_vn + dv[None, :] * stride_vd, cols, Mk, dv, Dv, MASKED, EVEN_D)
+    if not TMA_KV:
+        v = _load_lines(V_base + cols64[:, None] * stride_vn + dv[None, :] * stride_vd, cols, Mk, dv, Dv, MASKED, EVEN_D)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -99,10 +107,12 @@ def _attn_fwd_kernel(
     BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
     BATCH_INNER: tl.constexpr, HAS_DROPOUT: tl.constexpr, LIST_TILES: tl.constexpr, TAIL_ORDER: tl.constexpr,
+    TMA_KV: tl.constexpr,
 ):
     """Grid ``(query tiles, B * Hq)`` (``(query tiles * B, Hq)`` with ``BATCH_INNER``). Writes ``Out [B, Hq, Mq, Dv]`` and ``Lse [B, Hq, Mq]`` (natural log).
 
-    With ``HAS_DROPOUT`` the output is the dropped, rescaled one; ``Lse`` stays that of the full softmax."""
+    With ``HAS_DROPOUT`` the output is the dropped, rescaled one; ``Lse`` stays that of the full softmax.
+    With ``TMA_KV``, ``K`` and ``V`` are tensor descriptors (Hopper's copy engine), not pointers."""
     pid_m, b, h, pid_bh = _program_ids(B, H, n_prog_m, chunk, BATCH_INNER, TAIL_ORDER)
     row_blocks = (Mk + 7) // 8
     drop_base = pid_bh.to(tl.int64) * Mq * row_blocks
@@ -132,8 +142,12 @@ def _attn_fwd_kernel(
     dq = tl.arange(0, HEAD_DIM)
     q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh
     q = _load_lines(q_base + rows64[:, None] * stride_qm + dq[None, :] * stride_qd, rows, Mq, dq, D, True, EVEN_D)
-    K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
-    V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+    if TMA_KV:
+        K_base = K
+        V_base = V
+    else:
+        K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
+        V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -146,12 +160,12 @@ def _attn_fwd_kernel(
             for t in range(0, count):
                 n0 = _list_entry(tiles, t, slots, listed, LIST_TILES) * BLOCK_N
                 acc, m_i, l_i = _fwd_tile(
-                    acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd,
+                    acc, m_i, l_i, q, rows, klo, khi, n0, b, h, hk, K_base, V_base, stride_kn, stride_kd,
                     stride_vn, stride_vd, Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes,
                     stride_sb, stride_sh, alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off,
                     layout_k_off, block_q, block_k, 0.0,
                     False, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                    seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT,
+                    seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV,
                 )
         else:
             for t in range(0, count):
@@ -160,38 +174,38 @@ def _attn_fwd_kernel(
                     if LAYOUT_EXACT:  # kernel tiles lie inside layout blocks: the list settles the layout
                         if (n0 >= full_lo) & (n0 + BLOCK_N <= full_hi):
                             acc, m_i, l_i = _fwd_tile(
-                                acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                acc, m_i, l_i, q, rows, klo, khi, n0, b, h, hk, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                                 False, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT,
+                                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV,
                             )
                         else:
                             acc, m_i, l_i = _fwd_tile(
-                                acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                acc, m_i, l_i, q, rows, klo, khi, n0, b, h, hk, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT,
+                                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV,
                             )
                     else:
                         acc, m_i, l_i = _fwd_tile(
-                            acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                            acc, m_i, l_i, q, rows, klo, khi, n0, b, h, hk, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                             Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                             alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                             True, True, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                            seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT,
+                            seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV,
                         )
     else:  # masked tiles at the span's left edge, unmasked middle, masked right edge
         lo = lo // 16 * 16  # 16-aligned tile starts: a bias row is read in 16-byte vectors
         n, a, e = _tile_split(lo, hi, full_lo, full_hi, BLOCK_N)
         for t in range(0, a):
             acc, m_i, l_i = _fwd_tile(
-                acc, m_i, l_i, q, rows, klo, khi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                acc, m_i, l_i, q, rows, klo, khi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, hk, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT,
+                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV,
             )
         # the additive tile of the next key tile is loaded one iteration ahead: Triton pipelines only
         # dot operands, and a bias load waited on at once would stall every iteration
@@ -206,19 +220,19 @@ def _attn_fwd_kernel(
                 nxt = _add_load(rows[:, None], (n0 + BLOCK_N + tl.arange(0, BLOCK_N))[None, :], b, h, Mq, Mk,
                                 Add, stride_ab, stride_ah, stride_am, stride_an, INDEX_64)
             acc, m_i, l_i = _fwd_tile(
-                acc, m_i, l_i, q, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                acc, m_i, l_i, q, rows, klo, khi, n0, b, h, hk, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, cur,
                 False, False, HAS_ADDITIVE, HAS_ALIBI, HAS_ADDITIVE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT,
+                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV,
             )
         for t in range(e, n):
             acc, m_i, l_i = _fwd_tile(
-                acc, m_i, l_i, q, rows, klo, khi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                acc, m_i, l_i, q, rows, klo, khi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, hk, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT,
+                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV,
             )
 
     # rows that saw no key: out 0, lse -inf

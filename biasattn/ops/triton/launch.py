@@ -3,10 +3,11 @@
 Triton's ``kernel[grid](...)`` binds and specializes every argument, builds a cache key and checks
 its globals on each call, which costs tens of microseconds for our kernels' 60-90 arguments. The
 wrapper here keeps, per device, the compiled kernel of each argument signature, the key being
-exactly what Triton specializes on (each argument's type, each tensor's dtype and 16-byte alignment,
-every other argument's value, the constexprs and launch options; for the integer arguments named as
-unkeyed, which the kernel does not specialize, only whether they fit 32 bits), and on a hit calls the compiled launcher the
-way ``JITFunction.run`` does. A miss, the interpreter, a CPU tensor, a Triton whose ``run`` does not
+exactly what Triton specializes on (each argument's type, each tensor's dtype and 16-byte
+alignment, each tensor descriptor's dtype and block shape, every other argument's value, the
+constexprs and launch options; for the integer arguments named as unkeyed, which the kernel does
+not specialize, only whether they fit 32 bits), and on a hit calls the compiled launcher the way
+``JITFunction.run`` does. A miss, the interpreter, a CPU tensor, a Triton whose ``run`` does not
 end in that call, or ``DIRECT = False`` all go through ``kernel[grid](...)`` unchanged.
 """
 
@@ -70,19 +71,21 @@ class _Direct:
 
     def _signature(self, args: tuple) -> tuple:
         """``(argument types, every keyed non-tensor value, tensor dtypes, tensor 16-byte alignments,
-        whether each unkeyed integer fits 32 bits)``: where the tensors sit is looked up once per
-        tuple of argument types, so a call costs a few C-level passes instead of a Python step per
-        argument."""
+        whether each unkeyed integer fits 32 bits, descriptor dtypes and block shapes)``: where the
+        tensors sit is looked up once per tuple of argument types, so a call costs a few C-level
+        passes instead of a Python step per argument."""
         types = tuple(map(type, args))
         picks = self.picks.get(types)
         if picks is None:
             tensors = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor)]
-            keyed = [i for i, t in enumerate(types) if i not in tensors and i not in self.unkeyed]
+            descs = [i for i, t in enumerate(types) if "block_shape" in getattr(t, "__dataclass_fields__", ())]
+            keyed = [i for i, t in enumerate(types) if i not in tensors and i not in descs and i not in self.unkeyed]
             unkeyed = [i for i in self.unkeyed if i < len(types) and i not in tensors]
-            picks = self.picks[types] = (_picker(tensors), _picker(keyed), _picker(unkeyed))
-        tensors, keyed, unkeyed = (pick(args) for pick in picks)
+            picks = self.picks[types] = (_picker(tensors), _picker(keyed), _picker(unkeyed), _picker(descs))
+        tensors, keyed, unkeyed, descs = (pick(args) for pick in picks)
         return (types, keyed, tuple([t.dtype for t in tensors]), tuple([t.data_ptr() & 15 == 0 for t in tensors]),
-                tuple([-2**31 <= a < 2**31 for a in unkeyed]))
+                tuple([-2**31 <= a < 2**31 for a in unkeyed]),
+                tuple([(d.base.dtype, tuple(d.block_shape), d.padding) for d in descs]))
 
     def __getitem__(self, grid):
         return functools.partial(self.launch, grid)

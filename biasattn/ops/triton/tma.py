@@ -1,0 +1,60 @@
+"""Tensor descriptors for Hopper's tensor memory accelerator (TMA), the copy engine of sm_90 and later.
+
+A kernel that receives a descriptor instead of a pointer has each tile fetched by the copy engine:
+no address arithmetic or bounds masks in the kernel's registers, and reads past a tensor's edge
+come back as zeros. :func:`kv_descriptors` says whether K and V qualify and builds their
+descriptors; everything else keeps pointer loads, with the same results.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..common import cuda_capability
+from . import configs
+
+ENABLED = True  # A/B runs and tests turn descriptors off
+FORCE_INTERPRETED = False  # tests: descriptors under the Triton interpreter too (the CPU path is pointers)
+_GPU_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _descriptor_class():
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    return TensorDescriptor
+
+
+def available(device: torch.device) -> bool:
+    """Whether launches on ``device`` take descriptors: a CUDA device of compute capability 9.0 or
+    later (or the interpreter when a test asks), a Triton that has them, and :data:`ENABLED`."""
+    if not ENABLED or _descriptor_class() is None:
+        return False
+    if configs.interpreted():
+        return FORCE_INTERPRETED
+    return device.type == "cuda" and cuda_capability(device) >= (9, 0)
+
+
+def describable(t: torch.Tensor) -> bool:
+    """Whether the copy engine can address ``t``: 16-byte aligned base and strides, unit last stride,
+    no empty or broadcast (stride 0) dimension, and 16-bit elements on the GPU."""
+    if t.dtype not in _GPU_DTYPES and not configs.interpreted():
+        return False
+    size = t.element_size()
+    if t.data_ptr() % 16 or t.stride(-1) != 1 or min(t.shape) <= 0:
+        return False
+    return all(s > 0 and (s * size) % 16 == 0 for s in t.stride()[:-1])
+
+
+def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, head_dim: int, head_dim_v: int):
+    """Descriptors of ``k [B, Hkv, Mk, D]`` and ``v [B, Hkv, Mk, Dv]`` that fetch ``[1, 1, block_n, head_dim]``
+    tiles (head dims padded to the kernel's with zeros), or None when either tensor does not qualify."""
+    if not (available(k.device) and describable(k) and describable(v)):
+        return None
+    cls = _descriptor_class()
+    return (cls(k, list(k.shape), list(k.stride()), [1, 1, block_n, head_dim]),
+            cls(v, list(v.shape), list(v.stride()), [1, 1, block_n, head_dim_v]))
