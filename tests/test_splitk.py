@@ -206,6 +206,31 @@ def test_64_bit_key_offsets(monkeypatch):
     check(q, k, v, bias + ba.ALiBi(ba.ALiBi.standard_slopes(4).to(DEVICE)), splits=(None, 5))
 
 
+@pytest.mark.parametrize("case", ["padded_gqa", "padded_causal_alibi", "packed_window", "additive"])
+def test_keys_past_the_lengths_are_never_read(case):
+    """NaN in every key past a sequence's length (an uninitialized cache) stays out of the result."""
+    from biasattn.testing import poison_padding_
+
+    lengths = [70, 0, 33, 1]
+    padded = ba.PaddedKeysMask(lengths, device=DEVICE)
+    if case == "packed_window":
+        q_lens, kv_lens = [1, 2, 1, 0], [40, 60, 0, 10]
+        q, k, v = qkv(1, 4, 2, sum(q_lens), sum(kv_lens), 16, torch.float32)
+        bias = ba.BlockDiagonalMask.from_seqlens(q_lens, kv_lens, device=DEVICE).make_local_attention(50)
+        with torch.no_grad():
+            k[:, :, 100:], v[:, :, 100:] = float("nan"), float("nan")  # the keys of a document without queries
+    else:
+        q, k, v = qkv(4, 4, 1 if case == "padded_gqa" else 2, 2, 70, 16, torch.float32)
+        poison_padding_(k, lengths), poison_padding_(v, lengths)
+        bias = padded
+        if case == "padded_causal_alibi":
+            bias = padded & ba.LowerTriangularFromBottomRightMask().to(DEVICE)
+            bias = bias + ba.ALiBi(ba.ALiBi.standard_slopes(4).to(DEVICE))
+        elif case == "additive":
+            bias = padded + ba.AdditiveBias(torch.randn(1, 4, 2, 70, device=DEVICE))
+    check(q, k, v, bias, splits=(None, 1, 3))
+
+
 def test_lengths_written_after_lowering_are_honoured():
     """Cache lengths grown in place after the bias was lowered (as between CUDA-graph replays) are all read."""
     q, k, v = qkv(2, 2, 1, 1, 70, 16, torch.float32)

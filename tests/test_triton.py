@@ -174,6 +174,76 @@ def test_padded_keys_with_empty_rows():
     check(*qkv(B=3, Mq=21, Mk=40), const(ba.PaddedKeysMask([40, 0, 17]).to(DEVICE)))
 
 
+def poison_hidden(q, k, v, bias):
+    """NaN in every query row and key that ``bias`` hides from all keys / all queries (padding, keys
+    past a cache length, lines outside every packed segment): the kernels must keep them out."""
+    seen = ~torch.isneginf(dense_bias(make_inputs(q, k, v, bias), torch.float32, None))
+    seen = seen.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    rows = seen.any(-1)  # [B, Hq, Mq]
+    keys = seen.unflatten(1, (k.shape[1], -1)).any(2).any(-2)  # [B, Hkv, Mk]: any head of the group
+    nan = float("nan")
+    return q.masked_fill(~rows[..., None], nan), k.masked_fill(~keys[..., None], nan), v.masked_fill(~keys[..., None], nan)
+
+
+HIDDEN_CASES = ["padded", "padded_causal_br_gqa", "padded_window", "segments", "segments_causal",
+                "padded_shared_additive", "padded_own_additive"]
+
+
+@pytest.mark.parametrize("case", HIDDEN_CASES)
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
+def test_hidden_lines_hold_nan(monkeypatch, case, tma):
+    """Keys past a cache length and lines outside every packed segment may hold anything (NaN in an
+    uninitialized cache): they stay out of the output and of every gradient, which are 0 there. The
+    additive cases run the shared bias-gradient kernel and dQ read back from the bias gradient."""
+    from biasattn.ops.triton import tma as tma_mod
+
+    monkeypatch.setattr(tma_mod, "FORCE_INTERPRETED", tma)
+    built = []
+    real = tma_mod.kv_descriptors
+    monkeypatch.setattr(tma_mod, "kv_descriptors", lambda *a: built.append(real(*a)) or built[-1])
+    B, Hq, Hkv, Mk = (3, 4, 2, 45) if "gqa" in case else (3, 2, 2, 45)
+    padded = ba.PaddedKeysMask([45, 19, 3]).to(DEVICE)
+    # a document without queries (its 5 keys hidden) and one without keys (its 8 rows see nothing)
+    segments = ba.BlockDiagonalMask.from_seqlens([10, 0, 19, 8], [12, 5, 20, 0], device=DEVICE)
+    if case.startswith("segments"):
+        B, Mk = 1, 37
+    masks = {
+        "padded": padded,
+        "padded_causal_br_gqa": padded & ba.LowerTriangularFromBottomRightMask().to(DEVICE),
+        "padded_window": padded & ba.LocalAttentionMask(window_left=6, window_right=3).to(DEVICE),
+        "segments": segments,
+        "segments_causal": segments.make_causal_from_bottom_right(),
+        "padded_shared_additive": padded,
+        "padded_own_additive": padded & ba.LowerTriangularFromBottomRightMask().to(DEVICE),
+    }[case]
+    add = None
+    if "additive" in case:
+        shape = (1 if "shared" in case else B, Hq, 37, Mk)
+        add = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    q, k, v = poison_hidden(*qkv(B=B, Hq=Hq, Hkv=Hkv, Mq=37, Mk=Mk), masks)
+    assert k.isnan().any() and (q.isnan().any() or not case.startswith("segments"))
+    check(q, k, v, (lambda a: masks + ba.AdditiveBias(a)) if add is not None else const(masks), add)
+    assert all(d is not None for d in built) == tma and built
+
+
+def test_which_specs_can_hide_keys():
+    """Keys hidden from every query (so masked tiles never read them whole): past cache lengths, in a
+    document without queries, in a gap between documents' keys; never with plain packed documents."""
+    from biasattn.ops.triton.flash import hidden_keys
+
+    def spec(bias, Mq, Mk, B=1):
+        return make_inputs(*qkv(B=B, Mq=Mq, Mk=Mk), bias).spec
+
+    seg = ba.BlockDiagonalMask.from_seqlens
+    assert hidden_keys(spec(ba.PaddedKeysMask([45, 45]), 37, 45, B=2))
+    assert not hidden_keys(spec(ba.LowerTriangularMask(), 37, 45))
+    assert not hidden_keys(spec(seg([10, 27], [20, 25]).make_causal_from_bottom_right(), 37, 45))
+    assert hidden_keys(spec(seg([10, 0, 27], [20, 5, 20]), 37, 45))
+    sliced = seg([10, 10, 17], [15, 15, 15]).make_causal_from_bottom_right()[..., 10:37, 15:45]  # the first document cut
+    assert not hidden_keys(spec(sliced, 27, 30))
+    assert hidden_keys(spec(seg([10, 10, 17], [15, 15, 15])[..., 10:37, :], 27, 45))  # the first document's queries cut away
+
+
 @pytest.mark.parametrize("variant", ["plain", "causal", "causal_br", "local"])
 def test_block_diagonal(variant):
     bias = ba.BlockDiagonalMask.from_seqlens([10, 0, 19, 7, 1], [12, 5, 3, 25, 0], device=DEVICE)

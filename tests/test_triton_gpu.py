@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_triton import _Counting, _poison, assert_close, check, const, qkv  # noqa: F401  (_poison: autouse fixture)
+from test_triton import _Counting, _poison, assert_close, check, const, poison_hidden, qkv  # noqa: F401  (_poison: autouse fixture)
 
 import biasattn as ba
 from biasattn.ops.reference import softmax_attention
@@ -328,3 +328,29 @@ def test_forward_through_tensor_descriptors(monkeypatch, case, layout):
     monkeypatch.setattr(tma, "ENABLED", False)
     check(q, k, v, make_bias, add, grads=False)
     assert built[-1] is None
+
+
+HIDDEN_CASES = {
+    "padded_prefill_gqa": (dict(B=3, Hq=8, Hkv=2, Mq=113, Mk=4097, D=128),
+                           lambda: ba.PaddedKeysMask([4097, 1000, 17], device="cuda")
+                           & ba.LowerTriangularFromBottomRightMask()),
+    "padded_window_d64": (dict(B=2, Hq=4, Hkv=4, Mq=1000, Mk=1000, D=64),
+                          lambda: ba.PaddedKeysMask([999, 130], device="cuda") & ba.LocalAttentionMask(257, 3)),
+    "segments_causal": (dict(B=1, Hq=4, Hkv=1, Mq=1130, Mk=1269, D=128),
+                        lambda: ba.BlockDiagonalMask.from_seqlens([1, 0, 113, 900, 116], [17, 139, 113, 1000, 0],
+                                                                  device="cuda").make_causal_from_bottom_right()),
+}
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["descriptors", "pointers"])
+@pytest.mark.parametrize("case", list(HIDDEN_CASES))
+def test_hidden_lines_hold_nan(monkeypatch, case, tma):
+    """NaN in keys past the cache lengths and in lines outside every packed segment stays out of the
+    output and of every gradient, with K/V through descriptors (Hopper) and through pointers."""
+    from biasattn.ops.triton import tma as tma_mod
+
+    monkeypatch.setattr(tma_mod, "ENABLED", tma)
+    sizes, make = HIDDEN_CASES[case]
+    q, k, v = poison_hidden(*qkv(**sizes, dtype=torch.bfloat16), make())
+    assert k.isnan().any()
+    check(q, k, v, lambda a: make())

@@ -25,7 +25,9 @@ from .common_kernels import (
     _layout_visible,
     _list_entry,
     _list_registers,
+    _load_kept,
     _load_lines,
+    _load_tile,
     _program_ids,
     _row_key_bounds,
     _span,
@@ -57,7 +59,7 @@ def _attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_tile(
-    dk, dv, dcol, k, v, cols, col_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
+    dk, dv, dcol, k, v, cols, col_end, ilo, ihi, row_lo, row_hi, m0, b, h, Q_base, DO_base, LD_off,
     Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
     Mq, Mk, D, Dv, qk_scale,
     Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
@@ -66,8 +68,10 @@ def _dkdv_tile(
     FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr, COL_DBIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
     seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT: tl.constexpr, DROP_ALIGNED: tl.constexpr,
+    HIDDEN_LINES: tl.constexpr,
 ):
-    """Query tile ``[m0, m0 + BLOCK_M)`` against the program's key tile, in transposed form ``[BLOCK_N, BLOCK_M]``."""
+    """Query tile ``[m0, m0 + BLOCK_M)`` against the program's key tile, in transposed form ``[BLOCK_N, BLOCK_M]``;
+    masked tiles read only the rows of the program's span ``[row_lo, row_hi)``."""
     rows = m0 + tl.arange(0, BLOCK_M)
     if INDEX_64:
         rows64 = rows.to(tl.int64)
@@ -75,8 +79,10 @@ def _dkdv_tile(
         rows64 = rows
     dqd = tl.arange(0, HEAD_DIM)
     dvd = tl.arange(0, HEAD_DIM_V)
-    q = _load_lines(Q_base + rows64[:, None] * stride_qm + dqd[None, :] * stride_qd, rows, Mq, dqd, D, MASKED, EVEN_D)
-    do = _load_lines(DO_base + rows64[:, None] * stride_dom + dvd[None, :] * stride_dod, rows, Mq, dvd, Dv, MASKED, EVEN_D)
+    q_ptrs = Q_base + rows64[:, None] * stride_qm + dqd[None, :] * stride_qd
+    do_ptrs = DO_base + rows64[:, None] * stride_dom + dvd[None, :] * stride_dod
+    q = _load_tile(q_ptrs, rows, row_lo, row_hi, Mq, dqd, D, MASKED, HIDDEN_LINES, EVEN_D)
+    do = _load_tile(do_ptrs, rows, row_lo, row_hi, Mq, dvd, Dv, MASKED, HIDDEN_LINES, EVEN_D)
     if MASKED:
         lse = tl.load(Lse + LD_off + rows64, mask=rows < Mq, other=float("-inf"))
         delta = tl.load(Delta + LD_off + rows64, mask=rows < Mq, other=0.0)
@@ -146,6 +152,7 @@ def _dkdv_head(
     FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr, COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INDEX_64: tl.constexpr,
     seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT: tl.constexpr, DROP_ALIGNED: tl.constexpr,
+    HIDDEN_LINES: tl.constexpr,
 ):
     """Accumulate query head ``h``'s contribution to the program's dK/dV tile (and write its bias gradient)."""
     h64 = h.to(tl.int64)
@@ -161,13 +168,13 @@ def _dkdv_head(
             for t in range(0, count):
                 m0 = _list_entry(tiles, t, slots, listed, LIST_TILES) * BLOCK_M
                 dk, dv, dcol = _dkdv_tile(
-                    dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
+                    dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo, hi, m0, b, h, Q_base, DO_base, LD_off,
                     Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
                     Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                     alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                     False, False, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
                     BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                    seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
+                    seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES,
                 )
         else:
             for t in range(0, count):
@@ -176,44 +183,44 @@ def _dkdv_head(
                     if LAYOUT_EXACT:  # kernel tiles lie inside layout blocks: the list settles the layout
                         if (m0 >= full_lo) & (m0 + BLOCK_M <= full_hi):
                             dk, dv, dcol = _dkdv_tile(
-                                dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
+                                dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo, hi, m0, b, h, Q_base, DO_base, LD_off,
                                 Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
                                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                                 False, False, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
                                 BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
+                                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES,
                             )
                         else:
                             dk, dv, dcol = _dkdv_tile(
-                                dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
+                                dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo, hi, m0, b, h, Q_base, DO_base, LD_off,
                                 Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
                                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
                                 BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
+                                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES,
                             )
                     else:
                         dk, dv, dcol = _dkdv_tile(
-                            dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
+                            dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo, hi, m0, b, h, Q_base, DO_base, LD_off,
                             Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
                             Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                             alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                             True, True, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
                             BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                            seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
+                            seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES,
                         )
     else:
         for t in range(0, a):
             dk, dv, dcol = _dkdv_tile(
-                dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo + t * BLOCK_M, b, h, Q_base, DO_base, LD_off,
+                dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo, hi, lo + t * BLOCK_M, b, h, Q_base, DO_base, LD_off,
                 Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
                 BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
+                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES,
             )
         nxt = 0.0  # the next query tile's additive tile, loaded one iteration ahead (see the forward)
         if HAS_ADDITIVE:
@@ -226,23 +233,23 @@ def _dkdv_head(
                 nxt = _add_load((m0 + BLOCK_M + tl.arange(0, BLOCK_M))[None, :], cols[:, None], b, h, Mq, Mk,
                                 Add, stride_ab, stride_ah, stride_am, stride_an, INDEX_64)
             dk, dv, dcol = _dkdv_tile(
-                dk, dv, dcol, k, v, cols, n_end, ilo, ihi, m0, b, h, Q_base, DO_base, LD_off,
+                dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo, hi, m0, b, h, Q_base, DO_base, LD_off,
                 Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, cur,
                 False, False, HAS_ADDITIVE, HAS_ALIBI, HAS_ADDITIVE, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
                 BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
+                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES,
             )
         for t in range(e, n):
             dk, dv, dcol = _dkdv_tile(
-                dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo + t * BLOCK_M, b, h, Q_base, DO_base, LD_off,
+                dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo, hi, lo + t * BLOCK_M, b, h, Q_base, DO_base, LD_off,
                 Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
                 BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
+                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES,
             )
     if COL_DBIAS:
         tl.store(DCol + (b64 * H + h64) * Mk + cols64, dcol, mask=cvalid)
@@ -267,6 +274,7 @@ def _dkdv_program(
     FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr, COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INDEX_64: tl.constexpr,
     seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT: tl.constexpr, DROP_ALIGNED: tl.constexpr,
+    HIDDEN_LINES: tl.constexpr,
 ):
     """dK and dV of one key tile of KV head ``hk`` in batch row ``b``: loops over its query heads and tiles."""
     b64 = b.to(tl.int64)
@@ -282,10 +290,11 @@ def _dkdv_program(
     )
     lo, hi, full_lo, full_hi = _span(ilo, ihi, cvalid)
     n, a, e = _tile_split(lo, hi, full_lo, full_hi, BLOCK_M)
-    k = _load_lines(K + b64 * stride_kb + hk64 * stride_kh + cols64[:, None] * stride_kn + dkd[None, :] * stride_kd,
-                    cols, n_end, dkd, D, True, EVEN_D)
-    v = _load_lines(V + b64 * stride_vb + hk64 * stride_vh + cols64[:, None] * stride_vn + dvd[None, :] * stride_vd,
-                    cols, n_end, dvd, Dv, True, EVEN_D)
+    seen = cvalid & (ilo < ihi)  # keys no row sees (past a cache length, outside every segment) may hold anything
+    k = _load_kept(K + b64 * stride_kb + hk64 * stride_kh + cols64[:, None] * stride_kn + dkd[None, :] * stride_kd,
+                   seen, dkd, D, EVEN_D)
+    v = _load_kept(V + b64 * stride_vb + hk64 * stride_vh + cols64[:, None] * stride_vn + dvd[None, :] * stride_vd,
+                   seen, dvd, Dv, EVEN_D)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
     if GQA:  # a runtime loop around the tile loops costs registers: only where there is a group
@@ -299,7 +308,7 @@ def _dkdv_program(
     H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
                 BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, LIST_TILES, HAS_ADDITIVE, HAS_ALIBI,
     FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
-                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
+                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES,
             )
     else:
         dk, dv = _dkdv_head(
@@ -311,7 +320,7 @@ def _dkdv_program(
     H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
             BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, LIST_TILES, HAS_ADDITIVE, HAS_ALIBI,
     FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
-            seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
+            seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES,
         )
     dk_ptrs = DK + b64 * stride_dkb + hk64 * stride_dkh + cols64[:, None] * stride_dkn + dkd[None, :] * stride_dkd
     dv_ptrs = DV + b64 * stride_dvb + hk64 * stride_dvh + cols64[:, None] * stride_dvn + dvd[None, :] * stride_dvd
@@ -345,6 +354,7 @@ def _attn_bwd_dkdv_kernel(
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr,
     COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
     GQA: tl.constexpr, OUTER_LOOPS: tl.constexpr, HAS_DROPOUT: tl.constexpr, DROP_ALIGNED: tl.constexpr,
+    HIDDEN_LINES: tl.constexpr,
 ):
     """Grid ``(key tiles, (B / nb_loop) * (Hkv / nhk_loop))``. Writes ``DK``, ``DV`` ``[B, Hkv, Mk, D|Dv]``."""
     pid_n = tl.program_id(0)
@@ -379,7 +389,7 @@ def _attn_bwd_dkdv_kernel(
             BLOCK_N, GQA, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT,
             BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, LIST_TILES, HAS_ADDITIVE, HAS_ALIBI,
             FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
-                    seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
+                    seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES,
                 )
     else:
         _dkdv_program(
@@ -394,22 +404,23 @@ def _attn_bwd_dkdv_kernel(
             BLOCK_N, GQA, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT,
             BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, LIST_TILES, HAS_ADDITIVE, HAS_ALIBI,
             FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
-            seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED,
+            seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES,
         )
 
 
 @triton.jit
 def _dq_tile(
-    dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base,
+    dq, drow, q, do, lse2, delta, rows, klo, khi, key_lo, key_hi, n0, b, h, K_base, V_base,
     stride_kn, stride_kd, stride_vn, stride_vd, Mq, Mk, D, Dv, qk_scale,
     Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
     Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, bias_raw,
     MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, PRELOADED: tl.constexpr,
     ROW_DBIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
-    seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT: tl.constexpr,
+    seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT: tl.constexpr, HIDDEN_LINES: tl.constexpr,
 ):
-    """Key tile ``[n0, n0 + BLOCK_N)`` of the program's query tile: accumulates ``dS @ K``."""
+    """Key tile ``[n0, n0 + BLOCK_N)`` of the program's query tile: accumulates ``dS @ K``; masked
+    tiles read only the keys of the program's span ``[key_lo, key_hi)``."""
     cols = n0 + tl.arange(0, BLOCK_N)
     if INDEX_64:
         cols64 = cols.to(tl.int64)
@@ -417,8 +428,10 @@ def _dq_tile(
         cols64 = cols
     dkd = tl.arange(0, HEAD_DIM)
     dvd = tl.arange(0, HEAD_DIM_V)
-    k = _load_lines(K_base + cols64[:, None] * stride_kn + dkd[None, :] * stride_kd, cols, Mk, dkd, D, MASKED, EVEN_D)
-    v = _load_lines(V_base + cols64[:, None] * stride_vn + dvd[None, :] * stride_vd, cols, Mk, dvd, Dv, MASKED, EVEN_D)
+    k_ptrs = K_base + cols64[:, None] * stride_kn + dkd[None, :] * stride_kd
+    v_ptrs = V_base + cols64[:, None] * stride_vn + dvd[None, :] * stride_vd
+    k = _load_tile(k_ptrs, cols, key_lo, key_hi, Mk, dkd, D, MASKED, HIDDEN_LINES, EVEN_D)
+    v = _load_tile(v_ptrs, cols, key_lo, key_hi, Mk, dvd, Dv, MASKED, HIDDEN_LINES, EVEN_D)
     if HAS_ADDITIVE:  # the additive tile enters as the dot's accumulator, in the dot's own layout
         bias = _additive_tile(rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
                               qk_scale, bias_raw, PRELOADED, INDEX_64)
@@ -471,6 +484,7 @@ def _attn_bwd_dq_kernel(
     LIST_TILES: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, ROW_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
     BATCH_INNER: tl.constexpr, HAS_DROPOUT: tl.constexpr, FUSED_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr,
+    HIDDEN_LINES: tl.constexpr,
 ):
     """Grid ``(query tiles, B * Hq)`` (``(query tiles * B, Hq)`` with ``BATCH_INNER``). Writes ``DQ [B, Hq, Mq, D]`` (and ``DRow [B, Hq, Mq]`` row sums of dS).
 
@@ -496,6 +510,7 @@ def _attn_bwd_dq_kernel(
         rows, m_end, seg, b, Mk, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT
     )
     lo, hi, full_lo, full_hi = _span(klo, khi, valid)
+    key_lo, key_hi = lo, hi  # every key some row sees
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     if INDEX_64:
@@ -530,11 +545,11 @@ def _attn_bwd_dq_kernel(
             for t in range(0, count):
                 n0 = _list_entry(tiles, t, slots, listed, LIST_TILES) * BLOCK_N
                 dq, drow = _dq_tile(
-                    dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                    dq, drow, q, do, lse2, delta, rows, klo, khi, key_lo, key_hi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                     Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                     alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                     False, False, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                    seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT,
+                    seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT, HIDDEN_LINES,
                 )
         else:
             for t in range(0, count):
@@ -543,38 +558,38 @@ def _attn_bwd_dq_kernel(
                     if LAYOUT_EXACT:  # kernel tiles lie inside layout blocks: the list settles the layout
                         if (n0 >= full_lo) & (n0 + BLOCK_N <= full_hi):
                             dq, drow = _dq_tile(
-                                dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                dq, drow, q, do, lse2, delta, rows, klo, khi, key_lo, key_hi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                                 False, False, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                                seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT,
+                                seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT, HIDDEN_LINES,
                             )
                         else:
                             dq, drow = _dq_tile(
-                                dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                dq, drow, q, do, lse2, delta, rows, klo, khi, key_lo, key_hi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                                seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT,
+                                seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT, HIDDEN_LINES,
                             )
                     else:
                         dq, drow = _dq_tile(
-                            dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                            dq, drow, q, do, lse2, delta, rows, klo, khi, key_lo, key_hi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                             Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                             alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                             True, True, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                            seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT,
+                            seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT, HIDDEN_LINES,
                         )
     else:
         lo = lo // 16 * 16  # 16-aligned tile starts: a bias row is read in 16-byte vectors
         n, a, e = _tile_split(lo, hi, full_lo, full_hi, BLOCK_N)
         for t in range(0, a):
             dq, drow = _dq_tile(
-                dq, drow, q, do, lse2, delta, rows, klo, khi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                dq, drow, q, do, lse2, delta, rows, klo, khi, key_lo, key_hi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT,
+                seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT, HIDDEN_LINES,
             )
         nxt = 0.0  # the next key tile's additive tile, loaded one iteration ahead (see the forward)
         if HAS_ADDITIVE:
@@ -587,19 +602,19 @@ def _attn_bwd_dq_kernel(
                 nxt = _add_load(rows[:, None], (n0 + BLOCK_N + tl.arange(0, BLOCK_N))[None, :], b, h, Mq, Mk,
                                 Add, stride_ab, stride_ah, stride_am, stride_an, INDEX_64)
             dq, drow = _dq_tile(
-                dq, drow, q, do, lse2, delta, rows, klo, khi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                dq, drow, q, do, lse2, delta, rows, klo, khi, key_lo, key_hi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, cur,
                 False, False, HAS_ADDITIVE, HAS_ALIBI, HAS_ADDITIVE, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT,
+                seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT, HIDDEN_LINES,
             )
         for t in range(e, n):
             dq, drow = _dq_tile(
-                dq, drow, q, do, lse2, delta, rows, klo, khi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                dq, drow, q, do, lse2, delta, rows, klo, khi, key_lo, key_hi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT,
+                seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT, HIDDEN_LINES,
             )
     keep = valid & (rows < Mq)
     dq_ptrs = DQ + b64 * stride_dqb + h64 * stride_dqh + rows64[:, None] * stride_dqm + dqd[None, :] * stride_dqd

@@ -222,6 +222,36 @@ def _load_lines(ptrs, lines, line_end, dims, dim_end, MASK_LINES: tl.constexpr, 
     return x
 
 
+@triton.jit
+def _load_span(ptrs, lines, lo, hi, dims, dim_end, EVEN_D: tl.constexpr):
+    """Load a ``[lines, dims]`` tile with the lines outside ``[lo, hi)`` (and padded head dims) as zeros.
+
+    Lines that no row or column of a program can see (keys past a cache length, lines outside every
+    packed segment) may hold anything, NaN included; masked tiles read only the program's span."""
+    return _load_kept(ptrs, (lines >= lo) & (lines < hi), dims, dim_end, EVEN_D)
+
+
+@triton.jit
+def _load_tile(ptrs, lines, lo, hi, line_end, dims, dim_end, MASKED: tl.constexpr, SPAN: tl.constexpr,
+               EVEN_D: tl.constexpr):
+    """A K/V or Q/dO tile: lines ``[lo, hi)`` only on masked tiles of specs that can hide lines (``SPAN``),
+    else lines before ``line_end`` (masked tiles) or all of them."""
+    if MASKED and SPAN:
+        x = _load_span(ptrs, lines, lo, hi, dims, dim_end, EVEN_D)
+    else:
+        x = _load_lines(ptrs, lines, line_end, dims, dim_end, MASKED, EVEN_D)
+    return x
+
+
+@triton.jit
+def _load_kept(ptrs, keep, dims, dim_end, EVEN_D: tl.constexpr):
+    """Load a ``[lines, dims]`` tile with the lines where ``keep [lines]`` is false (and padded head dims) as zeros."""
+    mask = keep[:, None]
+    if not EVEN_D:
+        mask = mask & (dims[None, :] < dim_end)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
 # Dropout. Element (i, j) of the slice of (batch, head) ``bh`` draws 16 random bits: half ``s % 2``
 # of word ``s // 2`` (``s = j % 8``) of the Philox4x32 block numbered ``(bh·Mq + i)·ceil(Mk/8) + j // 8``
 # under the call's seed. It is kept when those bits are at least ``thresh = round(p·2**16)``, so one

@@ -21,6 +21,7 @@ from .common_kernels import (
     _dropout_seed,
     _layout_visible,
     _load_lines,
+    _load_span,
     _row_key_bounds,
     _span,
 )
@@ -90,14 +91,17 @@ def _attn_bwd_dbias_kernel(
             b64 = b.to(tl.int64)
             h64 = h.to(tl.int64)
             hk64 = (h // G).to(tl.int64)
+            key_end = Mk
+            if HAS_PADDED:  # keys past the cache length may hold anything: never read
+                key_end = tl.minimum(tl.load(KvLens + b), Mk)
             q = _load_lines(Q + b64 * stride_qb + h64 * stride_qh + rows64[:, None] * stride_qm + dqd[None, :] * stride_qd,
                             rows, Mq, dqd, D, True, EVEN_D)
             do = _load_lines(DO + b64 * stride_dob + h64 * stride_doh + rows64[:, None] * stride_dom + dvd[None, :] * stride_dod,
                              rows, Mq, dvd, Dv, True, EVEN_D)
             k = _load_lines(K + b64 * stride_kb + hk64 * stride_kh + cols64[:, None] * stride_kn + dqd[None, :] * stride_kd,
-                            cols, Mk, dqd, D, True, EVEN_D)
+                            cols, key_end, dqd, D, True, EVEN_D)
             v = _load_lines(V + b64 * stride_vb + hk64 * stride_vh + cols64[:, None] * stride_vn + dvd[None, :] * stride_vd,
-                            cols, Mk, dvd, Dv, True, EVEN_D)
+                            cols, key_end, dvd, Dv, True, EVEN_D)
             ld = (b64 * H + h64) * Mq + rows64
             lse = tl.load(Lse + ld, mask=rows < Mq, other=float("-inf"))
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # rows that saw nothing get p = 0
@@ -110,7 +114,7 @@ def _attn_bwd_dbias_kernel(
                                  qk_scale)
             vis = vis0
             if HAS_PADDED:
-                vis = vis & (cols[None, :] < tl.load(KvLens + b))
+                vis = vis & (cols[None, :] < key_end)
             if HAS_LAYOUT:
                 vis = vis & _layout_visible(
                     rows[:, None], cols[None, :], b, h, Layout, stride_lb, stride_lh, stride_lq, stride_lk,
@@ -152,6 +156,7 @@ def _attn_bwd_dq_from_ds_kernel(
     klo, khi, valid = _row_key_bounds(rows, Mq, 0, b, Mk, KvLens, KvLens, KvLens, BandLo, BandHi,
                                       False, HAS_PADDED, HAS_BAND, False)
     lo, hi, _, _ = _span(klo, khi, valid)
+    key_lo = lo  # keys outside [key_lo, hi) may hold anything (past a cache length): never read
     lo = lo // 16 * 16
     if INDEX_64:
         rows64 = rows.to(tl.int64)
@@ -169,7 +174,7 @@ def _attn_bwd_dq_from_ds_kernel(
             cols64 = cols.to(tl.int64)
         else:
             cols64 = cols
-        k = _load_lines(K_base + cols64[:, None] * stride_kn + dqd[None, :] * stride_kd, cols, Mk, dqd, D, True, EVEN_D)
+        k = _load_span(K_base + cols64[:, None] * stride_kn + dqd[None, :] * stride_kd, cols, key_lo, hi, dqd, D, EVEN_D)
         ds = tl.load(ds_rows + cols64[None, :] * stride_gn, mask=(rows[:, None] < Mq) & (cols[None, :] < Mk), other=0.0)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     dq_ptrs = DQ + b64 * stride_dqb + h64 * stride_dqh + rows64[:, None] * stride_dqm + dqd[None, :] * stride_dqd

@@ -69,6 +69,25 @@ def _bcast_strides(t: torch.Tensor | None, shape) -> tuple[int, ...]:
     return t.expand(*shape).stride()
 
 
+def hidden_keys(spec: BiasSpec) -> bool:
+    """Whether a cache length or the packed segments can hide a key from every query. Such keys may
+    hold anything (NaN in an uninitialized cache), so the kernels read them nowhere: masked tiles
+    load only the keys their rows see, never a whole tile through a descriptor."""
+    if spec.kv_seqlens is not None:
+        return True
+    if spec.q_seqstart is None:
+        return False
+    h = spec.host
+    queries = np.diff(np.asarray(h.q_seqstart))
+    seen = sorted((a, a + n) for a, n, m in zip(h.k_seqstart, h.k_seqlen, queries) if n > 0 and m > 0)
+    covered = 0
+    for a, b in seen:
+        if a > covered:
+            return True
+        covered = max(covered, b)
+    return covered < spec.Mk
+
+
 class _SpecArgs:
     """The spec's device tensors (dummies where absent) and constexpr switches, shared by every kernel."""
 
@@ -85,6 +104,7 @@ class _SpecArgs:
         self.kl = spec.k_seqlen.to(**i32) if self.has_segments else d32
         self.has_padded = spec.kv_seqlens is not None
         self.kv = spec.kv_seqlens.to(**i32) if self.has_padded else d32
+        self.hidden_keys = hidden_keys(spec)
         self.has_band = spec.band_lo is not None
         self.band_lo = spec.band_lo.to(**i32) if self.has_band else d32
         self.band_hi = spec.band_hi.to(**i32) if self.has_band else d32
@@ -114,6 +134,7 @@ class _SpecArgs:
             HAS_SEGMENTS=self.has_segments, HAS_PADDED=self.has_padded, HAS_BAND=self.has_band,
             BAND_PER_SEGMENT=self.band_per_segment, HAS_LAYOUT=self.has_layout,
             HAS_ADDITIVE=self.has_additive, HAS_ALIBI=self.has_alibi,
+            HIDDEN_LINES=self.has_segments or self.has_padded,  # masked tiles load only the lines their span sees
         )
 
     def tile_lists(self, spec: BiasSpec, sched, block_other: int, along_keys: bool, device):
@@ -290,7 +311,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
         chunk = program_chunk(B * H, sched.n, num_sms(q.device), kv_bytes, args.has_band)
         descs = tma.kv_descriptors(k, v, cfg.block_n, hd, hdv)
         _fwd[grid](
-            q, *(descs or (k, v)), out, lse,
+            q, *(descs or (k, v)), k, v, out, lse,
             args.add, args.slopes, args.layout, args.qs, args.ks, args.kl, args.kv, args.band_lo, args.band_hi,
             sched.table if sched.table is not None else args.d32, count, index,
             scale * LOG2E,
@@ -302,7 +323,8 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
             BATCH_INNER=batch_inner, HAS_DROPOUT=dropout_p > 0, TAIL_ORDER=chunk > 1,
             LIST_TILES=_list_tiles(index, list_only),
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only, DOT_PRECISION=_dot_precision(q.dtype),
-            INDEX_64=index_64, TMA_KV=descs is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
+            INDEX_64=index_64, TMA_KV=descs is not None, TMA_EDGES=descs is not None and not args.hidden_keys,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
         )
 
     feats = args.features + (("dropout",) if dropout_p > 0 else ()) + _span_features(spec, Mq, Mk)

@@ -20,6 +20,7 @@ from .common_kernels import (
     _list_entry,
     _list_registers,
     _load_lines,
+    _load_tile,
     _program_ids,
     _row_key_bounds,
     _span,
@@ -29,18 +30,22 @@ from .common_kernels import (
 
 @triton.jit
 def _fwd_tile(
-    acc, m_i, l_i, q, rows, klo, khi, n0, b, h, hk, K_base, V_base,
+    acc, m_i, l_i, q, rows, klo, khi, key_lo, key_hi, n0, b, h, hk, K_base, V_base, KP_base, VP_base,
     stride_kn, stride_kd, stride_vn, stride_vd, Mq, Mk, D, Dv, qk_scale,
     Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
     Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, bias_raw,
     MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, PRELOADED: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
     seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT: tl.constexpr, TMA_KV: tl.constexpr,
+    HIDDEN_LINES: tl.constexpr,
 ):
     """One key tile ``[n0, n0 + BLOCK_N)`` of the online softmax.
 
-    With ``TMA_KV``, ``K_base``/``V_base`` are tensor descriptors of the whole ``[B, Hkv, Mk, D]``
-    K and V: the copy engine fetches the tile and fills keys past ``Mk`` and dims past ``D`` with zeros."""
+    With ``TMA_KV``, the tile comes through ``K_base``/``V_base``, tensor descriptors of the whole
+    ``[B, Hkv, Mk, D]`` K and V: the copy engine fetches it and fills keys past ``Mk`` and dims past
+    ``D`` with zeros. Otherwise it comes through the pointers ``KP_base``/``VP_base``, and a masked
+    tile reads only the keys of the program's span ``[key_lo, key_hi)``: keys no row sees (past a cache
+    length, outside every packed segment) may hold anything, NaN included."""
     cols = n0 + tl.arange(0, BLOCK_N)
     if INDEX_64:
         cols64 = cols.to(tl.int64)
@@ -52,7 +57,8 @@ def _fwd_tile(
         k = K_base.load([b, hk, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
         v = V_base.load([b, hk, n0, 0]).reshape(BLOCK_N, HEAD_DIM_V)
     else:
-        k = _load_lines(K_base + cols64[:, None] * stride_kn + dk[None, :] * stride_kd, cols, Mk, dk, D, MASKED, EVEN_D)
+        k = _load_tile(KP_base + cols64[:, None] * stride_kn + dk[None, :] * stride_kd, cols, key_lo, key_hi, Mk,
+                       dk, D, MASKED, HIDDEN_LINES, EVEN_D)
     if HAS_ADDITIVE:  # the additive tile enters as the dot's accumulator, in the dot's own layout
         bias = _additive_tile(rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
                               qk_scale, bias_raw, PRELOADED, INDEX_64)
@@ -81,7 +87,8 @@ def _fwd_tile(
         keep = _dropout_keep_tile(seed, drop_base, rows, n0, row_blocks, drop_thresh, rows.shape[0], BLOCK_N)
         p = tl.where(keep, p, 0.0)
     if not TMA_KV:
-        v = _load_lines(V_base + cols64[:, None] * stride_vn + dv[None, :] * stride_vd, cols, Mk, dv, Dv, MASKED, EVEN_D)
+        v = _load_tile(VP_base + cols64[:, None] * stride_vn + dv[None, :] * stride_vd, cols, key_lo, key_hi, Mk,
+                       dv, Dv, MASKED, HIDDEN_LINES, EVEN_D)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -89,7 +96,7 @@ def _fwd_tile(
 @triton.jit(do_not_specialize=["B", "n_prog_m", "chunk", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
                              "seed_lo", "seed_hi", "drop_thresh"])  # values that vary per call: no recompiles
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse,
+    Q, K, V, KP, VP, Out, Lse,
     Add, Slopes, Layout, QSeqStart, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, Sched, TileCount, TileIdx,
     qk_scale,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -107,12 +114,14 @@ def _attn_fwd_kernel(
     BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
     BATCH_INNER: tl.constexpr, HAS_DROPOUT: tl.constexpr, LIST_TILES: tl.constexpr, TAIL_ORDER: tl.constexpr,
-    TMA_KV: tl.constexpr,
+    TMA_KV: tl.constexpr, TMA_EDGES: tl.constexpr, HIDDEN_LINES: tl.constexpr,
 ):
     """Grid ``(query tiles, B * Hq)`` (``(query tiles * B, Hq)`` with ``BATCH_INNER``). Writes ``Out [B, Hq, Mq, Dv]`` and ``Lse [B, Hq, Mq]`` (natural log).
 
     With ``HAS_DROPOUT`` the output is the dropped, rescaled one; ``Lse`` stays that of the full softmax.
-    With ``TMA_KV``, ``K`` and ``V`` are tensor descriptors (Hopper's copy engine), not pointers."""
+    With ``TMA_KV``, ``K`` and ``V`` are tensor descriptors (Hopper's copy engine) and ``KP``/``VP``
+    the same tensors as pointers; the unmasked tiles come through the descriptors, the masked ones too
+    with ``TMA_EDGES`` (when no key can be hidden from every row, so whole tiles may be read)."""
     pid_m, b, h, pid_bh = _program_ids(B, H, n_prog_m, chunk, BATCH_INNER, TAIL_ORDER)
     row_blocks = (Mk + 7) // 8
     drop_base = pid_bh.to(tl.int64) * Mq * row_blocks
@@ -133,6 +142,7 @@ def _attn_fwd_kernel(
         rows, m_end, seg, b, Mk, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT
     )
     lo, hi, full_lo, full_hi = _span(klo, khi, valid)
+    key_lo, key_hi = lo, hi  # every key some row sees
 
     b64 = b.to(tl.int64)
     if INDEX_64:
@@ -142,12 +152,14 @@ def _attn_fwd_kernel(
     dq = tl.arange(0, HEAD_DIM)
     q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh
     q = _load_lines(q_base + rows64[:, None] * stride_qm + dq[None, :] * stride_qd, rows, Mq, dq, D, True, EVEN_D)
+    KP_base = KP + b64 * stride_kb + hk.to(tl.int64) * stride_kh
+    VP_base = VP + b64 * stride_vb + hk.to(tl.int64) * stride_vh
     if TMA_KV:
         K_base = K
         V_base = V
     else:
-        K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
-        V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+        K_base = KP_base
+        V_base = VP_base
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -160,12 +172,12 @@ def _attn_fwd_kernel(
             for t in range(0, count):
                 n0 = _list_entry(tiles, t, slots, listed, LIST_TILES) * BLOCK_N
                 acc, m_i, l_i = _fwd_tile(
-                    acc, m_i, l_i, q, rows, klo, khi, n0, b, h, hk, K_base, V_base, stride_kn, stride_kd,
+                    acc, m_i, l_i, q, rows, klo, khi, key_lo, key_hi, n0, b, h, hk, K_base, V_base, KP_base, VP_base, stride_kn, stride_kd,
                     stride_vn, stride_vd, Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes,
                     stride_sb, stride_sh, alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off,
                     layout_k_off, block_q, block_k, 0.0,
                     False, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                    seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV,
+                    seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV, HIDDEN_LINES,
                 )
         else:
             for t in range(0, count):
@@ -174,38 +186,38 @@ def _attn_fwd_kernel(
                     if LAYOUT_EXACT:  # kernel tiles lie inside layout blocks: the list settles the layout
                         if (n0 >= full_lo) & (n0 + BLOCK_N <= full_hi):
                             acc, m_i, l_i = _fwd_tile(
-                                acc, m_i, l_i, q, rows, klo, khi, n0, b, h, hk, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                acc, m_i, l_i, q, rows, klo, khi, key_lo, key_hi, n0, b, h, hk, K_base, V_base, KP_base, VP_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                                 False, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV,
+                                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV, HIDDEN_LINES,
                             )
                         else:
                             acc, m_i, l_i = _fwd_tile(
-                                acc, m_i, l_i, q, rows, klo, khi, n0, b, h, hk, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                acc, m_i, l_i, q, rows, klo, khi, key_lo, key_hi, n0, b, h, hk, K_base, V_base, KP_base, VP_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV,
+                                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES,
                             )
                     else:
                         acc, m_i, l_i = _fwd_tile(
-                            acc, m_i, l_i, q, rows, klo, khi, n0, b, h, hk, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                            acc, m_i, l_i, q, rows, klo, khi, key_lo, key_hi, n0, b, h, hk, K_base, V_base, KP_base, VP_base, stride_kn, stride_kd, stride_vn, stride_vd,
                             Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                             alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                             True, True, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                            seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV,
+                            seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES,
                         )
     else:  # masked tiles at the span's left edge, unmasked middle, masked right edge
         lo = lo // 16 * 16  # 16-aligned tile starts: a bias row is read in 16-byte vectors
         n, a, e = _tile_split(lo, hi, full_lo, full_hi, BLOCK_N)
         for t in range(0, a):
             acc, m_i, l_i = _fwd_tile(
-                acc, m_i, l_i, q, rows, klo, khi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, hk, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                acc, m_i, l_i, q, rows, klo, khi, key_lo, key_hi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, hk, K_base, V_base, KP_base, VP_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV,
+                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES,
             )
         # the additive tile of the next key tile is loaded one iteration ahead: Triton pipelines only
         # dot operands, and a bias load waited on at once would stall every iteration
@@ -220,19 +232,19 @@ def _attn_fwd_kernel(
                 nxt = _add_load(rows[:, None], (n0 + BLOCK_N + tl.arange(0, BLOCK_N))[None, :], b, h, Mq, Mk,
                                 Add, stride_ab, stride_ah, stride_am, stride_an, INDEX_64)
             acc, m_i, l_i = _fwd_tile(
-                acc, m_i, l_i, q, rows, klo, khi, n0, b, h, hk, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                acc, m_i, l_i, q, rows, klo, khi, key_lo, key_hi, n0, b, h, hk, K_base, V_base, KP_base, VP_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, cur,
                 False, False, HAS_ADDITIVE, HAS_ALIBI, HAS_ADDITIVE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV,
+                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV, HIDDEN_LINES,
             )
         for t in range(e, n):
             acc, m_i, l_i = _fwd_tile(
-                acc, m_i, l_i, q, rows, klo, khi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, hk, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                acc, m_i, l_i, q, rows, klo, khi, key_lo, key_hi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, hk, K_base, V_base, KP_base, VP_base, stride_kn, stride_kd, stride_vn, stride_vd,
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV,
+                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES,
             )
 
     # rows that saw no key: out 0, lse -inf
