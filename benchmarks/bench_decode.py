@@ -17,6 +17,7 @@ import csv
 import datetime
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -265,6 +266,35 @@ def operators(grid) -> None:
               + f"; cudnn / triton_splitk {r['cudnn'] / r['triton_splitk']:.3f}", flush=True)
 
 
+AB_SWITCHES = {"pdl": "PDL"}  # --ab name -> switch of biasattn.ops.triton.splitk
+
+
+def ab_switch(grid, name: str, rounds: int) -> None:
+    """Same-process A/B of a ``triton_splitk`` launcher switch (on, off), alternating for ``rounds``
+    rounds per point, next to SDPA's cuDNN; prints GB/s and off/on time ratios."""
+    from biasattn.ops.triton import splitk
+
+    attr = AB_SWITCHES[name]
+    ratios = []
+    for Mq, Hq, Hkv, B, Mk in grid_points(grid):
+        sets = make_sets(B, Hq, Hkv, Mq, Mk)
+        kv_bytes = 2 * B * Hkv * Mk * D * 2
+        times = {"on": [], "off": [], "sdpa_cudnn": []}
+        for _ in range(rounds):
+            for variant in times:
+                setattr(splitk, attr, variant != "off")
+                fn = provider_fn("sdpa_cudnn" if variant == "sdpa_cudnn" else "triton_splitk", Hq, Hkv)
+                times[variant].append(graph_time(fn, sets))
+        setattr(splitk, attr, True)
+        med = {n: statistics.median(t) for n, t in times.items()}
+        ratios.append(med["off"] / med["on"])
+        print(f"B={B:<3} {Hq}/{Hkv:<3} Mq={Mq} Mk={Mk:<7} GB/s: {name} on {kv_bytes / med['on'] / 1e6:6.0f}  "
+              f"off {kv_bytes / med['off'] / 1e6:6.0f}  cudnn {kv_bytes / med['sdpa_cudnn'] / 1e6:6.0f}  "
+              f"off/on time {med['off'] / med['on']:.3f}  cudnn/on time {med['sdpa_cudnn'] / med['on']:.3f}", flush=True)
+        del sets
+    print(f"{name}: off/on time median {statistics.median(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f}")
+
+
 def _git_commit() -> str:
     """The commit measured: ``BIASATTN_COMMIT`` when set (a copy of the tree without its history), else git's."""
     if os.environ.get("BIASATTN_COMMIT"):
@@ -287,6 +317,9 @@ def main(argv=None):
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse, where git works)")
     ap.add_argument("--operators", action="store_true",
                     help="only print the dispatched call against forced triton_splitk and cudnn (our operators)")
+    ap.add_argument("--ab", choices=list(AB_SWITCHES), help="only A/B a triton_splitk switch: " + ", ".join(
+        f"{k} (splitk.{v})" for k, v in AB_SWITCHES.items()))
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of --ab (medians reported)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     commit = args.commit or _git_commit()
@@ -310,6 +343,9 @@ def main(argv=None):
         grid.update(Mq=tuple(args.mq))
     if args.operators:
         operators(grid)
+        return 0
+    if args.ab:
+        ab_switch(grid, args.ab, args.rounds)
         return 0
     rows = []
     t0 = time.time()

@@ -231,6 +231,21 @@ def test_keys_past_the_lengths_are_never_read(case):
     check(q, k, v, bias, splits=(None, 1, 3))
 
 
+def test_programmatic_dependent_launch_only_where_the_device_has_it(monkeypatch):
+    """The merge runs as a programmatic dependent launch only on CUDA devices of capability 9.0+ (never
+    under the interpreter, never when switched off)."""
+    from biasattn.ops.triton import splitk
+
+    assert not splitk.pdl_available(torch.device("cpu"))
+    if DEVICE.type == "cuda":
+        from biasattn.ops.common import cuda_capability
+
+        has_gdc = splitk.splitk_kernels.gdc_wait is not None
+        assert splitk.pdl_available(DEVICE) == (has_gdc and cuda_capability(DEVICE) >= (9, 0))
+        monkeypatch.setattr(splitk, "PDL", False)
+        assert not splitk.pdl_available(DEVICE)
+
+
 def test_lengths_written_after_lowering_are_honoured():
     """Cache lengths grown in place after the bias was lowered (as between CUDA-graph replays) are all read."""
     q, k, v = qkv(2, 2, 1, 1, 70, 16, torch.float32)

@@ -115,6 +115,33 @@ def test_cuda_graph_capture_and_replay_with_new_lengths():
     assert_close_to_reference(out, lse, inp)
 
 
+@pytest.mark.parametrize("heads", [(32, 1), (32, 8)])
+def test_merge_as_programmatic_dependent_launch(monkeypatch, heads):
+    """On Hopper the merge starts as a programmatic dependent of the split kernel: the same bits as two
+    plain launches, eagerly and inside a CUDA graph, with the partials written just before."""
+    from biasattn.ops.triton import splitk
+
+    if not splitk.pdl_available(CUDA):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 and a Triton with it")
+    q, k, v = decode_inputs(4, *heads, 1, 8192, torch.bfloat16)
+    bias = ba.PaddedKeysMask([8192, 3000, 1, 0], device=CUDA)
+    inp = make_inputs(q, k, v, bias)
+    monkeypatch.setattr(splitk, "PDL", False)
+    plain = run_poisoned(inp, num_splits=16)
+    monkeypatch.setattr(splitk, "PDL", True)
+    eager = run_poisoned(inp, num_splits=16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = splitk.splitk_attention_fwd(inp, num_splits=16)
+    for t in captured:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b, c in zip(plain, eager, captured):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert_close_to_reference(*eager, inp)
+
+
 def test_no_host_sync_per_call():
     q, k, v = decode_inputs(2, 32, 8, 1, 8192, torch.bfloat16)
     bias = ba.PaddedKeysMask([8192, 10], device=CUDA)

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from ...inputs import AttentionInputs
-from ..common import cdiv, next_power_of_2, num_sms, slice_span, tile_size
+from ..common import cdiv, cuda_capability, next_power_of_2, num_sms, slice_span, tile_size
+from . import configs, splitk_kernels
 from .launch import direct
 from .splitk_kernels import _merge_partials_kernel, _splitk_fwd_kernel
 
@@ -26,7 +27,15 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 128
 SPLIT_SLACK = 0.05
 FORCE_INDEX_64 = False  # tests set this: 64-bit key offsets even when every K/V slice spans less than 2**31 elements
+PDL = True  # the merge as a programmatic dependent launch where the device has it (A/B runs turn it off)
 MERGE_OVERHEAD_TILES = 8.0  # the merge launch, in one program's tile loads (fitted on an H200, benchmarks/NOTES.md)
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Whether the merge can start as a programmatic dependent launch of the split kernel: a CUDA
+    device of compute capability 9.0 or later, a Triton with grid dependency control, and :data:`PDL`."""
+    return (PDL and device.type == "cuda" and not configs.interpreted() and splitk_kernels.gdc_wait is not None
+            and cuda_capability(device) >= (9, 0))
 
 
 def choose_num_splits(
@@ -195,6 +204,7 @@ def splitk_attention_fwd(
     band_per_segment = spec.band_lo is not None and spec.band_lo.numel() > 1
     placeholder = spec.kv_seqlens if spec.kv_seqlens is not None else q
     grid = (Z * Hkv * row_blocks, num_splits)
+    pdl = num_splits > 1 and pdl_available(dev)
     _split[grid](
         q, k, v, o_buf, l_buf,
         placeholder, spec.q_seqstart if segments else q, spec.k_seqstart if segments else q,
@@ -210,11 +220,11 @@ def splitk_attention_fwd(
         HAS_ADDITIVE=add is not None, HAS_ALIBI=slopes is not None,
         EVEN_D=head_dim == D, EVEN_DV=head_dim_v == Dv,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INDEX_64=FORCE_INDEX_64 or max(slice_span(k), slice_span(v)) >= 2**31,
+        INDEX_64=FORCE_INDEX_64 or max(slice_span(k), slice_span(v)) >= 2**31, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
-        merge_partials_triton(o_buf, l_buf, out=out, lse=lse)
+        merge_partials_triton(o_buf, l_buf, out=out, lse=lse, after_split=pdl)
     if segments and (qs[0] > 0 or qs[-1] < Mq):  # rows outside every segment see nothing
         for rows_ in (slice(0, qs[0]), slice(qs[-1], Mq)):
             out[:, :, rows_] = 0
@@ -224,11 +234,12 @@ def splitk_attention_fwd(
 
 def merge_partials_triton(
     outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype | None = None, *,
-    out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, lse: torch.Tensor | None = None, after_split: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton path of :func:`biasattn.ops.merge.merge_partials` (forward only, no autograd).
 
     ``outs [S, ..., M, Dv]``, ``lses [S, ..., M]`` → ``(out [..., M, Dv], lse [..., M] float32)``.
+    ``after_split``: launched right after a split kernel compiled with ``PDL``, as its programmatic dependent.
     """
     S, Dv = outs.shape[0], outs.shape[-1]
     lead = tuple(outs.shape[1:-1])
@@ -247,6 +258,7 @@ def merge_partials_triton(
     _merge[(R, cdiv(Dv, block_d))](
         parts, part_lse, out2, lse1, S, Dv,
         *parts.stride(), *part_lse.stride(), *out2.stride(), lse1.stride(0),
-        BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4 if block_s * block_d >= 2048 else 2,
+        BLOCK_S=block_s, BLOCK_D=block_d, PDL=after_split, num_warps=4 if block_s * block_d >= 2048 else 2,
+        **({"launch_pdl": True} if after_split else {}),
     )
     return out, lse

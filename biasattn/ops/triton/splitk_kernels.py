@@ -14,6 +14,11 @@ before scaling, which needs a positive scale.
 import triton
 import triton.language as tl
 
+try:  # programmatic dependent launch (sm_90+): the merge kernel's programs start while the split kernel drains
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without it: launchers keep PDL off (see splitk.pdl_available)
+    gdc_launch_dependents = gdc_wait = None
+
 
 @triton.jit
 def _splitk_tile(
@@ -91,9 +96,12 @@ def _splitk_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_KV_LEN: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_BAND: tl.constexpr, BAND_PER_SEGMENT: tl.constexpr,
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
-    PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+    PRECISION: tl.constexpr, INDEX_64: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Attention of one row block over one split of its sequence's keys; writes out and lse of the split."""
+    """Attention of one row block over one split of its sequence's keys; writes out and lse of the split.
+
+    With ``PDL`` the program lets the merge kernel launch once its key loop is done (its stores follow;
+    the merge waits for them)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rb = pid % row_blocks
@@ -189,6 +197,8 @@ def _splitk_fwd_kernel(
             BLOCK_N, HEAD_DIM, HEAD_DIM_V, True, EVEN_D, EVEN_DV, HAS_BAND, HAS_ADDITIVE, HAS_ALIBI, PRECISION, INDEX_64,
         )
 
+    if PDL:
+        gdc_launch_dependents()
     # Normalized output and natural-log LSE of this split; rows that saw nothing give 0 and -inf.
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -205,9 +215,14 @@ def _splitk_fwd_kernel(
 def _merge_partials_kernel(
     Parts, PartLse, Out, Lse, S, Dv,
     stride_ps, stride_pr, stride_pd, stride_ls, stride_lr, stride_or, stride_od, stride_lser,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Row ``r``: ``out = Σ_s exp(lse_s - lse) · parts_s`` and ``lse = log Σ_s exp(lse_s)``, BLOCK_S splits at a time."""
+    """Row ``r``: ``out = Σ_s exp(lse_s - lse) · parts_s`` and ``lse = log Σ_s exp(lse_s)``, BLOCK_S splits at a time.
+
+    With ``PDL`` (launched as a programmatic dependent) it first waits until the kernel before it has
+    finished and its writes are visible."""
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < Dv
