@@ -599,10 +599,11 @@ def cases(draw):
     if "alibi" in extra:
         alibi = ba.ALiBi((torch.rand(B, Hkv * G, generator=gen) * 0.5).to(DEVICE))
 
-    def make(a):
+    def make(a, families=fams):
         bias = None
-        for m in masks:
-            bias = m if bias is None else bias & m
+        for f, m in zip(fams, masks):
+            if f in families:
+                bias = m if bias is None else bias & m
         for term in ([ba.AdditiveBias(a)] if a is not None else []) + ([alibi] if alibi is not None else []):
             bias = term if bias is None else bias + term
         if bias is not None and sliced:
@@ -610,6 +611,9 @@ def cases(draw):
         return bias
 
     q, k, v = qkv(B, Hkv * G, Hkv, Mq, Mk, D, Dv, dtype, seed)
+    hiding = make(None, ("padded", "segments"))  # what may hide lines that hold anything
+    if hiding is not None and draw(st.booleans()):
+        q, k, v = poison_hidden(q, k, v, hiding)
     return dict(q=q, k=k, v=v, make=make, add=add, dropout_p=dropout_p,
                 desc=f"{fams}+{extra} p={dropout_p} B={B} Hq={Hkv * G} Hkv={Hkv} "
                 f"Mq={Mq} Mk={Mk} D={D} Dv={Dv} {dtype} slice=({q_off},{k_off},{Fq},{Fk})")
