@@ -14,6 +14,7 @@ from biasattn.testing import (
     assert_close_to_reference,
     dense_bias,
     poison_,
+    poison_hidden_lines,
     poison_padding_,
     poisoned_allocations,
     reference_attention,
@@ -102,6 +103,20 @@ def test_poison_fills():
     assert (poison_(torch.zeros(3, dtype=torch.int32)) == 2**31 - 1).all()
     x = poison_padding_(torch.zeros(2, 1, 5, 3), [2, 5])
     assert torch.isnan(x[0, :, 2:]).all() and not torch.isnan(x[0, :, :2]).any() and not torch.isnan(x[1]).any()
+
+
+def test_poison_hidden_lines():
+    """NaN exactly in the query rows and keys the bias hides everywhere; a key of a shared KV head stays
+    clean while any of its query heads sees it; the inputs are untouched."""
+    q, k, v = torch.zeros(2, 4, 3, 8), torch.zeros(2, 2, 5, 8), torch.zeros(2, 2, 5, 4)
+    pq, pk, pv = poison_hidden_lines(q, k, v, ba.PaddedKeysMask([5, 2]))
+    assert not torch.isnan(pq).any() and not torch.isnan(k).any()
+    assert torch.isnan(pk[1, :, 2:]).all() and torch.isnan(pv[1, :, 2:]).all()
+    assert not torch.isnan(pk[0]).any() and not torch.isnan(pk[1, :, :2]).any()
+    seg = ba.BlockDiagonalMask.from_seqlens([1, 0, 2], [2, 2, 0])  # rows 1-2 see nothing; keys 2-3 are seen by none
+    pq, pk, _ = poison_hidden_lines(torch.zeros(1, 2, 3, 8), torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8), seg)
+    assert torch.isnan(pq[0, :, 1:]).all() and not torch.isnan(pq[0, :, 0]).any()
+    assert torch.isnan(pk[0, 0, 2:]).all() and not torch.isnan(pk[0, 0, :2]).any()
 
 
 def test_poisoned_allocations_catch_a_skipped_write():

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import biasattn as ba
 from biasattn.inputs import make_inputs
 from biasattn.ops.reference import dense_bias, softmax_attention
+from biasattn.testing import poison_hidden_lines
 
 try:  # a module global: the probe kernel of test_chunked_program_order calls it
     from biasattn.ops.triton.common_kernels import _chunked_ids
@@ -174,17 +175,6 @@ def test_padded_keys_with_empty_rows():
     check(*qkv(B=3, Mq=21, Mk=40), const(ba.PaddedKeysMask([40, 0, 17]).to(DEVICE)))
 
 
-def poison_hidden(q, k, v, bias):
-    """NaN in every query row and key that ``bias`` hides from all keys / all queries (padding, keys
-    past a cache length, lines outside every packed segment): the kernels must keep them out."""
-    seen = ~torch.isneginf(dense_bias(make_inputs(q, k, v, bias), torch.float32, None))
-    seen = seen.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    rows = seen.any(-1)  # [B, Hq, Mq]
-    keys = seen.unflatten(1, (k.shape[1], -1)).any(2).any(-2)  # [B, Hkv, Mk]: any head of the group
-    nan = float("nan")
-    return q.masked_fill(~rows[..., None], nan), k.masked_fill(~keys[..., None], nan), v.masked_fill(~keys[..., None], nan)
-
-
 HIDDEN_CASES = ["padded", "padded_causal_br_gqa", "padded_window", "segments", "segments_causal",
                 "padded_shared_additive", "padded_own_additive"]
 
@@ -220,7 +210,7 @@ def test_hidden_lines_hold_nan(monkeypatch, case, tma):
     if "additive" in case:
         shape = (1 if "shared" in case else B, Hq, 37, Mk)
         add = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    q, k, v = poison_hidden(*qkv(B=B, Hq=Hq, Hkv=Hkv, Mq=37, Mk=Mk), masks)
+    q, k, v = poison_hidden_lines(*qkv(B=B, Hq=Hq, Hkv=Hkv, Mq=37, Mk=Mk), masks)
     assert k.isnan().any() and (q.isnan().any() or not case.startswith("segments"))
     check(q, k, v, (lambda a: masks + ba.AdditiveBias(a)) if add is not None else const(masks), add)
     assert all(d is not None for d in built) == tma and built
@@ -613,7 +603,7 @@ def cases(draw):
     q, k, v = qkv(B, Hkv * G, Hkv, Mq, Mk, D, Dv, dtype, seed)
     hiding = make(None, ("padded", "segments"))  # what may hide lines that hold anything
     if hiding is not None and draw(st.booleans()):
-        q, k, v = poison_hidden(q, k, v, hiding)
+        q, k, v = poison_hidden_lines(q, k, v, hiding)
     return dict(q=q, k=k, v=v, make=make, add=add, dropout_p=dropout_p,
                 desc=f"{fams}+{extra} p={dropout_p} B={B} Hq={Hkv * G} Hkv={Hkv} "
                 f"Mq={Mq} Mk={Mk} D={D} Dv={Dv} {dtype} slice=({q_off},{k_off},{Fq},{Fk})")

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_triton import _Counting, _poison, assert_close, check, const, poison_hidden, qkv  # noqa: F401  (_poison: autouse fixture)
+from test_triton import _Counting, _poison, assert_close, check, const, qkv  # noqa: F401  (_poison: autouse fixture)
 
 import biasattn as ba
 from biasattn.ops.reference import softmax_attention
+from biasattn.testing import poison_hidden_lines
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -351,6 +352,6 @@ def test_hidden_lines_hold_nan(monkeypatch, case, tma):
 
     monkeypatch.setattr(tma_mod, "ENABLED", tma)
     sizes, make = HIDDEN_CASES[case]
-    q, k, v = poison_hidden(*qkv(**sizes, dtype=torch.bfloat16), make())
+    q, k, v = poison_hidden_lines(*qkv(**sizes, dtype=torch.bfloat16), make())
     assert k.isnan().any()
     check(q, k, v, lambda a: make())

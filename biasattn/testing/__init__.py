@@ -4,8 +4,8 @@
   lowering), differentiable, NaN-free on rows that see no key.
 - :func:`assert_close_to_reference`: ``max|out - ref| <= 2 · max|out_lowprec_math - ref| + atol``
   (3× for dq), the dtype-relative criterion.
-- :func:`poison_`, :func:`poison_padding_`, :func:`poisoned_allocations`: NaN where a kernel must
-  write or must not read.
+- :func:`poison_`, :func:`poison_padding_`, :func:`poison_hidden_lines`, :func:`poisoned_allocations`:
+  NaN where a kernel must write or must not read.
 - :mod:`biasattn.testing.strategies` (needs ``hypothesis``): shapes with odd sizes, GQA, ``Mq != Mk``,
   empty segments; dtypes; biases of every family and compositions of 2–3 families.
 
@@ -26,7 +26,7 @@ Typical test::
 from __future__ import annotations
 
 from .asserts import DEFAULT_ATOL, assert_close_to_reference, max_abs_diff
-from .poison import poison_, poison_padding_, poisoned_allocations
+from .poison import poison_, poison_hidden_lines, poison_padding_, poisoned_allocations
 from .reference import dense_bias, reference_attention
 
 
@@ -44,6 +44,7 @@ __all__ = [
     "dense_bias",
     "max_abs_diff",
     "poison_",
+    "poison_hidden_lines",
     "poison_padding_",
     "poisoned_allocations",
     "reference_attention",

@@ -40,6 +40,26 @@ def poison_padding_(x: torch.Tensor, kv_seqlens) -> torch.Tensor:
     return x
 
 
+def poison_hidden_lines(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias):
+    """Copies of ``q``, ``k``, ``v`` with NaN in every query row that ``attn_bias`` hides from all keys
+    and every key it hides from all query rows (of every query head sharing the key's KV head).
+
+    Pass the part of a bias whose hidden lines may hold anything, such as a
+    :class:`~biasattn.PaddedKeysMask` or a :class:`~biasattn.BlockDiagonalMask`: operators keep
+    those lines out of every result. Keys that a band or a causal mask hides are ordinary data.
+    """
+    from .reference import dense_bias
+
+    B, Hq, Mq, _ = q.shape
+    Hkv, Mk = k.shape[1], k.shape[2]
+    seen = ~torch.isneginf(dense_bias(attn_bias, (B, Hq, Mq, Mk), torch.float32, q.device))
+    rows = seen.any(-1)[..., None]  # [B, Hq, Mq, 1]
+    keys = seen.unflatten(1, (Hkv, Hq // Hkv)).any(2).any(-2)[..., None]  # [B, Hkv, Mk, 1]
+    nan = float("nan")
+    with torch.no_grad():
+        return q.masked_fill(~rows, nan), k.masked_fill(~keys, nan), v.masked_fill(~keys, nan)
+
+
 @contextlib.contextmanager
 def poisoned_allocations() -> Iterator[None]:
     """Inside the block, ``torch.empty`` and ``torch.empty_like`` return NaN-filled floating tensors.
