@@ -134,6 +134,16 @@ def check(q, k, v, make_bias, add=None, *, scale=None, grads=True, add_grad=True
     return out, lse
 
 
+def record_descriptors(mp) -> list:
+    """Patch ``tma.kv_descriptors`` (through the monkeypatch ``mp``) so that every launch's answer,
+    descriptors or None, is appended to the returned list."""
+    from biasattn.ops.triton import tma
+
+    built, real = [], tma.kv_descriptors
+    mp.setattr(tma, "kv_descriptors", lambda *a: built.append(real(*a)) or built[-1])
+    return built
+
+
 def qkv(B=1, Hq=2, Hkv=1, Mq=37, Mk=45, D=16, Dv=None, dtype=torch.float32, seed=0):
     """Random ``q [B, Hq, Mq, D]``, ``k [B, Hkv, Mk, D]``, ``v [B, Hkv, Mk, Dv]`` on the test device."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -188,9 +198,7 @@ def test_hidden_lines_hold_nan(monkeypatch, case, tma):
     from biasattn.ops.triton import tma as tma_mod
 
     monkeypatch.setattr(tma_mod, "FORCE_INTERPRETED", tma)
-    built = []
-    real = tma_mod.kv_descriptors
-    monkeypatch.setattr(tma_mod, "kv_descriptors", lambda *a: built.append(real(*a)) or built[-1])
+    built = record_descriptors(monkeypatch)
     B, Hq, Hkv, Mk = (3, 4, 2, 45) if "gqa" in case else (3, 2, 2, 45)
     padded = ba.PaddedKeysMask([45, 19, 3]).to(DEVICE)
     # a document without queries (its 5 keys hidden) and one without keys (its 8 rows see nothing)
@@ -551,7 +559,7 @@ def cases(draw):
     seed = draw(st.integers(0, 2**16))
     dropout_p = draw(st.sampled_from([0.0, 0.0, 0.3]))
     gen = torch.Generator().manual_seed(seed)
-    masks = []
+    masks, documents = [], None
     for f in fams:
         if f == "causal":
             masks.append(ba.LowerTriangularMask())
@@ -568,6 +576,7 @@ def cases(draw):
             lq = [b - a for a, b in zip([0, *cq], [*cq, Fq])]
             lk = [b - a for a, b in zip([0, *ck], [*ck, Fk])]
             seg = ba.BlockDiagonalMask.from_seqlens(lq, lk, device=DEVICE)
+            documents = seg  # without the band: what the segments alone hide
             kind = draw(st.sampled_from(["plain", "causal", "causal_br", "local"]))
             if kind == "causal":
                 seg = seg.make_causal()
@@ -589,11 +598,14 @@ def cases(draw):
     if "alibi" in extra:
         alibi = ba.ALiBi((torch.rand(B, Hkv * G, generator=gen) * 0.5).to(DEVICE))
 
-    def make(a, families=fams):
+    def make(a, hiding=False):
         bias = None
         for f, m in zip(fams, masks):
-            if f in families:
-                bias = m if bias is None else bias & m
+            if hiding:  # only what may hide lines that hold anything: padded keys, the documents themselves
+                if f not in ("padded", "segments"):
+                    continue
+                m = documents if f == "segments" else m
+            bias = m if bias is None else bias & m
         for term in ([ba.AdditiveBias(a)] if a is not None else []) + ([alibi] if alibi is not None else []):
             bias = term if bias is None else bias + term
         if bias is not None and sliced:
@@ -601,7 +613,7 @@ def cases(draw):
         return bias
 
     q, k, v = qkv(B, Hkv * G, Hkv, Mq, Mk, D, Dv, dtype, seed)
-    hiding = make(None, ("padded", "segments"))  # what may hide lines that hold anything
+    hiding = make(None, hiding=True)
     if hiding is not None and draw(st.booleans()):
         q, k, v = poison_hidden_lines(q, k, v, hiding)
     return dict(q=q, k=k, v=v, make=make, add=add, dropout_p=dropout_p,
@@ -789,13 +801,11 @@ def test_random_compositions_through_descriptors(case):
         case["make"](case["add"])
     except ba.BiasCompositionError:
         return
-    built = []
-    real = tma.kv_descriptors
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tma, "FORCE_INTERPRETED", True)
         if not tma.available(case["q"].device) or not (tma.describable(case["k"]) and tma.describable(case["v"])):
             return  # pointer loads: every other test covers them
-        mp.setattr(tma, "kv_descriptors", lambda *a: built.append(real(*a)) or built[-1])
+        built = record_descriptors(mp)
         check(case["q"], case["k"], case["v"], case["make"], case["add"], dropout_p=case["dropout_p"], grads=False)
     assert built and all(d is not None for d in built)
 

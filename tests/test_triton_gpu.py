@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_triton import _Counting, _poison, assert_close, check, const, qkv  # noqa: F401  (_poison: autouse fixture)
+from test_triton import (  # noqa: F401  (_poison: autouse fixture)
+    _Counting,
+    _poison,
+    assert_close,
+    check,
+    const,
+    qkv,
+    record_descriptors,
+)
 
 import biasattn as ba
 from biasattn.ops.reference import softmax_attention
@@ -321,9 +329,7 @@ def test_forward_through_tensor_descriptors(monkeypatch, case, layout):
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     add = torch.randn(1, sizes["Hq"], sizes["Mq"], sizes["Mk"], device="cuda") if make is None else None
     make_bias = ba.AdditiveBias if make is None else make(sizes["Mk"])
-    built = []
-    real = tma.kv_descriptors
-    monkeypatch.setattr(tma, "kv_descriptors", lambda *a: built.append(real(*a)) or built[-1])
+    built = record_descriptors(monkeypatch)
     check(q, k, v, make_bias, add, grads=False)
     assert built and all(d is not None for d in built)
     monkeypatch.setattr(tma, "ENABLED", False)

@@ -19,9 +19,8 @@ from ...inputs import AttentionInputs
 from ..common import cdiv, cuda_capability, next_power_of_2, num_sms, slice_span, tile_size
 from . import configs, splitk_kernels
 from .launch import direct
-from .splitk_kernels import _merge_partials_kernel, _splitk_fwd_kernel
 
-_split, _merge = direct(_splitk_fwd_kernel), direct(_merge_partials_kernel)
+_split, _merge = direct(splitk_kernels._splitk_fwd_kernel), direct(splitk_kernels._merge_partials_kernel)
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 128
