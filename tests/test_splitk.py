@@ -102,9 +102,12 @@ def test_split_fills_one_wave_for_long_caches():
 
 
 def test_short_caches_pay_for_the_merge():
-    # 128 programs of 17 tiles: halving their work does not pay for the merge launch
-    assert choose_num_splits(128, 17, 132, programs_per_sm=2) == 1
-    assert choose_num_splits(128, 17, 132, programs_per_sm=2, merge_overhead_tiles=0.0) == 2
+    # 64 programs of 16 tiles on 132 SMs: halving their work pays for the merge launch unless it costs
+    # more than the 8 tiles it saves; 128 programs would need a second wave to split at all
+    assert choose_num_splits(64, 16, 132) == 2
+    assert choose_num_splits(64, 16, 132, merge_overhead_tiles=9.0) == 1
+    assert choose_num_splits(128, 16, 132, merge_overhead_tiles=0.0) == 1
+    assert choose_num_splits(128, 16, 132, programs_per_sm=2, merge_overhead_tiles=0.0) == 2
 
 
 def test_short_caches_split_less():
@@ -155,6 +158,10 @@ def test_key_tiles_follow_the_cache_length_and_the_grid():
     assert (big.block_m, big.block_n, big.num_warps, big.num_stages) == (128, 128, 8, 3)
     assert default_config(4, 256, 256, cuda, keys=32768, pairs=8).block_n == 32
     assert default_config(4, 128, 128, torch.device("cpu"), keys=32768).block_n == 16  # the interpreter's tiles
+    # short caches: three stages, or on a grid already full, two for single queries and four for several
+    assert default_config(4, 128, 128, cuda, keys=1024, pairs=32).num_stages == 3
+    assert default_config(4, 128, 128, cuda, keys=1024, pairs=512).num_stages == 2
+    assert default_config(4, 128, 128, cuda, keys=1024, pairs=512, queries=4).num_stages == 4
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -345,7 +352,7 @@ def test_cpu_needs_the_interpreter(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ merge
-@pytest.mark.parametrize("S", [1, 3, 40])
+@pytest.mark.parametrize("S", [1, 3, 40, 200])  # 200: more splits than one program loads at once
 def test_merge_kernel_matches_the_torch_path(S):
     g = torch.Generator().manual_seed(S)
     outs = torch.randn(S, 2, 3, 5, 24, generator=g).to(DEVICE)

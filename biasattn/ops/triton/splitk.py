@@ -27,7 +27,9 @@ MAX_SPLITS = 128
 SPLIT_SLACK = 0.05
 FORCE_INDEX_64 = False  # tests set this: 64-bit key offsets even when every K/V slice spans less than 2**31 elements
 PDL = True  # the merge as a programmatic dependent launch where the device has it (A/B runs turn it off)
-MERGE_OVERHEAD_TILES = 8.0  # the merge launch, in one program's tile loads (fitted on an H200, benchmarks/NOTES.md)
+MERGE_BLOCK_S = 128  # splits one merge program loads at once (MAX_SPLITS: always one round of loads) ...
+MERGE_TILE = 8192  # ... within a tile of this many partial elements (fewer columns per program as S grows)
+MERGE_OVERHEAD_TILES = 4.0  # the merge launch, in one program's tile loads (fitted on an H200, benchmarks/NOTES.md)
 
 
 def pdl_available(device: torch.device) -> bool:
@@ -38,7 +40,7 @@ def pdl_available(device: torch.device) -> bool:
 
 
 def choose_num_splits(
-    batch_heads: int, key_tiles: int, num_sms: int, *, programs_per_sm: int = 2,
+    batch_heads: int, key_tiles: int, num_sms: int, *, programs_per_sm: int = 1,
     split_overhead_tiles: float = 1.0, merge_overhead_tiles: float = MERGE_OVERHEAD_TILES,
     max_splits: int = MAX_SPLITS, tiles_per_sequence: Sequence[int] | None = None,
 ) -> int:
@@ -48,7 +50,9 @@ def choose_num_splits(
     each sequence's own tiles when they differ (padded keys), else every sequence has ``key_tiles``.
     Splitting into ``S`` pieces of ``p = ceil(key_tiles / S)`` tiles keeps ``busy(S)`` programs
     working (a sequence of ``t`` tiles fills ``ceil(t / p)`` pieces; the rest exit at once), and
-    ``num_sms · programs_per_sm`` programs run at a time (a wave). When ``batch_heads`` alone fills
+    ``num_sms · programs_per_sm`` programs stream at full rate at a time (a wave; one per SM by
+    default: on an H200 a second streaming program on an SM shares its bandwidth, so a split that
+    needs two waves gains nothing there, notes 57). When ``batch_heads`` alone fills
     a wave the grid is already full: no split. Otherwise the modelled time is
     ``ceil(busy(S) / wave) · (p + split_overhead_tiles) + merge_overhead_tiles``, the two overheads
     counted in one program's tile loads: a program's own fixed cost (its start, writing its partial
@@ -94,9 +98,10 @@ FULL_GRID_PROGRAMS = 512
 
 
 def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.device, keys: int = 0,
-                   pairs: int = 0) -> SplitKConfig:
-    """Tiles for ``rows`` packed query rows (group heads × queries) of ``pairs`` (sequence, KV head)
-    pairs over at most ``keys`` keys per sequence; small key tiles under the interpreter."""
+                   pairs: int = 0, queries: int = 1) -> SplitKConfig:
+    """Tiles for ``rows`` packed query rows (group heads × ``queries`` queries per sequence) of
+    ``pairs`` (sequence, KV head) pairs over at most ``keys`` keys per sequence; small key tiles
+    under the interpreter."""
     widest = max(head_dim, head_dim_v)
     block_m = min(tile_size(rows), 128 if widest <= 128 else 64)
     if device.type != "cuda":
@@ -106,7 +111,14 @@ def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.devi
     programs = pairs * cdiv(rows, block_m)  # before any split
     if keys >= LONG_CACHE_KEYS or (keys >= MID_CACHE_KEYS and programs < FULL_GRID_PROGRAMS):  # fewer, larger loads
         return SplitKConfig(block_m, 128, 4 if block_m <= 64 else 8, 3)
-    return SplitKConfig(block_m, 64, 4 if block_m <= 64 else 8, 4)  # short caches: more key tiles to split
+    if block_m > 64:
+        return SplitKConfig(block_m, 64, 8, 4)
+    # short caches: more key tiles to split, and a shallower pipeline (notes 57): three stages stream
+    # a split piece fastest; on a grid that is full without splitting, single queries go fastest
+    # with two (more programs share an SM), several queries per sequence with four
+    if programs < FULL_GRID_PROGRAMS:
+        return SplitKConfig(block_m, 64, 4, 3)
+    return SplitKConfig(block_m, 64, 4, 2 if keys < MID_CACHE_KEYS and queries == 1 else 4)
 
 
 def _key_bounds(inp: AttentionInputs, mq_stride: int) -> tuple[int, list[int] | None]:
@@ -169,17 +181,17 @@ def splitk_attention_fwd(
     rows = G * mq_stride
     head_dim, head_dim_v = tile_size(D), tile_size(Dv)
     bound, lengths = _key_bounds(inp, mq_stride)
-    cfg = config or default_config(rows, head_dim, head_dim_v, dev, bound, Z * Hkv)
+    cfg = config or default_config(rows, head_dim, head_dim_v, dev, bound, Z * Hkv, mq_stride)
     row_blocks = cdiv(rows, cfg.block_m)
-    key_tiles = cdiv(bound, cfg.block_n) + 1  # + 1: a range need not start on a tile boundary
+    # a band or packed segments may start a sequence's keys inside a tile: one tile more to cover
+    unaligned = int(spec.band_lo is not None or segments)
+    key_tiles = cdiv(bound, cfg.block_n) + unaligned
     if num_splits is None:
         tile_bytes = cfg.block_n * (head_dim + head_dim_v) * q.element_size()
-        smem = max(cfg.num_stages - 1, 1) * tile_bytes  # tiles in flight while one is consumed
         num_splits = choose_num_splits(
             Z * Hkv * row_blocks, key_tiles, num_sms(dev),
-            programs_per_sm=max(1, min(4, (200 * 1024) // smem)),
             split_overhead_tiles=1.0 + min(rows, cfg.block_m) * Dv * 8 / tile_bytes,
-            tiles_per_sequence=None if lengths is None else [cdiv(n, cfg.block_n) + 1 for n in lengths],
+            tiles_per_sequence=None if lengths is None else [cdiv(n, cfg.block_n) + unaligned for n in lengths],
         )
         num_splits = cdiv(key_tiles, cdiv(key_tiles, num_splits))
     tiles_per_split = cdiv(key_tiles, num_splits)
@@ -252,12 +264,13 @@ def merge_partials_triton(
     parts = outs.reshape(S, R, Dv)
     part_lse = lses.reshape(S, R)
     out2, lse1 = out.view(R, Dv), lse.view(R)
-    block_d = min(128, next_power_of_2(Dv))
-    block_s = min(32, next_power_of_2(S))
+    block_s = min(MERGE_BLOCK_S, next_power_of_2(S))
+    block_d = min(128, next_power_of_2(Dv), max(16, MERGE_TILE // block_s))
     _merge[(R, cdiv(Dv, block_d))](
         parts, part_lse, out2, lse1, S, Dv,
         *parts.stride(), *part_lse.stride(), *out2.stride(), lse1.stride(0),
-        BLOCK_S=block_s, BLOCK_D=block_d, PDL=after_split, num_warps=4 if block_s * block_d >= 2048 else 2,
+        BLOCK_S=block_s, BLOCK_D=block_d, ONE_BLOCK=S <= block_s, PDL=after_split,
+        num_warps=4 if block_s * block_d >= 2048 else 2,
         **({"launch_pdl": True} if after_split else {}),
     )
     return out, lse
