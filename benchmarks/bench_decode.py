@@ -91,14 +91,26 @@ def provider_fn(name, Hq, Hkv, bias=None):
     return run
 
 
-def bench_point(B, Hq, Hkv, Mq, Mk, providers):
+def eager_time(fn, sets) -> float:
+    """Median ms of one eager call (host work included), cycling through the buffer sets."""
+    state = {"i": 0}
+
+    def call():
+        s = sets[state["i"] % len(sets)]
+        state["i"] += 1
+        fn(*s)
+
+    return triton.testing.do_bench(call, warmup=10, rep=60, return_mode="median")
+
+
+def bench_point(B, Hq, Hkv, Mq, Mk, providers, timer=graph_time):
     """``[(provider, ms, GB/s, note)]`` for one shape."""
     sets = make_sets(B, Hq, Hkv, Mq, Mk)
     kv_bytes = 2 * B * Hkv * Mk * D * 2
     rows = []
     for name in providers:
         try:
-            ms = graph_time(provider_fn(name, Hq, Hkv), sets)
+            ms = timer(provider_fn(name, Hq, Hkv), sets)
             rows.append((name, ms, kv_bytes / ms / 1e6, ""))
         except Exception as e:  # a backend refusing these inputs is a result too
             rows.append((name, float("nan"), float("nan"), type(e).__name__ + ": " + str(e).split("\n")[0][:120]))
@@ -257,11 +269,12 @@ def grid_points(grid):
                         yield Mq, Hq, Hkv, B, Mk
 
 
-def operators(grid) -> None:
-    """Print GB/s of the dispatched call, forced ``triton_splitk`` and forced ``cudnn`` at every grid point."""
+def operators(grid, eager: bool = False) -> None:
+    """Print GB/s of the dispatched call, forced ``triton_splitk`` and forced ``cudnn`` at every grid
+    point; ``eager``: calls timed one by one with their host work instead of replayed in a graph."""
     names = ["dispatched", "triton_splitk", "cudnn"]
     for Mq, Hq, Hkv, B, Mk in grid_points(grid):
-        r = {n: g for n, _, g, _ in bench_point(B, Hq, Hkv, Mq, Mk, names)}
+        r = {n: g for n, _, g, _ in bench_point(B, Hq, Hkv, Mq, Mk, names, eager_time if eager else graph_time)}
         print(f"B={B:<3} {Hq}/{Hkv:<3} Mq={Mq} Mk={Mk:<7} GB/s: " + ", ".join(f"{n} {r[n]:.0f}" for n in names)
               + f"; cudnn / triton_splitk {r['cudnn'] / r['triton_splitk']:.3f}", flush=True)
 
@@ -317,6 +330,7 @@ def main(argv=None):
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse, where git works)")
     ap.add_argument("--operators", action="store_true",
                     help="only print the dispatched call against forced triton_splitk and cudnn (our operators)")
+    ap.add_argument("--eager", action="store_true", help="with --operators: time eager calls, host work included")
     ap.add_argument("--ab", choices=list(AB_SWITCHES), help="only A/B a triton_splitk switch: " + ", ".join(
         f"{k} (splitk.{v})" for k, v in AB_SWITCHES.items()))
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of --ab (medians reported)")
@@ -342,7 +356,7 @@ def main(argv=None):
     if args.mq:
         grid.update(Mq=tuple(args.mq))
     if args.operators:
-        operators(grid)
+        operators(grid, args.eager)
         return 0
     if args.ab:
         ab_switch(grid, args.ab, args.rounds)

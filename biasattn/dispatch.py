@@ -10,6 +10,8 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 
+import torch
+
 from . import ops
 from .errors import NotSupportedError
 from .inputs import AttentionInputs
@@ -21,19 +23,21 @@ from .ops.base import Operator
 # vs 2.02 ms forward+backward at 2k); triton beats flash2 everywhere both run (window 0.33 vs 0.46 ms
 # forward, 1.29 vs 1.78 ms forward+backward; packed varlen 0.28 vs 0.31 ms and 1.00 vs 1.23 ms), and its
 # backward beats cutlass's with a bias gradient. ``priority`` keeps triton_splitk for decode shapes, but
-# for single queries cudnn when it streams faster (see CUDNN_DECODE_MAX_GROUPS); with padded caches
-# triton_splitk reads only the keys present (S=8192: 0.121 ms against flash2's 1.306).
+# for eager single queries cudnn (see CUDNN_DECODE_MAX_GROUPS); with padded caches triton_splitk reads
+# only the keys present (S=8192: 0.121 ms against flash2's 1.306).
 PRIORITY: dict[str, tuple[str, ...]] = {
     "cuda": ("triton_splitk", "cudnn", "triton", "flash2", "cutlass", "chunked", "reference"),
     "cpu": ("chunked", "reference"),
 }
 DEFAULT_PRIORITY: tuple[str, ...] = ("chunked", "reference")
 SPLITK_MAX_MQ = 16  # triton_splitk is a decode kernel: only tried first for sequences of at most this many queries
-# Single-query decoding with at most this many query heads per KV head: cuDNN streams the cache faster
-# than triton_splitk at every measured B (1-64) and cache length (1k-128k) with 1, 4, 8 and 16 query
-# heads per KV head (results/h200/decode.md and decode_groups.md: 1.00-1.26x its GB/s); with 32 per KV
-# head, or 4 queries per sequence, triton_splitk is faster, by up to 19x (cuDNN does not share a K/V
-# tile between the heads of a group).
+# Single-query decoding with at most this many query heads per KV head, called eagerly: such steps are
+# mostly host time, and the cudnn operator's is shorter (H200, eager, B 1-64, caches 1k-128k, 1-16 query
+# heads per KV head: up to 3.6x triton_splitk's GB/s where the call is host-bound, 0.91-1.02x where it is
+# not). While a CUDA graph is being captured only GPU time counts, and there triton_splitk streams as
+# fast or faster (0.82-1.016x for cudnn; notes 57). With 32 query heads per KV head, or several queries
+# per sequence, triton_splitk is faster either way (cuDNN does not share a K/V tile between the heads
+# of a group).
 CUDNN_DECODE_MAX_GROUPS = 16
 # A few queries per sequence without grouped heads, on a batch of at least 512 (sequence, head) pairs
 # and a cache of at most 8k keys: the cudnn operator streams faster too (H200, CUDA-graph timed, 32/32
@@ -71,9 +75,14 @@ def _cudnn_decodes_faster(inp: AttentionInputs, longest: int) -> bool:
     """Whether cuDNN beats ``triton_splitk`` on this decode step (see ``CUDNN_DECODE_MAX_GROUPS`` and
     ``CUDNN_DECODE_UNGROUPED_MAX_MQ``)."""
     if longest == 1:
-        return inp.groups <= CUDNN_DECODE_MAX_GROUPS
+        return inp.groups <= CUDNN_DECODE_MAX_GROUPS and not graph_capturing()
     return (longest <= CUDNN_DECODE_UNGROUPED_MAX_MQ and inp.groups == 1 and inp.Mk <= CUDNN_DECODE_UNGROUPED_MAX_MK
             and inp.B * inp.Hkv >= CUDNN_DECODE_UNGROUPED_MIN_PAIRS)
+
+
+def graph_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 _allowed: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("biasattn_allowed_ops", default=None)

@@ -213,6 +213,13 @@ def test_cuda_priority_puts_cudnn_first_for_single_query_decoding_of_small_group
     assert order.index("cudnn") < order.index("cutlass") < order.index("triton_splitk")
 
 
+def test_cuda_priority_keeps_triton_splitk_first_for_single_queries_in_a_captured_graph(monkeypatch):
+    monkeypatch.setattr(dispatch, "graph_capturing", lambda: True)  # only GPU time counts there
+    for inp in (_decode(8, 2, 1), _decode(16, 1, 1), _decode(8, 8, 1, B=64)):
+        assert dispatch.priority("cuda", inp)[0] == "triton_splitk"
+    assert dispatch.priority("cuda", _decode(32, 32, 4, B=16))[0] == "cudnn"  # several ungrouped queries
+
+
 def test_cuda_priority_puts_cudnn_first_for_a_few_ungrouped_queries_on_large_batches():
     assert dispatch.priority("cuda", _decode(32, 32, 4, B=16))[0] == "cudnn"  # 512 (sequence, head) pairs
     assert dispatch.priority("cuda", _decode(32, 32, 2, B=64))[0] == "cudnn"

@@ -185,6 +185,26 @@ def test_dispatcher_prefers_cudnn_for_single_query_decoding_of_small_groups():
     assert_close_to_reference(out, lse, make_inputs(q, k, v))
 
 
+def test_dispatcher_prefers_splitk_for_single_queries_inside_a_graph_capture():
+    """Captured, only GPU time counts: the same step goes to triton_splitk and replays its eager result."""
+    q, k, v = decode_inputs(2, 32, 8, 1, 8192, torch.bfloat16)
+    chosen = []
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ba.attention(q, k, v, op="triton_splitk")  # compiled before the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chosen.append(dispatch.choose(make_inputs(q, k, v))[0].NAME)
+        out = ba.attention(q, k, v)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert chosen == ["triton_splitk"]
+    assert torch.equal(out, ba.attention(q, k, v, op="triton_splitk"))
+
+
 def test_merge_attentions_uses_the_shared_kernel():
     outs = [rand(2, 8, 3, 64, dtype=torch.float32, seed=s) for s in range(5)]
     lses = [rand(2, 8, 3, dtype=torch.float32, seed=10 + s) for s in range(5)]
