@@ -269,7 +269,7 @@ def merge_partials_triton(
     _merge[(R, cdiv(Dv, block_d))](
         parts, part_lse, out2, lse1, S, Dv,
         *parts.stride(), *part_lse.stride(), *out2.stride(), lse1.stride(0),
-        BLOCK_S=block_s, BLOCK_D=block_d, ONE_BLOCK=S <= block_s, PDL=after_split,
+        BLOCK_S=block_s, BLOCK_D=block_d, PDL=after_split,
         num_warps=4 if block_s * block_d >= 2048 else 2,
         **({"launch_pdl": True} if after_split else {}),
     )

@@ -215,12 +215,12 @@ def _splitk_fwd_kernel(
 def _merge_partials_kernel(
     Parts, PartLse, Out, Lse, S, Dv,
     stride_ps, stride_pr, stride_pd, stride_ls, stride_lr, stride_or, stride_od, stride_lser,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """Row ``r``: ``out = Σ_s exp(lse_s - lse) · parts_s`` and ``lse = log Σ_s exp(lse_s)``.
 
-    ``ONE_BLOCK`` (``S ≤ BLOCK_S``): the split LSEs and outputs are loaded together, one round of
-    memory latency; otherwise BLOCK_S splits at a time, a pass for the maximum and one for the sum.
+    BLOCK_S splits at a time, their LSEs and outputs loaded together and folded into a running
+    maximum, so up to BLOCK_S splits cost one round of memory latency.
     With ``PDL`` (launched as a programmatic dependent) it first waits until the kernel before it has
     finished and its writes are visible."""
     row = tl.program_id(0).to(tl.int64)
@@ -231,33 +231,22 @@ def _merge_partials_kernel(
     part_row = Parts + row * stride_pr
     if PDL:
         gdc_wait()
-    if ONE_BLOCK:
-        smask = offs_s < S
-        lses = tl.load(lse_row + offs_s * stride_ls, mask=smask, other=float("-inf")).to(tl.float32)
-        part_ptrs = part_row + offs_s[:, None].to(tl.int64) * stride_ps + cols[None, :] * stride_pd  # [BLOCK_S, BLOCK_D]
-        part = tl.load(part_ptrs, mask=smask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        m_all = tl.max(lses, 0)
-        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    m = tl.full([], float("-inf"), dtype=tl.float32)
+    tot = tl.zeros([], dtype=tl.float32)
+    out = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        smask = s0 + offs_s < S
+        lses = tl.load(lse_row + (s0 + offs_s) * stride_ls, mask=smask, other=float("-inf")).to(tl.float32)
+        part_ptrs = part_row + (s0 + offs_s)[:, None].to(tl.int64) * stride_ps + cols[None, :] * stride_pd
+        part = tl.load(part_ptrs, mask=smask[:, None] & cmask[None, :], other=0.0).to(tl.float32)  # [BLOCK_S, BLOCK_D]
+        m_new = tl.maximum(m, tl.max(lses, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        rescale = tl.exp(m - m_safe)  # 0 while nothing was seen
         w = tl.exp(lses - m_safe)
-        out = tl.sum(tl.where(w[:, None] > 0, w[:, None] * part, 0.0), 0)  # [BLOCK_D]
-        tot = tl.sum(w, 0)
-    else:
-        m = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
-        for s0 in range(0, S, BLOCK_S):
-            m = tl.maximum(m, tl.load(lse_row + (s0 + offs_s) * stride_ls, mask=s0 + offs_s < S, other=float("-inf")).to(tl.float32))
-        m_all = tl.max(m, 0)
-        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-        total = tl.zeros([BLOCK_S], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
-        for s0 in range(0, S, BLOCK_S):
-            smask = s0 + offs_s < S
-            w = tl.exp(tl.load(lse_row + (s0 + offs_s) * stride_ls, mask=smask, other=float("-inf")).to(tl.float32) - m_safe)
-            part_ptrs = part_row + (s0 + offs_s)[:, None].to(tl.int64) * stride_ps + cols[None, :] * stride_pd
-            part = tl.load(part_ptrs, mask=smask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-            acc += tl.where(w[:, None] > 0, w[:, None] * part, 0.0)
-            total += w
-        out = tl.sum(acc, 0)
-        tot = tl.sum(total, 0)
+        out = out * rescale + tl.sum(tl.where(w[:, None] > 0, w[:, None] * part, 0.0), 0)
+        tot = tot * rescale + tl.sum(w, 0)
+        m = m_new
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
     safe = tl.where(tot > 0, tot, 1.0)
     tl.store(Out + row * stride_or + cols * stride_od, (out / safe).to(Out.dtype.element_ty), mask=cmask)
     if tl.program_id(1) == 0:
