@@ -184,6 +184,25 @@ def thread_split(case, iters: int, top: int) -> None:
         ag._AttentionFunction.backward = original
 
 
+def ab_plans(calls: dict, rounds: int, iters: int) -> None:
+    """Host µs of the forced-operator layers with launch plans on and off, alternating rounds (medians)."""
+    from biasattn.ops.triton import plans
+
+    names = [n for n in calls if "op=triton" in n]
+    times: dict = {(n, on): [] for n in names for on in (True, False)}
+    try:
+        for _ in range(rounds):
+            for on in (True, False):
+                plans.ENABLED = on
+                for n in names:
+                    times[(n, on)].append(per_call_us(calls[n], iters))
+    finally:
+        plans.ENABLED = True
+    for n in names:
+        on, off = (sorted(times[(n, s)])[rounds // 2] for s in (True, False))
+        print(f"  plans on {on:8.1f}  off {off:8.1f}  ({off / on:.2f}x)  {n}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", default=["none", "causal", "varlen", "block_sparse", "additive"], choices=CASE_NAMES)
@@ -193,12 +212,17 @@ def main(argv=None) -> int:
     p.add_argument("--profile", nargs="*", default=[], choices=CASE_NAMES, help="cases to also profile (fwd+bwd)")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--threads", action="store_true", help="split fwd+bwd host time by thread (see above)")
+    p.add_argument("--ab-plans", type=int, default=0, metavar="ROUNDS",
+                   help="time the forced-operator layers with launch plans on and off in ROUNDS alternating rounds")
     args = p.parse_args(argv)
     for name in args.cases:
         case = make_case(name, B=1, H=2, M=args.M, D=args.D, docs=(2, 4))
         print(f"\n== {name}, B=1 H=2 M={args.M} D={args.D} bf16: host µs per call")
         if args.threads:
             thread_split(case, args.iters, args.top)
+            continue
+        if args.ab_plans:
+            ab_plans(layers(case), args.ab_plans, args.iters)
             continue
         calls = layers(case)
         for layer, call in calls.items():

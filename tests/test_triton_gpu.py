@@ -230,7 +230,8 @@ def test_calls_never_wait_for_the_gpu(name):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        call()
+        for _ in range(4):  # the recordings of the launch plans, then their replays
+            call()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
@@ -261,6 +262,39 @@ def test_direct_launches_match_tritons_own():
         launch.DIRECT = True
     for a, b in zip(direct, plain):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", list(SYNC_FREE))
+def test_planned_launches_match_unplanned(monkeypatch, name):
+    """Once two calls of a signature are recorded, its launches are replayed from a plan (descriptors rebuilt
+    for the call's K and V), bit for bit what the unplanned launches give."""
+    from biasattn.ops.triton import plans
+
+    M, B = 1024, 2
+    Mq = 2 * M if name == "varlen_causal" else M
+    B = 1 if name == "varlen_causal" else B
+    bias = SYNC_FREE[name](M).to("cuda")
+    replays = []
+    real_run = plans.Plan.run
+    monkeypatch.setattr(plans.Plan, "run", lambda self, roles: replays.append(len(roles)) or real_run(self, roles))
+
+    def run(q, k, v, dout):
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        out = ba.attention(qg, kg, vg, bias, op="triton")
+        return (out, *torch.autograd.grad(out, (qg, kg, vg), dout))
+
+    for call in range(6):
+        tensors = [torch.randn(B, 4, Mq, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        before = len(replays)
+        planned = run(*tensors)
+        replayed = len(replays) - before
+        monkeypatch.setattr(plans, "ENABLED", False)
+        plain = run(*tensors)
+        monkeypatch.setattr(plans, "ENABLED", True)
+        for a, b in zip(planned, plain):
+            assert torch.equal(a, b)
+        if call >= 4:  # a first launch choosing configs, one marking the signature, two recordings, replays
+            assert replayed == 2
 
 
 @pytest.mark.parametrize("size", ["short", "long"])

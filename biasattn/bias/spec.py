@@ -308,10 +308,27 @@ class SpecBuilder:
         return BiasSpec(B=g.B, H=g.H, Mq=g.Mq, Mk=g.Mk, host=SpecHost(**host), **kw)
 
 
+_PLAIN_SPECS: dict = {}
+
+
+def _plain_spec(B, H, Mq, Mk) -> BiasSpec:
+    """The spec of a call without a bias, one per size: what operators derive from it (launch plans,
+    say) then serves every call of that size."""
+    key = (B, H, Mq, Mk)
+    if not all(type(n) is int for n in key):  # symbolic sizes while tracing
+        return BiasSpec(B=B, H=H, Mq=Mq, Mk=Mk)
+    spec = _PLAIN_SPECS.get(key)
+    if spec is None:
+        if len(_PLAIN_SPECS) >= 64:
+            _PLAIN_SPECS.clear()
+        spec = _PLAIN_SPECS[key] = BiasSpec(B=B, H=H, Mq=Mq, Mk=Mk)
+    return spec
+
+
 def lower(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasSpec:
     """Lower ``bias`` (an AttentionBias or None) for a call with q ``[B, H, Mq, D]`` and k ``[B, *, Mk, D]``."""
     if bias is None:
-        return BiasSpec(B=B, H=H, Mq=Mq, Mk=Mk)
+        return _plain_spec(B, H, Mq, Mk)
     key = (B, H, Mq, Mk, str(device))
     cacheable = not any(t.requires_grad for a in bias.atoms for t in a.tensors().values())
     cache = bias.__dict__.setdefault("_spec_cache", {}) if cacheable else {}

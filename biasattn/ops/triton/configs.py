@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..common import cuda_capability
+from . import plans
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,8 @@ def launch(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.device,
     """Run ``run(config)`` with the chosen config; when it needs more shared memory than the device
     has (an extra bias tile, say), fall back to the next candidate and remember it for this key."""
     if kernel in _overrides or device.type != "cuda" or interpreted():
+        if kernel in _overrides:
+            plans.invalidate()
         cfg = choose(kernel, head_dim, dtype, device, features, run)
         run(cfg)
         return cfg
@@ -145,6 +148,7 @@ def launch(kernel: str, head_dim: int, dtype: torch.dtype, device: torch.device,
     if cfg is not None:
         run(cfg)
         return cfg
+    plans.invalidate()  # a first launch may time candidates or try configs that do not fit
     from triton.runtime.errors import OutOfResources
 
     cfg = choose(kernel, head_dim, dtype, device, features, run)

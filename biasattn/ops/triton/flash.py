@@ -14,7 +14,7 @@ import torch
 
 from ...bias.spec import BiasSpec
 from ..common import cdiv, next_power_of_2, num_sms, reduce_to, slice_span, tile_size
-from . import configs, schedule, tma
+from . import configs, launch, plans, schedule, tma
 from .bwd_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from .dbias_kernels import _attn_bwd_dbias_kernel, _attn_bwd_dq_from_ds_kernel
 from .dropout_kernels import _dropout_mask_kernel
@@ -38,6 +38,14 @@ DQ_FROM_DS = True  # a bias gradient of its own per (batch, head) is dS: dQ read
 
 _dummies: dict = {}
 _side_streams: dict = {}
+
+
+def _plan_key(kind: str, tensors: tuple, scale: float):
+    """The key of a call's launch plan in its spec's store: the tensors' signature, the scale and
+    every module switch a launch reads."""
+    return ("launch plan", kind, plans.tensor_key(*tensors), scale, FORCE_INDEX_64, CONCURRENT_BWD, FUSED_DELTA,
+            LIST_IN_REGISTERS, DQ_FROM_DS, ORDER_TAIL_WAVES, SHORT_SPAN_KEYS, SHORT_SPAN_KEYS_DKDV, INTERPRETED,
+            tma.ENABLED, tma.FORCE_INTERPRETED, launch.DIRECT, bool(configs._overrides))
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -297,12 +305,19 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
         return out, lse
     if Mk == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    args = _spec_args(spec, q.device)
     hd, hdv = tile_size(D), tile_size(Dv)
+    key = _plan_key("fwd", (q, k, v), scale) if dropout_p == 0 else None
+    plan = plans.lookup(spec.derived, key)
+    descs = tma.kv_descriptors(k, v, plan.note, hd, hdv) if plan is not None and plan.note else ()
+    if plan is not None and descs is not None:
+        plan.run((q, k, v, out, lse, *descs))
+        return out, lse
+    args = _spec_args(spec, q.device)
     batch_inner = args.batch_shared_bias and B > 1
     index_64 = _index_64(slice_span(q), slice_span(k), slice_span(v), slice_span(out), args.add_span)
     drop = dropout_args(dropout_p, seed)
     kv_bytes = cdiv(Mk * (D + Dv) * k.element_size(), H // Hkv)  # K/V per query head
+    made = []  # the descriptors of the launch that ran, with their tile length
 
     def run(cfg: configs.TileConfig) -> None:
         sched = schedule.query_schedule(spec, cfg.block_m, q.device)
@@ -310,6 +325,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
         grid = (sched.n * B, H) if batch_inner else (sched.n, B * H)
         chunk = program_chunk(B * H, sched.n, num_sms(q.device), kv_bytes, args.has_band)
         descs = tma.kv_descriptors(k, v, cfg.block_n, hd, hdv)
+        made[:] = [descs or (), cfg.block_n if descs else 0]
         _fwd[grid](
             q, *(descs or (k, v)), k, v, out, lse,
             args.add, args.slopes, args.layout, args.qs, args.ks, args.kl, args.kv, args.band_lo, args.band_hi,
@@ -328,7 +344,9 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
         )
 
     feats = args.features + (("dropout",) if dropout_p > 0 else ()) + _span_features(spec, Mq, Mk)
-    configs.launch("fwd", max(hd, hdv), q.dtype, q.device, feats, run)
+    with plans.recording() as rec:
+        configs.launch("fwd", max(hd, hdv), q.dtype, q.device, feats, run)
+    plans.settle(spec.derived, key, rec, (q, k, v, out, lse, *made[0]), made[1])
     return out, lse
 
 
@@ -383,24 +401,25 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     if B * H * Mq == 0 or Mk == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
         return dq, dk, dv, (torch.zeros_like(add) if need_dbias else None)
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    delta = torch.empty((B, H, Mq), dtype=torch.float32, device=dev)
+    key = _plan_key("bwd", (q, k, v, out, lse, dout), scale) if dlse is None and not need_dbias and dropout_p == 0 else None
+    planned = plans.lookup(spec.derived, key)
+    if planned is not None:
+        planned.run((q, k, v, out, lse, dout, delta, dq, dk, dv))
+        return dq, dk, dv, None
     args = _spec_args(spec, dev)
     hd, hdv = tile_size(D), tile_size(Dv)
     even = D == hd and Dv == hdv
     batch_inner = args.batch_shared_bias and B > 1
-    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    delta = torch.empty((B, H, Mq), dtype=torch.float32, device=dev)
     dlse_t = dlse.to(torch.float32).contiguous() if dlse is not None else args.f32
     plan = _dbias_plan(add, B, H, Mq, Mk) if need_dbias else None
     dq_from_ds = DQ_FROM_DS and _dq_reads_dbias(spec, plan, B, H, q.dtype)  # dK/dV first, then dQ from dS
     concurrent = (CONCURRENT_BWD and dev.type == "cuda" and not INTERPRETED and not dq_from_ds
                   and _long_backward(spec, B, H, Mq, Mk, max(D, Dv)))
     fused_delta = FUSED_DELTA and not concurrent and not dq_from_ds  # dQ first, writing delta for dK/dV
-    if not fused_delta:
-        pre_bm = 16 if INTERPRETED else 64
-        _preprocess[(cdiv(Mq, pre_bm), B * H)](
-            out, dout, dlse_t, delta, *out.stride(), *dout.stride(), H, Mq, Dv,
-            BLOCK_M=pre_bm, HEAD_DIM_V=hdv, HAS_DLSE=dlse is not None,
-        )
+    if concurrent:  # a replay would put both launches on one stream
+        key = None
     d32 = args.f32
     b_bcast, h_bcast = _shared_gradient(add, plan, B, H)
     # a full gradient shared by batch rows or heads: its own kernel sums each tile over the sharers,
@@ -504,26 +523,34 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    hmax = max(hd, hdv)
-    if concurrent:
-        # dK/dV and dQ depend only on what is queued so far: fork dQ to a side stream and join it
-        # back, so every later use on the caller's stream (and any reuse of these buffers) waits for it
-        main, side = torch.cuda.current_stream(dev), _side_stream(dev)
-        side.wait_stream(main)
-    if fused_delta:
-        configs.launch("dq", hmax, q.dtype, dev, feats, run_dq)
-        configs.launch("dkdv", hmax, q.dtype, dev, feats, run_dkdv)
-    elif dq_from_ds:
-        configs.launch("dkdv", hmax, q.dtype, dev, feats, run_dkdv)
-        configs.launch("dq_ds", hmax, q.dtype, dev, feats, run_dq_ds)
-    else:
-        configs.launch("dkdv", hmax, q.dtype, dev, feats, run_dkdv)
-        with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
+    with plans.recording() as rec:
+        if not fused_delta:
+            pre_bm = 16 if INTERPRETED else 64
+            _preprocess[(cdiv(Mq, pre_bm), B * H)](
+                out, dout, dlse_t, delta, *out.stride(), *dout.stride(), H, Mq, Dv,
+                BLOCK_M=pre_bm, HEAD_DIM_V=hdv, HAS_DLSE=dlse is not None,
+            )
+        hmax = max(hd, hdv)
+        if concurrent:
+            # dK/dV and dQ depend only on what is queued so far: fork dQ to a side stream and join it
+            # back, so every later use on the caller's stream (and any reuse of these buffers) waits for it
+            main, side = torch.cuda.current_stream(dev), _side_stream(dev)
+            side.wait_stream(main)
+        if fused_delta:
             configs.launch("dq", hmax, q.dtype, dev, feats, run_dq)
-    if shared_dbias:
-        configs.launch("dbias", hmax, q.dtype, dev, feats, run_dbias)
-    if concurrent:
-        main.wait_stream(side)
+            configs.launch("dkdv", hmax, q.dtype, dev, feats, run_dkdv)
+        elif dq_from_ds:
+            configs.launch("dkdv", hmax, q.dtype, dev, feats, run_dkdv)
+            configs.launch("dq_ds", hmax, q.dtype, dev, feats, run_dq_ds)
+        else:
+            configs.launch("dkdv", hmax, q.dtype, dev, feats, run_dkdv)
+            with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
+                configs.launch("dq", hmax, q.dtype, dev, feats, run_dq)
+        if shared_dbias:
+            configs.launch("dbias", hmax, q.dtype, dev, feats, run_dbias)
+        if concurrent:
+            main.wait_stream(side)
+    plans.settle(spec.derived, key, rec, (q, k, v, out, lse, dout, delta, dq, dk, dv))
     dadd = None
     if plan == "full":
         dadd = dbias

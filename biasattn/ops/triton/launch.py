@@ -19,6 +19,8 @@ import operator
 
 import torch
 
+from . import plans
+
 DIRECT = True  # tests and A/B runs turn the direct path off
 _MAX_ENTRIES = 512  # signatures kept per kernel; past that the table starts over
 
@@ -91,31 +93,54 @@ class _Direct:
         return functools.partial(self.launch, grid)
 
     def launch(self, grid, *args, **meta):
-        """Launch on ``grid``; the first tensor argument's device is the launch device."""
+        """Launch on ``grid``; the first tensor argument's device is the launch device. Inside
+        :func:`plans.recording` the launch is also recorded, with the compiled entry it used."""
+        entry = self._launch(grid, args, meta)
+        rec = plans.active()
+        if rec is not None:
+            rec.launches.append((self, grid, args, meta, entry))
+
+    def _launch(self, grid, args, meta):
+        """Launch; return the table entry ``(compiled, constexpr tail)`` that ran, or None when
+        the launch went through ``kernel[grid]``."""
         device = args[0].device
         if not (DIRECT and device.type == "cuda" and _triton_run_matches()):
-            return self.kernel[grid](*args, **meta)
+            self.kernel[grid](*args, **meta)
+            return None
         key = (device.index, tuple(meta.items()), *self._signature(args))
         entry = self.table.get(key)
         if entry is None:
             compiled = self.kernel[grid](*args, **meta)
             names = self.kernel.arg_names
             if compiled is None or len(names) < len(args) or any(n not in meta for n in names[len(args):]):
-                return compiled
+                return None
             if len(self.table) >= _MAX_ENTRIES:
                 self.table.clear()
-            self.table[key] = (compiled, tuple(meta[n] for n in names[len(args):]))
-            return compiled
-        compiled, tail = entry
+            self.table[key] = entry = (compiled, tuple(meta[n] for n in names[len(args):]))
+            return entry
         self.hits += 1
+        self._run(entry, grid, args)
+        return entry
+
+    @staticmethod
+    def _run(entry, grid, args) -> None:
+        """Call a compiled kernel's launcher the way ``JITFunction.run`` does."""
+        compiled, tail = entry
         get_stream, knobs = _runtime()
         values = (*args, *tail)
-        stream = get_stream(device.index)
+        stream = get_stream(args[0].device.index)
         g = tuple(grid) + (1, 1)
         compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
                      compiled.launch_metadata(grid, stream, *values),
                      knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *values)
-        return compiled
+
+    def fire(self, grid, args, meta, entry) -> None:
+        """Replay a recorded launch with new arguments of the same signature (:mod:`.plans`)."""
+        if entry is None:
+            self.kernel[grid](*args, **meta)
+        else:
+            self.hits += 1
+            self._run(entry, grid, args)
 
 
 def direct(kernel, unkeyed: tuple[str, ...] = ()) -> _Direct:

@@ -1,0 +1,173 @@
+"""Launch plans of the ``triton`` operator: a signature's launches are recorded on two calls and
+replayed afterwards, with results equal bit for bit to the unplanned launches.
+
+Runs wherever the triton operator does (the interpreter on the CPU, with tiny shapes)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import biasattn as ba
+from biasattn.inputs import make_inputs
+
+OP = ba.ops.get("triton") if "triton" in ba.ops.available() else None
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    OP is None or bool(OP.environment_reasons(torch.device(DEVICE))), reason="the triton operator cannot run here",
+)
+
+
+@pytest.fixture
+def plans():
+    from biasattn.ops.triton import plans
+
+    return plans
+
+
+def _tensors(B=1, Hq=2, Hkv=1, Mq=24, Mk=24, D=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE)
+
+    return r(B, Hq, Mq, D), r(B, Hkv, Mk, D), r(B, Hkv, Mk, D), r(B, Hq, Mq, D)
+
+
+def _fwd_bwd(q, k, v, dout, bias):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = ba.attention(q, k, v, bias, op="triton")
+    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def _stored(spec, kind: str):
+    """The plan store's entry for the spec's calls of ``kind`` (``"fwd"``/``"bwd"``)."""
+    return [v for key, v in spec.derived.items() if isinstance(key, tuple) and key[:2] == ("launch plan", kind)]
+
+
+def _biases():
+    layout = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)
+    return {
+        "none": None,
+        "causal": ba.LowerTriangularMask(),
+        "documents": ba.BlockDiagonalMask.from_seqlens([10, 14]).make_causal(),
+        "padded_window": ba.PaddedKeysMask([17]) & ba.LocalAttentionMask(window_left=4, window_right=3),
+        "block_sparse": ba.BlockSparseMask(layout[None, None], 12),
+        "alibi": ba.ALiBi(ba.ALiBi.standard_slopes(2)),
+        "additive": ba.AdditiveBias(torch.randn(1, 2, 24, 24)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_biases()))
+def test_replays_equal_the_launches_they_replace(plans, monkeypatch, name):
+    bias = _biases()[name]
+    bias = bias.to(DEVICE) if bias is not None else None
+    replays = []
+    real_run = plans.Plan.run
+    monkeypatch.setattr(plans.Plan, "run", lambda self, roles: replays.append(len(roles)) or real_run(self, roles))
+    for call in range(6):
+        q, k, v, dout = _tensors(seed=call)
+        before = len(replays)
+        planned = _fwd_bwd(q, k, v, dout, bias)
+        replayed = len(replays) - before
+        monkeypatch.setattr(plans, "ENABLED", False)
+        plain = _fwd_bwd(q, k, v, dout, bias)
+        monkeypatch.setattr(plans, "ENABLED", True)
+        for what, a, b in zip(("out", "dq", "dk", "dv"), planned, plain):
+            assert torch.equal(a, b), f"call {call}: {what} differs from the unplanned launches"
+        if call >= 4:  # a call that marks the signature, two recordings (after a first launch that may
+            # choose configs), then replays
+            assert replayed == 2, f"call {call} replays the forward's and the backward's plans"
+    spec = make_inputs(q, k, v, bias).spec
+    assert all(type(s) is plans.Plan for s in _stored(spec, "fwd") + _stored(spec, "bwd"))
+
+
+def test_strides_and_aliases_are_part_of_the_signature(plans):
+    """A plan fills its tensors by position: a view with other strides, or k and v that stop being
+    one tensor, must not reuse a plan recorded without them."""
+    bias = ba.LowerTriangularMask()
+    q, k, v, _ = _tensors(Mq=20, Mk=20)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
+    for args in ((q, k, k), (q, k, v), (qt, k, v)):  # k is v first: a plan with one tensor in both places
+        for _ in range(4):
+            got = ba.attention(*args, bias, op="triton")
+        torch.testing.assert_close(got, ba.attention(*args, bias, op="reference"), atol=1e-5, rtol=1e-5)
+    assert len(_stored(make_inputs(q, k, v, bias).spec, "fwd")) == 3
+
+
+def test_a_draft_keeps_no_tensor_of_its_call():
+    q, k, v, _ = _tensors()
+    bias = ba.LowerTriangularMask()
+    gc.disable()
+    try:
+        spec = make_inputs(q, k, v, bias).spec
+        for _ in range(3):  # the second recorded call of a signature leaves a draft behind
+            out = ba.attention(q, k, v, bias, op="triton")
+            if any(isinstance(s, tuple) for s in _stored(spec, "fwd")):
+                break
+        else:
+            raise AssertionError("no draft after three calls")
+        ref = weakref.ref(out)
+        del out
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_no_plan_under_forced_configs_or_with_dropout(plans):
+    from biasattn.ops.triton import configs
+
+    bias = ba.LowerTriangularMask()
+    q, k, v, _ = _tensors(Mq=16, Mk=16)
+    with configs.override(fwd=configs.TileConfig(16, 16, 4, 1)):
+        for _ in range(3):
+            ba.attention(q, k, v, bias, op="triton")
+    for _ in range(3):
+        ba.attention(q, k, v, bias, op="triton", dropout_p=0.3)
+    assert _stored(make_inputs(q, k, v, bias).spec, "fwd") == []
+
+
+class _Launcher:
+    """Stands in for a direct launcher: ``fire`` keeps what it was given."""
+
+    def __init__(self):
+        self.fired = []
+
+    def fire(self, grid, args, meta, entry):
+        self.fired.append((grid, args, meta))
+
+
+def _record(plans, launcher, args):
+    with plans.recording() as rec:
+        plans.active().launches.append((launcher, (4, 1), args, {"BLOCK": 16}, None))
+    return rec
+
+
+def test_recordings_that_differ_outside_their_roles_refuse_the_signature(plans):
+    launcher, scratch = _Launcher(), torch.zeros(2)
+    a, b, c = (torch.zeros(3) for _ in range(3))
+    store = {"key": plans._SEEN}
+    plans.settle(store, "key", _record(plans, launcher, (a, scratch, 7)), (a,))
+    assert plans.lookup(store, "key") is None, "one recording is only a draft"
+    plans.settle(store, "key", _record(plans, launcher, (b, scratch, 7)), (b,))
+    plan = plans.lookup(store, "key")
+    assert plan is not None
+    plan.run((c,))
+    assert launcher.fired[-1][1][0] is c and launcher.fired[-1][1][1] is scratch
+    for second in ((b, scratch, 8), (b, torch.zeros(2), 7)):  # a per-call value, a per-call tensor
+        store = {"key": plans._SEEN}
+        plans.settle(store, "key", _record(plans, launcher, (a, scratch, 7)), (a,))
+        plans.settle(store, "key", _record(plans, launcher, second), (b,))
+        assert plans.lookup(store, "key") is None and store["key"] == plans._REFUSED
+
+
+def test_invalid_recordings_are_not_kept(plans):
+    store, launcher = {}, _Launcher()
+    with plans.recording() as rec:
+        plans.invalidate()
+    rec.launches.append((launcher, (1,), (torch.zeros(1),), {}, None))
+    plans.settle(store, "key", rec, ())
+    assert store == {}
