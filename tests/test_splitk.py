@@ -146,7 +146,7 @@ def test_mixed_lengths_split_to_balance_the_work():
 
 def test_key_tiles_follow_the_cache_length_and_the_grid():
     """128-key tiles on long caches, and on mid-size ones when the grid needs splits; 64 otherwise."""
-    from biasattn.ops.triton.splitk import default_config
+    from biasattn.ops.triton.splitk import SplitKConfig, default_config
 
     cuda = torch.device("cuda")
     assert default_config(1, 128, 128, cuda, keys=1024, pairs=32).block_n == 64
@@ -162,6 +162,8 @@ def test_key_tiles_follow_the_cache_length_and_the_grid():
     assert default_config(4, 128, 128, cuda, keys=1024, pairs=32).num_stages == 3
     assert default_config(4, 128, 128, cuda, keys=1024, pairs=512).num_stages == 2
     assert default_config(4, 128, 128, cuda, keys=1024, pairs=512, queries=4).num_stages == 4
+    # 128 packed rows (MQA, 4 queries) on a short cache: two 64-row blocks per pair
+    assert default_config(128, 128, 128, cuda, keys=1024, pairs=64, queries=4) == SplitKConfig(64, 64, 4, 3)
 
 
 # ------------------------------------------------------------------------------------ kernels
