@@ -98,6 +98,18 @@ def test_strides_and_aliases_are_part_of_the_signature(plans):
     assert len(_stored(make_inputs(q, k, v, bias).spec, "fwd")) == 3
 
 
+def test_a_layout_changed_in_place_gets_its_own_plan():
+    """Tile lists come from the block layout: editing it in place must not replay the old lists."""
+    layout = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)[None, None].to(DEVICE)
+    bias = ba.BlockSparseMask(layout, 16)  # blocks the size of the interpreter's tiles: lists of whole tiles
+    q, k, v, _ = _tensors(Mq=32, Mk=32)
+    for _ in range(4):
+        ba.attention(q, k, v, bias, op="triton")
+    layout[0, 0, 0, 1] = True
+    got = ba.attention(q, k, v, bias, op="triton")
+    torch.testing.assert_close(got, ba.attention(q, k, v, bias, op="reference"), atol=1e-5, rtol=1e-5)
+
+
 def test_a_draft_keeps_no_tensor_of_its_call():
     q, k, v, _ = _tensors()
     bias = ba.LowerTriangularMask()

@@ -40,10 +40,12 @@ _dummies: dict = {}
 _side_streams: dict = {}
 
 
-def _plan_key(kind: str, tensors: tuple, scale: float):
-    """The key of a call's launch plan in its spec's store: the tensors' signature, the scale and
-    every module switch a launch reads."""
-    return ("launch plan", kind, plans.tensor_key(*tensors), scale, FORCE_INDEX_64, CONCURRENT_BWD, FUSED_DELTA,
+def _plan_key(kind: str, tensors: tuple, spec: BiasSpec, scale: float):
+    """The key of a call's launch plan in its spec's store: the tensors' signature, the scale, the
+    block layout's version (its tile lists follow it when it is changed in place) and every module
+    switch a launch reads."""
+    layout = spec.layout._version if spec.layout is not None else -1
+    return ("launch plan", kind, plans.tensor_key(*tensors), scale, layout, FORCE_INDEX_64, CONCURRENT_BWD, FUSED_DELTA,
             LIST_IN_REGISTERS, DQ_FROM_DS, ORDER_TAIL_WAVES, SHORT_SPAN_KEYS, SHORT_SPAN_KEYS_DKDV, INTERPRETED,
             tma.ENABLED, tma.FORCE_INTERPRETED, launch.DIRECT, bool(configs._overrides))
 
@@ -306,7 +308,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
     if Mk == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     hd, hdv = tile_size(D), tile_size(Dv)
-    key = _plan_key("fwd", (q, k, v), scale) if dropout_p == 0 else None
+    key = _plan_key("fwd", (q, k, v), spec, scale) if dropout_p == 0 else None
     plan = plans.lookup(spec.derived, key)
     descs = tma.kv_descriptors(k, v, plan.note, hd, hdv) if plan is not None and plan.note else ()
     if plan is not None and descs is not None:
@@ -403,7 +405,8 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         return dq, dk, dv, (torch.zeros_like(add) if need_dbias else None)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     delta = torch.empty((B, H, Mq), dtype=torch.float32, device=dev)
-    key = _plan_key("bwd", (q, k, v, out, lse, dout), scale) if dlse is None and not need_dbias and dropout_p == 0 else None
+    plannable = dlse is None and not need_dbias and dropout_p == 0
+    key = _plan_key("bwd", (q, k, v, out, lse, dout), spec, scale) if plannable else None
     planned = plans.lookup(spec.derived, key)
     if planned is not None:
         planned.run((q, k, v, out, lse, dout, delta, dq, dk, dv))
