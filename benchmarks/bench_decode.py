@@ -4,7 +4,9 @@ Each point times one decoding step (q ``[B, Hq, Mq, 128]`` against a cache of Mk
 ``triton.testing.do_bench`` (median). Calls are captured in a CUDA graph, several per graph over
 distinct buffers when one set of K/V would fit in L2, so that launch overhead and cache hits stay
 out of the numbers. The device-copy bandwidth is measured in the same process; the target is 90%
-of it. Writes ``decode.csv`` (long format), ``decode.md`` and ``decode.png`` into ``--out``.
+of it. With ``--floor`` every point also gets the GB/s of the fastest one-launch kernel that only
+reads its K and V (``read_floor.py``): what launch latency and size leave reachable at that point.
+Writes ``decode.csv`` (long format), ``decode.md`` and ``decode.png`` into ``--out``.
 
     PYTHONPATH=. python benchmarks/bench_decode.py --out benchmarks/results/h200
 """
@@ -29,7 +31,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import biasattn as ba
 from biasattn.inputs import make_inputs
+from biasattn.ops.common import num_sms
 from biasattn.ops.triton.splitk import SplitKConfig, splitk_attention_fwd
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from read_floor import VARIANTS, read_floor_fn  # noqa: E402
 
 D = 128
 DTYPE = torch.bfloat16
@@ -103,6 +109,15 @@ def eager_time(fn, sets) -> float:
     return triton.testing.do_bench(call, warmup=10, rep=60, return_mode="median")
 
 
+_FLOORS: dict = {}  # (B, Hkv, Mk) -> ms: the read floor does not depend on the queries
+
+
+def floor_time(sets, timer=graph_time) -> float:
+    """Median ms of the fastest :mod:`read_floor` variant on these K/V sets."""
+    sms = num_sms(sets[0][1].device)
+    return min(timer(read_floor_fn(per_sm * sms, block), sets) for per_sm, block in VARIANTS)
+
+
 def bench_point(B, Hq, Hkv, Mq, Mk, providers, timer=graph_time):
     """``[(provider, ms, GB/s, note)]`` for one shape."""
     sets = make_sets(B, Hq, Hkv, Mq, Mk)
@@ -110,7 +125,11 @@ def bench_point(B, Hq, Hkv, Mq, Mk, providers, timer=graph_time):
     rows = []
     for name in providers:
         try:
-            ms = timer(provider_fn(name, Hq, Hkv), sets)
+            if name == "read_floor":
+                key = (B, Hkv, Mk, timer)
+                ms = _FLOORS[key] = _FLOORS[key] if key in _FLOORS else floor_time(sets, timer)
+            else:
+                ms = timer(provider_fn(name, Hq, Hkv), sets)
             rows.append((name, ms, kv_bytes / ms / 1e6, ""))
         except Exception as e:  # a backend refusing these inputs is a result too
             rows.append((name, float("nan"), float("nan"), type(e).__name__ + ": " + str(e).split("\n")[0][:120]))
@@ -209,9 +228,14 @@ def write_markdown(rows, path, copy_gbps):
         f"Device copy: {copy_gbps:.0f} GB/s (read+write); target = 90% = {target:.0f} GB/s.",
         f"torch {rows[0]['torch']}, triton {rows[0]['triton']}, commit {rows[0]['commit']}, {rows[0]['date']}.",
         "",
-        "| B | Hq/Hkv | Mq | Mk | triton_splitk | sdpa_flash | sdpa_cudnn | vs best SDPA | % of copy |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
+    floors = any(r["provider"] == "read_floor" for r in rows)
+    head = "| B | Hq/Hkv | Mq | Mk | triton_splitk | sdpa_flash | sdpa_cudnn | vs best SDPA | % of copy |"
+    if floors:
+        head += " read floor | % of floor |"
+        lines[2] += (" Read floor: the fastest one-launch kernel that only reads the point's K and V"
+                     " (`read_floor.py`), in the same process.")
+    lines += [head, "|---" * (head.count("|") - 1) + "|"]
     keyed = {}
     for r in rows:
         keyed.setdefault((r["B"], r["Hq"], r["Hkv"], r["Mq"], r["Mk"]), {})[r["provider"]] = r
@@ -223,6 +247,9 @@ def write_markdown(rows, path, copy_gbps):
         best = max(peers) if peers else float("nan")
         cells = [f"{p[n]['GBps']:.0f}" if n in p and not math.isnan(p[n]["GBps"]) else "n/a" for n in ("triton_splitk", *PEERS)]
         tail = f" | {ours / best:.2f}x | {100 * ours / copy_gbps:.0f}% |"
+        if floors:
+            floor = p["read_floor"]["GBps"] if "read_floor" in p else float("nan")
+            tail += f" {floor:.0f} | {100 * ours / floor:.0f}% |"
         lines.append(f"| {B} | {Hq}/{Hkv} | {Mq} | {Mk} | " + " | ".join(cells) + tail)
     notes = [r for r in rows if r.get("note")]
     if notes:
@@ -334,6 +361,7 @@ def main(argv=None):
     ap.add_argument("--ab", choices=list(AB_SWITCHES), help="only A/B a triton_splitk switch: " + ", ".join(
         f"{k} (splitk.{v})" for k, v in AB_SWITCHES.items()))
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of --ab (medians reported)")
+    ap.add_argument("--floor", action="store_true", help="also time the read floor of every point (read_floor.py)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     commit = args.commit or _git_commit()
@@ -363,12 +391,15 @@ def main(argv=None):
         return 0
     rows = []
     t0 = time.time()
+    providers = ["triton_splitk", *PEERS] + (["read_floor"] if args.floor else [])
     for Mq, Hq, Hkv, B, Mk in grid_points(grid):
-        for name, ms, gbps, note in bench_point(B, Hq, Hkv, Mq, Mk, ["triton_splitk", *PEERS]):
+        point = bench_point(B, Hq, Hkv, Mq, Mk, providers)
+        for name, ms, gbps, note in point:
             rows.append(dict(meta, provider=name, B=B, Hq=Hq, Hkv=Hkv, Mq=Mq, Mk=Mk, ms=ms, GBps=gbps, note=note))
-        r = {x["provider"]: x["GBps"] for x in rows[-3:]}
+        r = {name: gbps for name, _, gbps, _ in point}
+        floor = f"  floor {r['read_floor']:7.0f}" if args.floor else ""
         print(f"B={B:<3} {Hq}/{Hkv:<3} Mq={Mq} Mk={Mk:<7} ours {r['triton_splitk']:7.0f}  "
-              f"flash {r['sdpa_flash']:7.0f}  cudnn {r['sdpa_cudnn']:7.0f}  [{time.time() - t0:.0f}s]", flush=True)
+              f"flash {r['sdpa_flash']:7.0f}  cudnn {r['sdpa_cudnn']:7.0f}{floor}  [{time.time() - t0:.0f}s]", flush=True)
     padded_experiment(rows, meta)
     for B, Hq, Hkv, Mq, Mk in ((1, 32, 8, 1, 32768), (16, 32, 1, 1, 131072)):  # spread: the same point again
         key = ("triton_splitk", B, Hkv, Mq, Mk)
