@@ -183,3 +183,68 @@ def test_invalid_recordings_are_not_kept(plans):
     rec.launches.append((launcher, (1,), (torch.zeros(1),), {}, None))
     plans.settle(store, "key", rec, ())
     assert store == {}
+
+
+# ------------------------------------------------------------------------------------ split-KV
+SPLITK = ba.ops.get("triton_splitk") if "triton_splitk" in ba.ops.available() else None
+
+
+def _decode_biases():
+    return {
+        "none": None,
+        "padded": ba.PaddedKeysMask([40, 7, 0]),
+        "padded_causal": ba.PaddedKeysMask([40, 7, 3]) & ba.LowerTriangularFromBottomRightMask(),
+        "window_alibi": ba.LocalAttentionMask(window_left=9, window_right=0) + ba.ALiBi(ba.ALiBi.standard_slopes(4)),
+        "additive": ba.AdditiveBias(torch.randn(3, 4, 2, 40)),
+    }
+
+
+@pytest.mark.skipif(SPLITK is None or bool(SPLITK.environment_reasons(torch.device(DEVICE))),
+                    reason="the triton_splitk operator cannot run here")
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("name", list(_decode_biases()))
+def test_split_kv_replays_equal_the_launches_they_replace(plans, monkeypatch, name, splits):
+    """Decode steps through ``triton_splitk``: from the fourth call of a signature its launches are
+    replayed (the merge too, when the keys are split), with the same bits as the full path."""
+    from biasattn.bias import spec as spec_module
+    from biasattn.ops.triton import splitk
+
+    monkeypatch.setattr(spec_module, "_PLAIN_SPECS", {})  # calls without a bias: no plan of an earlier test
+    original = splitk.choose_num_splits
+    monkeypatch.setattr(splitk, "choose_num_splits", lambda *a, **kw: splits if splits > 1 else original(*a, **kw))
+    bias = _decode_biases()[name]
+    bias = bias.to(DEVICE) if bias is not None else None
+    replays = []
+    real_run = plans.Plan.run
+    monkeypatch.setattr(plans.Plan, "run", lambda self, roles: replays.append(self.note) or real_run(self, roles))
+    gen = torch.Generator().manual_seed(0)
+    for call in range(5):
+        q = torch.randn(3, 4, 2, 16, generator=gen).to(DEVICE)
+        k, v = (torch.randn(3, 2, 40, 16, generator=gen).to(DEVICE) for _ in range(2))
+        before = len(replays)
+        planned = ba.attention_with_lse(q, k, v, bias, op="triton_splitk")
+        monkeypatch.setattr(plans, "ENABLED", False)
+        plain = ba.attention_with_lse(q, k, v, bias, op="triton_splitk")
+        monkeypatch.setattr(plans, "ENABLED", True)
+        for what, a, b in zip(("out", "lse"), planned, plain):
+            assert torch.equal(a, b), f"call {call}: {what} differs from the unplanned launches"
+        assert len(replays) - before == (1 if call >= 3 else 0), f"call {call}"
+    if splits > 1:
+        assert replays[-1] > 1, "the replayed plan launches the merge"
+
+
+@pytest.mark.skipif(SPLITK is None or bool(SPLITK.environment_reasons(torch.device(DEVICE))),
+                    reason="the triton_splitk operator cannot run here")
+def test_split_kv_calls_with_forced_splits_are_never_planned(plans):
+    from biasattn.ops.triton.splitk import splitk_attention_fwd
+
+    q = torch.randn(1, 2, 9, 16).to(DEVICE)
+    k, v = torch.randn(1, 1, 30, 16).to(DEVICE), torch.randn(1, 1, 30, 16).to(DEVICE)
+    forced = make_inputs(q, k, v, ba.PaddedKeysMask([30]).to(DEVICE))
+    for _ in range(4):
+        splitk_attention_fwd(forced, num_splits=2)
+    assert not any(isinstance(key, tuple) and key[0] == "split-KV plan" for key in forced.spec.derived)
+    for _ in range(4):
+        splitk_attention_fwd(forced)
+    stored = [val for key, val in forced.spec.derived.items() if isinstance(key, tuple) and key[0] == "split-KV plan"]
+    assert len(stored) == 1 and type(stored[0]) is plans.Plan

@@ -17,7 +17,7 @@ import torch
 
 from ...inputs import AttentionInputs
 from ..common import cdiv, cuda_capability, next_power_of_2, num_sms, slice_span, tile_size
-from . import configs, splitk_kernels
+from . import configs, launch, plans, splitk_kernels
 from .launch import direct
 
 _split, _merge = direct(splitk_kernels._splitk_fwd_kernel), direct(splitk_kernels._merge_partials_kernel)
@@ -160,11 +160,25 @@ def splitk_attention_fwd(
     ``num_splits`` and ``config`` override the heuristic and the default tiles (tests, benchmarks).
     ``out``/``lse`` receive the result; ``partials`` (``[S, B, Hq, Mq, Dv]`` and ``[S, B, Hq, Mq]``
     float32) receive the per-split results when ``S > 1``. All are allocated when not given.
+    Calls that give none of these replay a launch plan (:mod:`.plans`) once their signature has one.
     """
     q, k, v, spec = inp.q, inp.k, inp.v, inp.spec
     B, Hq, Mq, D = q.shape
     Hkv, Mk, Dv, G = k.shape[1], k.shape[2], v.shape[3], inp.groups
     dev = q.device
+    plannable = num_splits is None and config is None and out is None and lse is None and partials is None
+    key = _plan_key(q, k, v, inp.scale) if plannable else None
+    plan = plans.lookup(spec.derived, key)
+    if plan is not None:
+        out = torch.empty((B, Hq, Mq, Dv), dtype=q.dtype, device=dev)
+        lse = torch.empty((B, Hq, Mq), dtype=torch.float32, device=dev)
+        if plan.note > 1:  # the split count
+            o_buf = torch.empty((plan.note, B, Hq, Mq, Dv), dtype=torch.float32, device=dev)
+            l_buf = torch.empty((plan.note, B, Hq, Mq), dtype=torch.float32, device=dev)
+        else:
+            o_buf, l_buf = out, lse
+        plan.run((q, k, v, out, lse, o_buf, l_buf))
+        return out, lse
     if out is None:
         out = torch.empty((B, Hq, Mq, Dv), dtype=q.dtype, device=dev)
     if lse is None:
@@ -210,14 +224,40 @@ def splitk_attention_fwd(
         o_buf, l_buf = partials
         so, sl = o_buf.stride(), l_buf.stride()
 
+    grid = (Z * Hkv * row_blocks, num_splits)
+    pdl = num_splits > 1 and pdl_available(dev)
+    outside = segments and (qs[0] > 0 or qs[-1] < Mq)  # rows outside every segment: zeroed below, not replayed
+    with plans.recording() as rec:
+        _launch_split(grid, q, k, v, o_buf, l_buf, out, lse, inp, so, sl, num_splits, tiles_per_split, mq_stride,
+                      row_blocks, head_dim, head_dim_v, cfg, pdl)
+    if not outside:
+        plans.settle(spec.derived, key, rec, (q, k, v, out, lse, o_buf, l_buf), num_splits)
+    if outside:
+        for rows_ in (slice(0, qs[0]), slice(qs[-1], Mq)):
+            out[:, :, rows_] = 0
+            lse[:, :, rows_] = float("-inf")
+    return out, lse
+
+
+def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """The key of a call's launch plan in its spec's store: the tensors' signature, the scale and
+    every module switch the launches read."""
+    return ("split-KV plan", plans.tensor_key(q, k, v), scale, FORCE_INDEX_64, PDL, MERGE_BLOCK_S, MERGE_TILE,
+            launch.DIRECT, configs.interpreted())
+
+
+def _launch_split(grid, q, k, v, o_buf, l_buf, out, lse, inp, so, sl, num_splits, tiles_per_split, mq_stride,
+                  row_blocks, head_dim, head_dim_v, cfg, pdl) -> None:
+    """The split kernel over ``grid``, then the merge when the keys are split."""
+    spec = inp.spec
+    Hkv, Mq, Mk, D, Dv, G = k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3], inp.groups
+    segments = spec.q_seqstart is not None
     add = spec.additive
     slopes = spec.alibi_slopes
     sa = _strides4(add)
     ss = (0, 0) if slopes is None else tuple(0 if n == 1 else s for n, s in zip(slopes.shape, slopes.stride()))
     band_per_segment = spec.band_lo is not None and spec.band_lo.numel() > 1
     placeholder = spec.kv_seqlens if spec.kv_seqlens is not None else q
-    grid = (Z * Hkv * row_blocks, num_splits)
-    pdl = num_splits > 1 and pdl_available(dev)
     _split[grid](
         q, k, v, o_buf, l_buf,
         placeholder, spec.q_seqstart if segments else q, spec.k_seqstart if segments else q,
@@ -238,11 +278,12 @@ def splitk_attention_fwd(
     )
     if num_splits > 1:
         merge_partials_triton(o_buf, l_buf, out=out, lse=lse, after_split=pdl)
-    if segments and (qs[0] > 0 or qs[-1] < Mq):  # rows outside every segment see nothing
-        for rows_ in (slice(0, qs[0]), slice(qs[-1], Mq)):
-            out[:, :, rows_] = 0
-            lse[:, :, rows_] = float("-inf")
-    return out, lse
+
+
+def _same_start(view: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """``base`` where ``view`` starts at the same address (a kernel reads only the start and the
+    strides passed beside it), else ``view``: launch plans then find the call's own tensors."""
+    return base if view.data_ptr() == base.data_ptr() and view.dtype == base.dtype else view
 
 
 def merge_partials_triton(
@@ -269,7 +310,7 @@ def merge_partials_triton(
     block_s = min(MERGE_BLOCK_S, next_power_of_2(S))
     block_d = min(128, next_power_of_2(Dv), max(16, MERGE_TILE // block_s))
     _merge[(R, cdiv(Dv, block_d))](
-        parts, part_lse, out2, lse1, S, Dv,
+        _same_start(parts, outs), _same_start(part_lse, lses), _same_start(out2, out), _same_start(lse1, lse), S, Dv,
         *parts.stride(), *part_lse.stride(), *out2.stride(), lse1.stride(0),
         BLOCK_S=block_s, BLOCK_D=block_d, PDL=after_split,
         num_warps=4 if block_s * block_d >= 2048 else 2,
