@@ -192,10 +192,10 @@ SPLITK = ba.ops.get("triton_splitk") if "triton_splitk" in ba.ops.available() el
 def _decode_biases():
     return {
         "none": None,
-        "padded": ba.PaddedKeysMask([40, 7, 0]),
-        "padded_causal": ba.PaddedKeysMask([40, 7, 3]) & ba.LowerTriangularFromBottomRightMask(),
+        "padded": ba.PaddedKeysMask([150, 7, 0]),
+        "padded_causal": ba.PaddedKeysMask([150, 7, 3]) & ba.LowerTriangularFromBottomRightMask(),
         "window_alibi": ba.LocalAttentionMask(window_left=9, window_right=0) + ba.ALiBi(ba.ALiBi.standard_slopes(4)),
-        "additive": ba.AdditiveBias(torch.randn(3, 4, 2, 40)),
+        "additive": ba.AdditiveBias(torch.randn(3, 4, 2, 200)),
     }
 
 
@@ -220,7 +220,7 @@ def test_split_kv_replays_equal_the_launches_they_replace(plans, monkeypatch, na
     gen = torch.Generator().manual_seed(0)
     for call in range(5):
         q = torch.randn(3, 4, 2, 16, generator=gen).to(DEVICE)
-        k, v = (torch.randn(3, 2, 40, 16, generator=gen).to(DEVICE) for _ in range(2))
+        k, v = (torch.randn(3, 2, 200, 16, generator=gen).to(DEVICE) for _ in range(2))  # 4+ key tiles on the GPU too
         before = len(replays)
         planned = ba.attention_with_lse(q, k, v, bias, op="triton_splitk")
         monkeypatch.setattr(plans, "ENABLED", False)
