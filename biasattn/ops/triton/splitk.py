@@ -226,16 +226,39 @@ def splitk_attention_fwd(
 
     grid = (Z * Hkv * row_blocks, num_splits)
     pdl = num_splits > 1 and pdl_available(dev)
-    outside = segments and (qs[0] > 0 or qs[-1] < Mq)  # rows outside every segment: zeroed below, not replayed
+    add = spec.additive
+    slopes = spec.alibi_slopes
+    sa = _strides4(add)
+    ss = (0, 0) if slopes is None else tuple(0 if n == 1 else s for n, s in zip(slopes.shape, slopes.stride()))
+    band_per_segment = spec.band_lo is not None and spec.band_lo.numel() > 1
+    placeholder = spec.kv_seqlens if spec.kv_seqlens is not None else q
     with plans.recording() as rec:
-        _launch_split(grid, q, k, v, o_buf, l_buf, out, lse, inp, so, sl, num_splits, tiles_per_split, mq_stride,
-                      row_blocks, head_dim, head_dim_v, cfg, pdl)
-    if not outside:
-        plans.settle(spec.derived, key, rec, (q, k, v, out, lse, o_buf, l_buf), num_splits)
-    if outside:
+        _split[grid](
+            q, k, v, o_buf, l_buf,
+            placeholder, spec.q_seqstart if segments else q, spec.k_seqstart if segments else q,
+            spec.k_seqlen if segments else q,
+            spec.band_lo if spec.band_lo is not None else q, spec.band_hi if spec.band_hi is not None else q,
+            add if add is not None else q, slopes if slopes is not None else q,
+            inp.scale * LOG2E, spec.alibi_shift,
+            *q.stride(), *k.stride(), *v.stride(), *so, *sl, *sa, *ss,
+            Hkv, Mq, Mk, D, Dv, G, row_blocks, num_splits, tiles_per_split, mq_stride,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+            HAS_KV_LEN=spec.kv_seqlens is not None and not segments, HAS_SEGMENTS=segments,
+            HAS_BAND=spec.band_lo is not None, BAND_PER_SEGMENT=band_per_segment,
+            HAS_ADDITIVE=add is not None, HAS_ALIBI=slopes is not None,
+            EVEN_D=head_dim == D, EVEN_DV=head_dim_v == Dv,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            INDEX_64=FORCE_INDEX_64 or max(slice_span(k), slice_span(v)) >= 2**31, PDL=pdl,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        if num_splits > 1:
+            merge_partials_triton(o_buf, l_buf, out=out, lse=lse, after_split=pdl)
+    if segments and (qs[0] > 0 or qs[-1] < Mq):  # rows outside every segment see nothing (not replayed)
         for rows_ in (slice(0, qs[0]), slice(qs[-1], Mq)):
             out[:, :, rows_] = 0
             lse[:, :, rows_] = float("-inf")
+    else:
+        plans.settle(spec.derived, key, rec, (q, k, v, out, lse, o_buf, l_buf), num_splits)
     return out, lse
 
 
@@ -244,40 +267,6 @@ def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     every module switch the launches read."""
     return ("split-KV plan", plans.tensor_key(q, k, v), scale, FORCE_INDEX_64, PDL, MERGE_BLOCK_S, MERGE_TILE,
             launch.DIRECT, configs.interpreted())
-
-
-def _launch_split(grid, q, k, v, o_buf, l_buf, out, lse, inp, so, sl, num_splits, tiles_per_split, mq_stride,
-                  row_blocks, head_dim, head_dim_v, cfg, pdl) -> None:
-    """The split kernel over ``grid``, then the merge when the keys are split."""
-    spec = inp.spec
-    Hkv, Mq, Mk, D, Dv, G = k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3], inp.groups
-    segments = spec.q_seqstart is not None
-    add = spec.additive
-    slopes = spec.alibi_slopes
-    sa = _strides4(add)
-    ss = (0, 0) if slopes is None else tuple(0 if n == 1 else s for n, s in zip(slopes.shape, slopes.stride()))
-    band_per_segment = spec.band_lo is not None and spec.band_lo.numel() > 1
-    placeholder = spec.kv_seqlens if spec.kv_seqlens is not None else q
-    _split[grid](
-        q, k, v, o_buf, l_buf,
-        placeholder, spec.q_seqstart if segments else q, spec.k_seqstart if segments else q,
-        spec.k_seqlen if segments else q,
-        spec.band_lo if spec.band_lo is not None else q, spec.band_hi if spec.band_hi is not None else q,
-        add if add is not None else q, slopes if slopes is not None else q,
-        inp.scale * LOG2E, spec.alibi_shift,
-        *q.stride(), *k.stride(), *v.stride(), *so, *sl, *sa, *ss,
-        Hkv, Mq, Mk, D, Dv, G, row_blocks, num_splits, tiles_per_split, mq_stride,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
-        HAS_KV_LEN=spec.kv_seqlens is not None and not segments, HAS_SEGMENTS=segments,
-        HAS_BAND=spec.band_lo is not None, BAND_PER_SEGMENT=band_per_segment,
-        HAS_ADDITIVE=add is not None, HAS_ALIBI=slopes is not None,
-        EVEN_D=head_dim == D, EVEN_DV=head_dim_v == Dv,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INDEX_64=FORCE_INDEX_64 or max(slice_span(k), slice_span(v)) >= 2**31, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if num_splits > 1:
-        merge_partials_triton(o_buf, l_buf, out=out, lse=lse, after_split=pdl)
 
 
 def _same_start(view: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
