@@ -83,11 +83,21 @@ def make_sets(B, Hq, Hkv, Mq, Mk):
     return sets
 
 
+FRESH_BIASES = {  # --bias: a bias built anew for every call, as a decode loop builds one per step
+    "causal": lambda B, Mk: ba.LowerTriangularFromBottomRightMask(),
+    "padded": lambda B, Mk: ba.PaddedKeysMask([Mk - 1 - (b % 3) for b in range(B)], device="cuda"),
+}
+
+
 def provider_fn(name, Hq, Hkv, bias=None):
-    """One decoding call of provider ``name`` as ``fn(q, k, v)``."""
+    """One decoding call of provider ``name`` as ``fn(q, k, v)``; ``bias``: a key of
+    :data:`FRESH_BIASES`, built anew in every call of our operators (peers get no mask)."""
     if name in ("triton_splitk", "cudnn", "dispatched"):  # our operators, forced, or the dispatcher's choice
         op = None if name == "dispatched" else name
-        return lambda q, k, v: ba.attention(q, k, v, bias, op=op)
+        if bias is None:
+            return lambda q, k, v: ba.attention(q, k, v, op=op)
+        make = FRESH_BIASES[bias]
+        return lambda q, k, v: ba.attention(q, k, v, make(q.shape[0], k.shape[2]), op=op)
     backend = PEERS[name]
 
     def run(q, k, v):
@@ -97,16 +107,21 @@ def provider_fn(name, Hq, Hkv, bias=None):
     return run
 
 
-def eager_time(fn, sets) -> float:
-    """Median ms of one eager call (host work included), cycling through the buffer sets."""
-    state = {"i": 0}
+def eager_time(fn, sets, calls: int = 200, rounds: int = 5) -> float:
+    """Median ms per call of ``calls`` eager calls made back to back (host work included: a host-bound
+    call is timed by its host, a GPU-bound one by its kernels), cycling through the buffer sets."""
+    def loop(n):
+        for i in range(n):
+            fn(*sets[i % len(sets)])
+        torch.cuda.synchronize()
 
-    def call():
-        s = sets[state["i"] % len(sets)]
-        state["i"] += 1
-        fn(*s)
-
-    return triton.testing.do_bench(call, warmup=10, rep=60, return_mode="median")
+    loop(20)
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        loop(calls)
+        times.append((time.perf_counter() - t) / calls * 1e3)
+    return statistics.median(times)
 
 
 _FLOORS: dict = {}  # (B, Hkv, Mk) -> ms: the read floor does not depend on the queries
@@ -118,8 +133,8 @@ def floor_time(sets, timer=graph_time) -> float:
     return min(timer(read_floor_fn(per_sm * sms, block), sets) for per_sm, block in VARIANTS)
 
 
-def bench_point(B, Hq, Hkv, Mq, Mk, providers, timer=graph_time):
-    """``[(provider, ms, GB/s, note)]`` for one shape."""
+def bench_point(B, Hq, Hkv, Mq, Mk, providers, timer=graph_time, bias=None):
+    """``[(provider, ms, GB/s, note)]`` for one shape (``bias``: see :func:`provider_fn`)."""
     sets = make_sets(B, Hq, Hkv, Mq, Mk)
     kv_bytes = 2 * B * Hkv * Mk * D * 2
     rows = []
@@ -129,7 +144,7 @@ def bench_point(B, Hq, Hkv, Mq, Mk, providers, timer=graph_time):
                 key = (B, Hkv, Mk, timer)
                 ms = _FLOORS[key] = _FLOORS[key] if key in _FLOORS else floor_time(sets, timer)
             else:
-                ms = timer(provider_fn(name, Hq, Hkv), sets)
+                ms = timer(provider_fn(name, Hq, Hkv, bias), sets)
             rows.append((name, ms, kv_bytes / ms / 1e6, ""))
         except Exception as e:  # a backend refusing these inputs is a result too
             rows.append((name, float("nan"), float("nan"), type(e).__name__ + ": " + str(e).split("\n")[0][:120]))
@@ -296,14 +311,18 @@ def grid_points(grid):
                         yield Mq, Hq, Hkv, B, Mk
 
 
-def operators(grid, eager: bool = False) -> None:
+def operators(grid, eager: bool = False, bias: str | None = None) -> None:
     """Print GB/s of the dispatched call, forced ``triton_splitk`` and forced ``cudnn`` at every grid
-    point; ``eager``: calls timed one by one with their host work instead of replayed in a graph."""
-    names = ["dispatched", "triton_splitk", "cudnn"]
+    point, and SDPA's best; ``eager``: calls timed back to back with their host work instead of
+    replayed in a graph; ``bias``: a :data:`FRESH_BIASES` bias built in every call of ours."""
+    names = ["dispatched", "triton_splitk", "cudnn", *PEERS]
     for Mq, Hq, Hkv, B, Mk in grid_points(grid):
-        r = {n: g for n, _, g, _ in bench_point(B, Hq, Hkv, Mq, Mk, names, eager_time if eager else graph_time)}
-        print(f"B={B:<3} {Hq}/{Hkv:<3} Mq={Mq} Mk={Mk:<7} GB/s: " + ", ".join(f"{n} {r[n]:.0f}" for n in names)
-              + f"; cudnn / triton_splitk {r['cudnn'] / r['triton_splitk']:.3f}", flush=True)
+        r = {n: g for n, _, g, _ in bench_point(B, Hq, Hkv, Mq, Mk, names, eager_time if eager else graph_time, bias)}
+        sdpa = max(r[n] for n in PEERS)
+        print(f"B={B:<3} {Hq}/{Hkv:<3} Mq={Mq} Mk={Mk:<7} GB/s: "
+              + ", ".join(f"{n} {r[n]:.0f}" for n in names[:3]) + f", best SDPA {sdpa:.0f}"
+              + f"; cudnn / triton_splitk {r['cudnn'] / r['triton_splitk']:.3f}"
+              + f"; dispatched / best SDPA {r['dispatched'] / sdpa:.3f}", flush=True)
 
 
 AB_SWITCHES = {"pdl": "PDL"}  # --ab name -> switch of biasattn.ops.triton.splitk
@@ -354,10 +373,13 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="B in {1, 16}, Mk in {8k, 128k} only")
     ap.add_argument("--heads", nargs="+", default=None, help="head layouts Hq/Hkv instead of 32/32 32/8 32/1")
     ap.add_argument("--mq", nargs="+", type=int, default=None, help="queries per sequence instead of 1 and 4")
+    ap.add_argument("--mk", nargs="+", type=int, default=None, help="cache lengths instead of 1k 8k 32k 128k")
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse, where git works)")
     ap.add_argument("--operators", action="store_true",
                     help="only print the dispatched call against forced triton_splitk and cudnn (our operators)")
     ap.add_argument("--eager", action="store_true", help="with --operators: time eager calls, host work included")
+    ap.add_argument("--bias", choices=list(FRESH_BIASES), default=None,
+                    help="with --operators: a bias built anew in every call of our operators")
     ap.add_argument("--ab", choices=list(AB_SWITCHES), help="only A/B a triton_splitk switch: " + ", ".join(
         f"{k} (splitk.{v})" for k, v in AB_SWITCHES.items()))
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of --ab (medians reported)")
@@ -383,8 +405,10 @@ def main(argv=None):
         grid.update(heads=tuple(tuple(int(x) for x in h.split("/")) for h in args.heads))
     if args.mq:
         grid.update(Mq=tuple(args.mq))
+    if args.mk:
+        grid.update(Mk=tuple(args.mk))
     if args.operators:
-        operators(grid, args.eager)
+        operators(grid, args.eager, args.bias)
         return 0
     if args.ab:
         ab_switch(grid, args.ab, args.rounds)

@@ -170,6 +170,41 @@ def test_spec_is_cached_per_shape():
     assert lower(bias, 1, 1, 4, 5) is not lower(bias, 1, 1, 4, 4)
 
 
+def test_tensor_free_biases_built_anew_share_one_spec():
+    """A causal mask built per decode step lowers to the spec of the last step (and its plans)."""
+    a = lower(ba.LowerTriangularFromBottomRightMask(), 2, 4, 3, 40)
+    b = lower(ba.LowerTriangularFromBottomRightMask(), 2, 4, 3, 40)
+    assert a is b and a.causal_kind() == "bottom_right"
+    assert lower(ba.LowerTriangularFromBottomRightMask(), 2, 4, 3, 41) is not a
+    five, six = (lower(ba.LocalAttentionMask(w), 2, 4, 3, 40) for w in (5, 6))
+    assert five.host.band_lo != six.host.band_lo
+    padded = ba.PaddedKeysMask([3, 5])
+    assert lower(padded, 2, 4, 3, 40) is not lower(ba.PaddedKeysMask([3, 5]), 2, 4, 3, 40)
+
+
+@pytest.mark.parametrize(
+    "bias,Mq,Mk,hides",
+    [
+        (ba.LowerTriangularFromBottomRightMask(), 1, 9, False),  # one query sees the whole cache
+        (ba.LowerTriangularFromBottomRightMask(), 2, 9, True),
+        (ba.LocalAttentionMask(8, 3), 4, 9, False),  # a window as wide as the call
+        (ba.LocalAttentionMask(7, 3), 4, 9, True),
+        (ba.LocalAttentionMask(8, 2), 4, 9, True),
+        (ba.LowerTriangularMask(), 1, 1, False),
+    ],
+)
+def test_band_that_hides_nothing_lowers_to_no_mask(bias, Mq, Mk, hides):
+    spec = lower(bias, 2, 2, Mq, Mk)
+    assert ("band" in spec.features) == hides
+    if not hides:
+        assert spec is lower(None, 2, 2, Mq, Mk)
+    q, k, v = _qkv(2, 2, Mq, Mk)
+    ref, _ = reference_attention(q, k, v, bias)
+    assert_close_to_reference(ba.attention(q, k, v, bias, op=CHUNKED_SMALL), ref)
+    if not hides:
+        assert_close_to_reference(ba.attention(q, k, v, op=CHUNKED_SMALL), ref)
+
+
 @example(seed=0)
 @given(seed=st.integers(0, 2**16))
 def test_two_alibi_terms_add(seed):

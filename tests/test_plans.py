@@ -21,6 +21,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True)
+def fresh_shared_specs(monkeypatch):
+    """Specs shared between bias objects (no bias, tensor-free biases) start empty: no plan of an earlier test."""
+    from biasattn.bias import spec as spec_module
+
+    monkeypatch.setattr(spec_module, "_PLAIN_SPECS", {})
+    monkeypatch.setattr(spec_module, "_STRUCTURAL_SPECS", {})
+
+
 @pytest.fixture
 def plans():
     from biasattn.ops.triton import plans
@@ -206,10 +215,8 @@ def _decode_biases():
 def test_split_kv_replays_equal_the_launches_they_replace(plans, monkeypatch, name, splits):
     """Decode steps through ``triton_splitk``: from the fourth call of a signature its launches are
     replayed (the merge too, when the keys are split), with the same bits as the full path."""
-    from biasattn.bias import spec as spec_module
     from biasattn.ops.triton import splitk
 
-    monkeypatch.setattr(spec_module, "_PLAIN_SPECS", {})  # calls without a bias: no plan of an earlier test
     original = splitk.choose_num_splits
     monkeypatch.setattr(splitk, "choose_num_splits", lambda *a, **kw: splits if splits > 1 else original(*a, **kw))
     bias = _decode_biases()[name]

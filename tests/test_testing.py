@@ -156,8 +156,9 @@ def test_drawn_cases_fit_together(case):
     assert case.v.shape == (s.B, s.Hkv, s.Mk, s.Dv) and s.Hq % s.Hkv == 0
     inp = make_inputs(case.q, case.k, case.v, case.bias, scale=case.scale)  # validation accepts it
     if case.bias is not None:
-        assert case.bias.materialize(s.bias_shape).shape == s.bias_shape
-        assert inp.spec.features
+        dense = case.bias.materialize(s.bias_shape)
+        assert dense.shape == s.bias_shape
+        assert inp.spec.features or not dense.any()  # only a bias that hides and adds nothing lowers to none
 
 
 @given(data=st.data(), family=st.sampled_from(bst.FAMILIES))

@@ -17,7 +17,7 @@ Visible scores then get ``additive[b, h, i, j]`` and ``-alibi_slopes[b, h] * |j 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -278,9 +278,13 @@ class SpecBuilder:
             his = [local(v, BAND_UNBOUNDED) for v in his]
             if len(set(los)) == 1 and len(set(his)) == 1:
                 los, his = los[:1], his[:1]
-            kw["band_lo"] = _int_tensor(los, dev)
-            kw["band_hi"] = _int_tensor(his, dev)
-            host.update(band_lo=tuple(los), band_hi=tuple(his))
+            # a uniform band around every (row, key) pair of the call hides nothing: no band
+            # (bottom-right causal with one query per sequence, a window wider than the call)
+            covers_all = self.segments is None and los[0] <= 1 - g.Mq and his[0] >= g.Mk - 1
+            if not covers_all:
+                kw["band_lo"] = _int_tensor(los, dev)
+                kw["band_hi"] = _int_tensor(his, dev)
+                host.update(band_lo=tuple(los), band_hi=tuple(his))
 
         if self.layout is not None:
             layout, bq, bk = self.layout
@@ -325,8 +329,16 @@ def _plain_spec(B, H, Mq, Mk) -> BiasSpec:
     return spec
 
 
+_STRUCTURAL_SPECS: dict = {}
+
+
 def lower(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasSpec:
-    """Lower ``bias`` (an AttentionBias or None) for a call with q ``[B, H, Mq, D]`` and k ``[B, *, Mk, D]``."""
+    """Lower ``bias`` (an AttentionBias or None) for a call with q ``[B, H, Mq, D]`` and k ``[B, *, Mk, D]``.
+
+    Specs are kept per bias object and call size. Biases that hold no tensor (causal masks, windows)
+    share one spec per structure and size, and a bias that hides nothing in the call gets the plain
+    spec of that size: what operators derive from a spec then serves biases built anew every step.
+    """
     if bias is None:
         return _plain_spec(B, H, Mq, Mk)
     key = (B, H, Mq, Mk, str(device))
@@ -335,11 +347,33 @@ def lower(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasSpec:
     spec = cache.get(key)
     if spec is None:
         g = bias.geometry(B, H, Mq, Mk)
-        builder = SpecBuilder(g, device if device is not None else bias.device)
-        for atom in bias.atoms:
-            atom.lower(builder)
-        spec = builder.build()
+        dev = device if device is not None else bias.device
+        shared = _structure_key(bias, g, dev)
+        spec = _STRUCTURAL_SPECS.get(shared) if shared is not None else None
+        if spec is None:
+            builder = SpecBuilder(g, dev)
+            for atom in bias.atoms:
+                atom.lower(builder)
+            spec = builder.build()
+            if not spec.features and all(type(n) is int for n in (B, H, Mq, Mk)):
+                spec = _plain_spec(B, H, Mq, Mk)
+            if shared is not None:
+                if len(_STRUCTURAL_SPECS) >= 64:
+                    _STRUCTURAL_SPECS.clear()
+                _STRUCTURAL_SPECS[shared] = spec
         if len(cache) > 16:
             cache.clear()
         cache[key] = spec
     return spec
+
+
+def _structure_key(bias, g, device):
+    """The key that equal tensor-free biases share for one geometry, or None (tensors, symbolic sizes)."""
+    if not all(type(n) is int for n in (g.B, g.H, g.Mq, g.Mk, g.q_off, g.k_off, g.Mq_full, g.Mk_full)):
+        return None
+    parts = []
+    for atom in bias.atoms:
+        if atom.tensors():
+            return None
+        parts.append((type(atom), tuple(getattr(atom, f.name) for f in fields(atom))))
+    return (type(bias), tuple(parts), g, str(device))
