@@ -154,6 +154,27 @@ def test_no_host_sync_per_call():
         torch.cuda.set_sync_debug_mode("default")
 
 
+def test_a_cache_one_key_longer_reuses_the_compiled_kernels(monkeypatch):
+    """Decode steps against a growing cache change Mk on every call: the launches find the kernels
+    compiled for the last step by their specialization, without Triton's binding, and stay exact."""
+    from biasattn.ops.triton import splitk
+
+    K, V = (rand(2, 8, 300, 128, seed=s) for s in (1, 2))
+    q = rand(2, 32, 1, 128, seed=3)
+    inp = make_inputs(q, K[:, :, :200], V[:, :, :200])
+    run_poisoned(inp, num_splits=3)  # compiles split and merge kernels for this specialization
+
+    class Unbound:
+        def __getitem__(self, grid):
+            raise AssertionError("a launch went through Triton's binding")
+
+    for kernel in (splitk._split, splitk._merge):
+        monkeypatch.setattr(kernel, "kernel", Unbound())
+    for Mk in (201, 203, 215, 257):  # none is 1 or a multiple of 16, as 200 is not
+        inp = make_inputs(q, K[:, :, :Mk], V[:, :, :Mk])
+        assert_close_to_reference(*run_poisoned(inp, num_splits=3), inp)
+
+
 def test_torch_compile():
     q, k, v = decode_inputs(2, 32, 8, 1, 3000, torch.float16)
 

@@ -2,13 +2,20 @@
 
 Triton's ``kernel[grid](...)`` binds and specializes every argument, builds a cache key and checks
 its globals on each call, which costs tens of microseconds for our kernels' 60-90 arguments. The
-wrapper here keeps, per device, the compiled kernel of each argument signature, the key being
-exactly what Triton specializes on (each argument's type, each tensor's dtype and 16-byte
-alignment, each tensor descriptor's dtype and block shape, every other argument's value, the
-constexprs and launch options; for the integer arguments named as unkeyed, which the kernel does
-not specialize, only whether they fit 32 bits), and on a hit calls the compiled launcher the way
-``JITFunction.run`` does. A miss, the interpreter, a CPU tensor, a Triton whose ``run`` does not
-end in that call, or ``DIRECT = False`` all go through ``kernel[grid](...)`` unchanged.
+wrapper here keeps, per device, the compiled kernel of each argument signature and on a hit calls
+the compiled launcher the way ``JITFunction.run`` does. Two tables lead to a compiled kernel:
+
+- the exact signature (each argument's type, each tensor's dtype and 16-byte alignment, each
+  tensor descriptor's dtype and block shape, every other argument's value, the constexprs and
+  launch options; for the integer arguments named as unkeyed, which the kernel does not
+  specialize, only whether they fit 32 bits): one lookup of a few C-level passes;
+- on a miss there, the specialization (the same, but each integer that is not a constexpr reduced
+  to what Triton specializes it on: equal to 1, divisible by 16, 32 or 64 bits; floats to their
+  type): a call whose sizes changed (a decode step against a cache one key longer) still finds
+  the kernel compiled for the last one instead of going through Triton's binding.
+
+A miss in both, the interpreter, a CPU tensor, a Triton whose ``run`` does not end in that call,
+or ``DIRECT = False`` go through ``kernel[grid](...)`` unchanged.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ import torch
 from . import plans
 
 DIRECT = True  # tests and A/B runs turn the direct path off
-_MAX_ENTRIES = 512  # signatures kept per kernel; past that the table starts over
+SPECIALIZATIONS = True  # tests and A/B runs turn the second table (by specialization) off
+_MAX_ENTRIES = 512  # signatures kept per kernel and table; past that the table starts over
 
 
 @functools.cache
@@ -65,11 +73,14 @@ class _Direct:
 
     def __init__(self, kernel, unkeyed: tuple[str, ...] = ()):
         self.kernel = kernel
-        self.table: dict = {}
+        self.table: dict = {}  # exact signature -> (compiled kernel, constexpr tail)
+        self.specialized: dict = {}  # specialization -> the same
         self.hits = 0
         names = list(getattr(kernel, "arg_names", ()))
         self.unkeyed = frozenset(names.index(n) for n in unkeyed)
+        self.constexprs = frozenset(i for i, p in enumerate(getattr(kernel, "params", ())) if getattr(p, "is_constexpr", True))
         self.picks: dict = {}  # argument types -> pickers of the tensor, keyed and unkeyed arguments
+        self.spec_picks: dict = {}  # argument types -> pickers of the exact-valued and integer arguments
 
     def _signature(self, args: tuple) -> tuple:
         """``(argument types, every keyed non-tensor value, tensor dtypes, tensor 16-byte alignments,
@@ -89,6 +100,22 @@ class _Direct:
                 tuple([-2**31 <= a < 2**31 for a in unkeyed]),
                 tuple([(d.base.dtype, tuple(d.block_shape), d.padding) for d in descs]))
 
+    def _specialization(self, args: tuple, signature: tuple) -> tuple:
+        """``signature`` with the keyed integers (not constexprs) reduced to Triton's integer
+        specialization and the keyed floats dropped (their type is in the signature)."""
+        types = signature[0]
+        picks = self.spec_picks.get(types)
+        if picks is None:
+            keyed = [i for i, t in enumerate(types) if not issubclass(t, torch.Tensor) and i not in self.unkeyed
+                     and "block_shape" not in getattr(t, "__dataclass_fields__", ())]
+            ints = [i for i in keyed if types[i] is int and i not in self.constexprs]
+            exact = [i for i in keyed if i not in ints and not (types[i] is float and i not in self.constexprs)]
+            picks = self.spec_picks[types] = (_picker(exact), _picker(ints))
+        exact, ints = (pick(args) for pick in picks)
+        classes = tuple([(a == 1) + ((a & 15 == 0) << 1) + ((-2**31 <= a < 2**31) << 2) + ((a < 2**63) << 3)
+                         for a in ints])
+        return (types, exact, classes, *signature[2:])
+
     def __getitem__(self, grid):
         return functools.partial(self.launch, grid)
 
@@ -107,17 +134,24 @@ class _Direct:
         if not (DIRECT and device.type == "cuda" and _triton_run_matches()):
             self.kernel[grid](*args, **meta)
             return None
-        key = (device.index, tuple(meta.items()), *self._signature(args))
+        options = tuple(meta.items())
+        signature = self._signature(args)
+        key = (device.index, options, *signature)
         entry = self.table.get(key)
         if entry is None:
-            compiled = self.kernel[grid](*args, **meta)
-            names = self.kernel.arg_names
-            if compiled is None or len(names) < len(args) or any(n not in meta for n in names[len(args):]):
-                return None
-            if len(self.table) >= _MAX_ENTRIES:
-                self.table.clear()
-            self.table[key] = entry = (compiled, tuple(meta[n] for n in names[len(args):]))
-            return entry
+            spec_key = (device.index, options, *self._specialization(args, signature)) if SPECIALIZATIONS else None
+            entry = self.specialized.get(spec_key)
+            if entry is None:
+                compiled = self.kernel[grid](*args, **meta)
+                names = self.kernel.arg_names
+                if compiled is None or len(names) < len(args) or any(n not in meta for n in names[len(args):]):
+                    return None
+                entry = (compiled, tuple(meta[n] for n in names[len(args):]))
+                _keep(self.table, key, entry)
+                if spec_key is not None:
+                    _keep(self.specialized, spec_key, entry)
+                return entry
+            _keep(self.table, key, entry)
         self.hits += 1
         self._run(entry, grid, args)
         return entry
@@ -141,6 +175,12 @@ class _Direct:
         else:
             self.hits += 1
             self._run(entry, grid, args)
+
+
+def _keep(table: dict, key, entry) -> None:
+    if len(table) >= _MAX_ENTRIES:
+        table.clear()
+    table[key] = entry
 
 
 def direct(kernel, unkeyed: tuple[str, ...] = ()) -> _Direct:
