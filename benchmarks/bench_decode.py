@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import csv
 import datetime
+import functools
 import math
 import os
 import statistics
@@ -107,12 +108,20 @@ def provider_fn(name, Hq, Hkv, bias=None):
     return run
 
 
-def eager_time(fn, sets, calls: int = 200, rounds: int = 5) -> float:
+def eager_time(fn, sets, calls: int = 200, rounds: int = 5, grow: int = 0) -> float:
     """Median ms per call of ``calls`` eager calls made back to back (host work included: a host-bound
-    call is timed by its host, a GPU-bound one by its kernels), cycling through the buffer sets."""
+    call is timed by its host, a GPU-bound one by its kernels), cycling through the buffer sets.
+    ``grow``: call ``i`` of a round sees the first ``Mk - grow + i % grow`` keys (views), as a decode loop
+    sees a cache that grows by one key per step: every call has new sizes."""
+    Mk = sets[0][1].shape[2]
+
     def loop(n):
         for i in range(n):
-            fn(*sets[i % len(sets)])
+            q, k, v = sets[i % len(sets)]
+            if grow:
+                m = Mk - grow + i % grow
+                k, v = k[:, :, :m], v[:, :, :m]
+            fn(q, k, v)
         torch.cuda.synchronize()
 
     loop(20)
@@ -133,10 +142,13 @@ def floor_time(sets, timer=graph_time) -> float:
     return min(timer(read_floor_fn(per_sm * sms, block), sets) for per_sm, block in VARIANTS)
 
 
-def bench_point(B, Hq, Hkv, Mq, Mk, providers, timer=graph_time, bias=None):
-    """``[(provider, ms, GB/s, note)]`` for one shape (``bias``: see :func:`provider_fn`)."""
+def bench_point(B, Hq, Hkv, Mq, Mk, providers, timer=graph_time, bias=None, grow=0):
+    """``[(provider, ms, GB/s, note)]`` for one shape (``bias``: see :func:`provider_fn`; ``grow``: see
+    :func:`eager_time`, the GB/s then count the mean cache length)."""
     sets = make_sets(B, Hq, Hkv, Mq, Mk)
-    kv_bytes = 2 * B * Hkv * Mk * D * 2
+    kv_bytes = 2 * B * Hkv * (Mk - (grow + 1) / 2 if grow else Mk) * D * 2
+    if grow:
+        timer = functools.partial(timer, grow=grow)
     rows = []
     for name in providers:
         try:
@@ -311,13 +323,15 @@ def grid_points(grid):
                         yield Mq, Hq, Hkv, B, Mk
 
 
-def operators(grid, eager: bool = False, bias: str | None = None) -> None:
+def operators(grid, eager: bool = False, bias: str | None = None, grow: int = 0) -> None:
     """Print GB/s of the dispatched call, forced ``triton_splitk`` and forced ``cudnn`` at every grid
     point, and SDPA's best; ``eager``: calls timed back to back with their host work instead of
-    replayed in a graph; ``bias``: a :data:`FRESH_BIASES` bias built in every call of ours."""
+    replayed in a graph; ``bias``: a :data:`FRESH_BIASES` bias built in every call of ours;
+    ``grow``: eager calls against a growing cache (:func:`eager_time`)."""
     names = ["dispatched", "triton_splitk", "cudnn", *PEERS]
+    timer = eager_time if eager else graph_time
     for Mq, Hq, Hkv, B, Mk in grid_points(grid):
-        r = {n: g for n, _, g, _ in bench_point(B, Hq, Hkv, Mq, Mk, names, eager_time if eager else graph_time, bias)}
+        r = {n: g for n, _, g, _ in bench_point(B, Hq, Hkv, Mq, Mk, names, timer, bias, grow)}
         sdpa = max(r[n] for n in PEERS)
         print(f"B={B:<3} {Hq}/{Hkv:<3} Mq={Mq} Mk={Mk:<7} GB/s: "
               + ", ".join(f"{n} {r[n]:.0f}" for n in names[:3]) + f", best SDPA {sdpa:.0f}"
@@ -380,6 +394,9 @@ def main(argv=None):
     ap.add_argument("--eager", action="store_true", help="with --operators: time eager calls, host work included")
     ap.add_argument("--bias", choices=list(FRESH_BIASES), default=None,
                     help="with --operators: a bias built anew in every call of our operators")
+    ap.add_argument("--growing", type=int, default=0, metavar="N",
+                    help="with --operators --eager: each call sees up to N keys fewer, cycling (a cache "
+                         "growing by one key per step: new sizes on every call)")
     ap.add_argument("--ab", choices=list(AB_SWITCHES), help="only A/B a triton_splitk switch: " + ", ".join(
         f"{k} (splitk.{v})" for k, v in AB_SWITCHES.items()))
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of --ab (medians reported)")
@@ -408,7 +425,9 @@ def main(argv=None):
     if args.mk:
         grid.update(Mk=tuple(args.mk))
     if args.operators:
-        operators(grid, args.eager, args.bias)
+        if args.growing and not args.eager:
+            ap.error("--growing needs --eager (a CUDA graph replays fixed sizes)")
+        operators(grid, args.eager, args.bias, args.growing)
         return 0
     if args.ab:
         ab_switch(grid, args.ab, args.rounds)
