@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import csv
 import datetime
-import functools
 import math
 import os
 import statistics
@@ -108,14 +107,16 @@ def provider_fn(name, Hq, Hkv, bias=None):
     return run
 
 
-def eager_time(fn, sets, calls: int = 200, rounds: int = 5, grow: int = 0) -> float:
-    """Median ms per call of ``calls`` eager calls made back to back (host work included: a host-bound
-    call is timed by its host, a GPU-bound one by its kernels), cycling through the buffer sets.
-    ``grow``: call ``i`` of a round sees the first ``Mk - grow + i % grow`` keys (views), as a decode loop
-    sees a cache that grows by one key per step: every call has new sizes."""
+def eager_times(fns: dict, sets, calls: int = 200, rounds: int = 7, grow: int = 0) -> dict:
+    """Median ms per call of each of ``fns`` over ``calls`` eager calls made back to back (host work
+    included: a host-bound call is timed by its host, a GPU-bound one by its kernels), cycling
+    through the buffer sets. Rounds alternate the functions (in a rotating order), so a host whose
+    speed drifts slows them alike. A function that raises gets NaN.
+    ``grow``: call ``i`` of a round sees the first ``Mk - grow + i % grow`` keys (views), as a decode
+    loop sees a cache that grows by one key per step: every call has new sizes."""
     Mk = sets[0][1].shape[2]
 
-    def loop(n):
+    def loop(fn, n):
         for i in range(n):
             q, k, v = sets[i % len(sets)]
             if grow:
@@ -124,13 +125,20 @@ def eager_time(fn, sets, calls: int = 200, rounds: int = 5, grow: int = 0) -> fl
             fn(q, k, v)
         torch.cuda.synchronize()
 
-    loop(20)
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        loop(calls)
-        times.append((time.perf_counter() - t) / calls * 1e3)
-    return statistics.median(times)
+    live, times = {}, {name: [] for name in fns}
+    for name, fn in fns.items():
+        try:
+            loop(fn, 20)
+            live[name] = fn
+        except Exception:  # a backend refusing these inputs
+            torch.cuda.synchronize()
+    names = list(live)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)] if names else []:
+            t = time.perf_counter()
+            loop(live[name], calls)
+            times[name].append((time.perf_counter() - t) / calls * 1e3)
+    return {name: statistics.median(ts) if ts else float("nan") for name, ts in times.items()}
 
 
 _FLOORS: dict = {}  # (B, Hkv, Mk) -> ms: the read floor does not depend on the queries
@@ -142,13 +150,10 @@ def floor_time(sets, timer=graph_time) -> float:
     return min(timer(read_floor_fn(per_sm * sms, block), sets) for per_sm, block in VARIANTS)
 
 
-def bench_point(B, Hq, Hkv, Mq, Mk, providers, timer=graph_time, bias=None, grow=0):
-    """``[(provider, ms, GB/s, note)]`` for one shape (``bias``: see :func:`provider_fn`; ``grow``: see
-    :func:`eager_time`, the GB/s then count the mean cache length)."""
+def bench_point(B, Hq, Hkv, Mq, Mk, providers, timer=graph_time, bias=None):
+    """``[(provider, ms, GB/s, note)]`` for one shape (``bias``: see :func:`provider_fn`)."""
     sets = make_sets(B, Hq, Hkv, Mq, Mk)
-    kv_bytes = 2 * B * Hkv * (Mk - (grow + 1) / 2 if grow else Mk) * D * 2
-    if grow:
-        timer = functools.partial(timer, grow=grow)
+    kv_bytes = 2 * B * Hkv * Mk * D * 2
     rows = []
     for name in providers:
         try:
@@ -327,11 +332,17 @@ def operators(grid, eager: bool = False, bias: str | None = None, grow: int = 0)
     """Print GB/s of the dispatched call, forced ``triton_splitk`` and forced ``cudnn`` at every grid
     point, and SDPA's best; ``eager``: calls timed back to back with their host work instead of
     replayed in a graph; ``bias``: a :data:`FRESH_BIASES` bias built in every call of ours;
-    ``grow``: eager calls against a growing cache (:func:`eager_time`)."""
+    ``grow``: eager calls against a growing cache (:func:`eager_times`)."""
     names = ["dispatched", "triton_splitk", "cudnn", *PEERS]
-    timer = eager_time if eager else graph_time
     for Mq, Hq, Hkv, B, Mk in grid_points(grid):
-        r = {n: g for n, _, g, _ in bench_point(B, Hq, Hkv, Mq, Mk, names, timer, bias, grow)}
+        if eager:
+            sets = make_sets(B, Hq, Hkv, Mq, Mk)
+            ms = eager_times({n: provider_fn(n, Hq, Hkv, bias) for n in names}, sets, grow=grow)
+            kv_bytes = 2 * B * Hkv * (Mk - (grow + 1) / 2 if grow else Mk) * D * 2  # mean cache length
+            r = {n: kv_bytes / ms[n] / 1e6 for n in names}
+            del sets
+        else:
+            r = {n: g for n, _, g, _ in bench_point(B, Hq, Hkv, Mq, Mk, names, graph_time, bias)}
         sdpa = max(r[n] for n in PEERS)
         print(f"B={B:<3} {Hq}/{Hkv:<3} Mq={Mq} Mk={Mk:<7} GB/s: "
               + ", ".join(f"{n} {r[n]:.0f}" for n in names[:3]) + f", best SDPA {sdpa:.0f}"
