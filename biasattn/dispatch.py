@@ -32,12 +32,14 @@ PRIORITY: dict[str, tuple[str, ...]] = {
 DEFAULT_PRIORITY: tuple[str, ...] = ("chunked", "reference")
 SPLITK_MAX_MQ = 16  # triton_splitk is a decode kernel: only tried first for sequences of at most this many queries
 # Single-query decoding with at most this many query heads per KV head, called eagerly: such steps are
-# mostly host time, and the cudnn operator's is shorter (H200, eager, B 1-64, caches 1k-128k, 1-16 query
-# heads per KV head: up to 3.6x triton_splitk's GB/s where the call is host-bound, 0.91-1.02x where it is
-# not). While a CUDA graph is being captured only GPU time counts, and there triton_splitk streams as
-# fast or faster (0.82-1.016x for cudnn; notes 57). With 32 query heads per KV head, or several queries
-# per sequence, triton_splitk is faster either way (cuDNN does not share a K/V tile between the heads
-# of a group).
+# mostly host time. Against a cache that grows by one key per step (an eager loop over a dynamic
+# cache: new sizes every call, so triton_splitk has no launch plan) the cudnn operator is faster
+# (H200, eager calls back to back, caches 1k and 8k: 1.13-1.64x triton_splitk's GB/s where host-bound);
+# a loop repeating one size replays triton_splitk's plan and favours it (0.71-0.93x), and is better
+# captured in a CUDA graph. While a graph is being captured only GPU time counts, and there
+# triton_splitk streams as fast or faster (0.82-1.016x for cudnn; notes 57 and 62). With 32 query
+# heads per KV head, or several queries per sequence, triton_splitk is faster either way (cuDNN does
+# not share a K/V tile between the heads of a group).
 CUDNN_DECODE_MAX_GROUPS = 16
 # A few queries per sequence without grouped heads, on a batch of at least 512 (sequence, head) pairs
 # and a cache of at most 8k keys: the cudnn operator streams faster too (H200, CUDA-graph timed, 32/32
