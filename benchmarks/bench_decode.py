@@ -438,6 +438,8 @@ def main(argv=None):
     if args.operators:
         if args.growing and not args.eager:
             ap.error("--growing needs --eager (a CUDA graph replays fixed sizes)")
+        if args.bias and not args.eager:
+            ap.error("--bias needs --eager (a bias built per call copies its lengths to the GPU, which a graph cannot capture)")
         operators(grid, args.eager, args.bias, args.growing)
         return 0
     if args.ab:
