@@ -413,6 +413,10 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of --ab (medians reported)")
     ap.add_argument("--floor", action="store_true", help="also time the read floor of every point (read_floor.py)")
     args = ap.parse_args(argv)
+    if args.growing and not args.eager:
+        ap.error("--growing needs --eager (a CUDA graph replays fixed sizes)")
+    if args.bias and not args.eager:
+        ap.error("--bias needs --eager (a bias built per call copies its lengths to the GPU, which a graph cannot capture)")
     os.makedirs(args.out, exist_ok=True)
     commit = args.commit or _git_commit()
     meta = dict(
@@ -436,10 +440,6 @@ def main(argv=None):
     if args.mk:
         grid.update(Mk=tuple(args.mk))
     if args.operators:
-        if args.growing and not args.eager:
-            ap.error("--growing needs --eager (a CUDA graph replays fixed sizes)")
-        if args.bias and not args.eager:
-            ap.error("--bias needs --eager (a bias built per call copies its lengths to the GPU, which a graph cannot capture)")
         operators(grid, args.eager, args.bias, args.growing)
         return 0
     if args.ab:
