@@ -80,7 +80,7 @@ class _Direct:
         self.unkeyed = frozenset(names.index(n) for n in unkeyed)
         self.constexprs = frozenset(i for i, p in enumerate(getattr(kernel, "params", ())) if getattr(p, "is_constexpr", True))
         self.picks: dict = {}  # argument types -> pickers of the tensor, keyed and unkeyed arguments
-        self.spec_picks: dict = {}  # argument types -> pickers of the exact-valued and integer arguments
+        self.spec_picks: dict = {}  # the same -> pickers of the exact-valued and the integer keyed arguments
 
     def _signature(self, args: tuple) -> tuple:
         """``(argument types, every keyed non-tensor value, tensor dtypes, tensor 16-byte alignments,
@@ -95,6 +95,10 @@ class _Direct:
             keyed = [i for i, t in enumerate(types) if i not in tensors and i not in descs and i not in self.unkeyed]
             unkeyed = [i for i in self.unkeyed if i < len(types) and i not in tensors]
             picks = self.picks[types] = (_picker(tensors), _picker(keyed), _picker(unkeyed), _picker(descs))
+            # for _specialization: integers reduced to their class, floats dropped (constexprs stay exact)
+            ints = [i for i in keyed if types[i] is int and i not in self.constexprs]
+            exact = [i for i in keyed if i not in ints and not (types[i] is float and i not in self.constexprs)]
+            self.spec_picks[types] = (_picker(exact), _picker(ints))
         tensors, keyed, unkeyed, descs = (pick(args) for pick in picks)
         return (types, keyed, tuple([t.dtype for t in tensors]), tuple([t.data_ptr() & 15 == 0 for t in tensors]),
                 tuple([-2**31 <= a < 2**31 for a in unkeyed]),
@@ -104,14 +108,7 @@ class _Direct:
         """``signature`` with the keyed integers (not constexprs) reduced to Triton's integer
         specialization and the keyed floats dropped (their type is in the signature)."""
         types = signature[0]
-        picks = self.spec_picks.get(types)
-        if picks is None:
-            keyed = [i for i, t in enumerate(types) if not issubclass(t, torch.Tensor) and i not in self.unkeyed
-                     and "block_shape" not in getattr(t, "__dataclass_fields__", ())]
-            ints = [i for i in keyed if types[i] is int and i not in self.constexprs]
-            exact = [i for i in keyed if i not in ints and not (types[i] is float and i not in self.constexprs)]
-            picks = self.spec_picks[types] = (_picker(exact), _picker(ints))
-        exact, ints = (pick(args) for pick in picks)
+        exact, ints = (pick(args) for pick in self.spec_picks[types])  # filled by _signature
         classes = tuple([(a == 1) + ((a & 15 == 0) << 1) + ((-2**31 <= a < 2**31) << 2) + ((a < 2**63) << 3)
                          for a in ints])
         return (types, exact, classes, *signature[2:])
