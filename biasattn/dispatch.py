@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from collections.abc import Iterator
 
 import torch
@@ -146,7 +147,40 @@ def _first_pair(inp: AttentionInputs, need_lse: bool) -> tuple[Operator | None, 
 
 
 def choose(inp: AttentionInputs, *, need_lse: bool = False, op=None) -> tuple[Operator, Operator | None]:
-    """``(forward operator, backward operator or None)`` for ``inp``; raises NotSupportedError."""
+    """``(forward operator, backward operator or None)`` for ``inp``; raises NotSupportedError.
+
+    A choice is kept in the spec's store under :func:`_decision_key`, so a call like an earlier one
+    (the same spec: a bias reused, or a shared one) skips the walk; refusals are never kept.
+    """
+    key = _decision_key(inp, need_lse, op)
+    store = inp.spec.derived
+    try:
+        decision = store.get(key)
+    except TypeError:  # symbolic sizes (tracing) are unhashable: no caching
+        return _choose(inp, need_lse, op)
+    if decision is None:
+        decision = store[key] = _choose(inp, need_lse, op)
+    return decision
+
+
+def _decision_key(inp: AttentionInputs, need_lse: bool, op) -> tuple:
+    """Everything a choice reads besides the spec: sizes, dtype, device, flags, the priority list and
+    its thresholds, ``use_ops``, graph capture, the interpreter switch (CPU) and the registry."""
+    q, k, v = inp.q, inp.k, inp.v
+    dev = q.device
+    add = inp.spec.additive
+    cuda = dev.type == "cuda"
+    return (
+        q.shape, k.shape, v.shape[3], q.dtype, dev, op, need_lse, inp.requires_grad, inp.dropout_p, inp.scale > 0,
+        add is not None and add.requires_grad, torch.are_deterministic_algorithms_enabled(), _allowed.get(),
+        PRIORITY.get(dev.type), SPLITK_MAX_MQ, CUDNN_DECODE_MAX_GROUPS, CUDNN_DECODE_UNGROUPED_MAX_MQ,
+        CUDNN_DECODE_UNGROUPED_MIN_PAIRS, CUDNN_DECODE_UNGROUPED_MAX_MK, cuda and graph_capturing(),
+        not cuda and os.environ.get("TRITON_INTERPRET"), ops.generation(), "dispatch",
+    )
+
+
+def _choose(inp: AttentionInputs, need_lse: bool, op) -> tuple[Operator, Operator | None]:
+    """The walk behind :func:`choose`."""
     backward = inp.requires_grad
     if op is not None:
         forced = ops.get(op)

@@ -36,7 +36,7 @@ def forward_only(monkeypatch):
     ba.ops.register(op)
     monkeypatch.setitem(dispatch.PRIORITY, "cpu", (op.NAME, "chunked", "reference"))
     yield op
-    ba.ops._REGISTRY.pop(op.NAME, None)
+    ba.ops.unregister(op.NAME)
 
 
 def test_registry():
@@ -53,6 +53,42 @@ def test_cpu_chooses_chunked_forward_and_backward():
     assert fwd.name == "chunked" and bwd.name == "chunked"
     fwd, bwd = dispatch.choose(make_inputs(*qkv(), ba.LowerTriangularMask()))
     assert fwd.name == "chunked" and bwd is None
+
+
+def test_a_repeated_call_reuses_its_choice(monkeypatch):
+    """Dispatch walks the operators once per spec and call signature, not on every call."""
+    walks = []
+    walk = dispatch._choose
+    monkeypatch.setattr(dispatch, "_choose", lambda *a: walks.append(a) or walk(*a))
+    bias = ba.LowerTriangularMask() & ba.PaddedKeysMask([3])
+    first = dispatch.choose(make_inputs(*qkv(M=7), bias))
+    assert dispatch.choose(make_inputs(*qkv(M=7), bias)) == first and len(walks) == 1
+    dispatch.choose(make_inputs(*qkv(M=7), bias), need_lse=True)
+    dispatch.choose(make_inputs(*qkv(M=7, requires_grad=True), bias))
+    dispatch.choose(make_inputs(*qkv(M=7, dtype=torch.float64), bias))
+    assert len(walks) == 4  # another flag, gradients, another dtype: walked again
+
+
+def test_a_kept_choice_follows_priority_use_ops_registry_and_capture(monkeypatch, forward_only):
+    """A kept choice never outlives what it was made from: the priority list, use_ops, the registry, graph capture."""
+    inp = make_inputs(*qkv(M=9))
+    assert dispatch.choose(inp)[0] is forward_only
+    with ba.use_ops("reference"):
+        assert dispatch.choose(inp)[0].name == "reference"
+    monkeypatch.setitem(dispatch.PRIORITY, "cpu", ("chunked", "reference"))
+    assert dispatch.choose(inp)[0].name == "chunked"
+    monkeypatch.setitem(dispatch.PRIORITY, "cpu", (forward_only.NAME, "chunked", "reference"))
+    assert dispatch.choose(inp)[0] is forward_only
+    ba.ops.unregister(forward_only.NAME)
+    assert dispatch.choose(inp)[0].name == "chunked"
+    ba.ops.register(forward_only)
+    before = dispatch._decision_key(inp, False, None)
+    monkeypatch.setattr(dispatch, "graph_capturing", lambda: True)
+    assert dispatch._decision_key(inp, False, None) == before  # a CPU call never asks about graph capture
+    with pytest.raises(ba.NotSupportedError):  # refusals are not kept: each forced call says why
+        dispatch.choose(make_inputs(*qkv(M=9, requires_grad=True)), op=forward_only.NAME)
+    with pytest.raises(ba.NotSupportedError):
+        dispatch.choose(make_inputs(*qkv(M=9, requires_grad=True)), op=forward_only.NAME)
 
 
 def test_use_ops_restricts_and_restores():
@@ -140,7 +176,7 @@ def test_need_lse(monkeypatch):
         with pytest.raises(ba.NotSupportedError, match="does not return the log-sum-exp"):
             ba.attention_with_lse(q, k, v, op=op)
     finally:
-        ba.ops._REGISTRY.pop(op.NAME, None)
+        ba.ops.unregister(op.NAME)
 
 
 def test_explain_lists_chosen_and_reasons():

@@ -222,6 +222,32 @@ def test_lse_from_kernel_turns_empty_rows_to_minus_inf():
     assert vm.lse_from_kernel(raw, p, 1, 1, 3, "bhm").tolist() == [[[1.0, float("-inf"), float("-inf")]]]
 
 
+def test_lse_from_kernel_keeps_values_when_every_row_sees_a_key():
+    """Without hidden rows the kernel's values pass as they are: no fix-up launch, and NaN is not disguised as -inf."""
+    _, p = _plan(None, 1, 1, 3, 3)
+    raw = torch.tensor([[[1.0, 2.0, float("nan")]]])
+    out = vm.lse_from_kernel(raw, p, 1, 1, 3, "bhm", rows_may_be_hidden=False)
+    assert out.dtype == torch.float32 and out.is_contiguous() and torch.equal(out[..., :2], raw[..., :2])
+    assert out[0, 0, 2].isnan()
+
+
+@pytest.mark.parametrize("name", VENDOR)
+def test_rows_may_be_hidden(name):
+    """Hidden rows are possible with an empty cache, a band that leaves rows without keys, or any additive bias."""
+    op = ba.ops.get(name)
+    q = torch.randn(2, 2, 4, 8)
+    cases = [
+        (None, False), (ba.LowerTriangularMask(), False), (ba.PaddedKeysMask([4, 1]), False),
+        (ba.PaddedKeysMask([4, 0]), True), (ba.LowerTriangularFromBottomRightMask(), False),
+        (ba.AdditiveBias(torch.zeros(1, 1, 4, 4)), True),
+    ]
+    for bias, hidden in cases:
+        inp = make_inputs(q, q, q, bias)
+        assert op.rows_may_be_hidden(inp, op.plan(inp)) == hidden, bias
+    inp = make_inputs(q, torch.randn(2, 2, 2, 8), torch.randn(2, 2, 2, 8), ba.LowerTriangularFromBottomRightMask())
+    assert op.rows_may_be_hidden(inp, op.plan(inp))  # 4 queries, 2 keys, bottom-right: the first rows see none
+
+
 def test_pack_and_unpack_keys():
     spec, p = _plan(ba.PaddedKeysMask([2, 4]), 2, 3, 5, 4)
     k = torch.randn(2, 3, 4, 8)

@@ -8,12 +8,25 @@ from .chunked import ChunkedOperator
 from .reference import ReferenceOperator
 
 _REGISTRY: dict[str, Operator] = {}
+_GENERATION = [0]
 
 
 def register(op: Operator) -> Operator:
     """Add an operator to the registry (replacing one of the same name)."""
     _REGISTRY[op.NAME] = op
+    _GENERATION[0] += 1
     return op
+
+
+def unregister(name: str) -> None:
+    """Remove the operator named ``name`` from the registry (no error if it is absent)."""
+    if _REGISTRY.pop(name, None) is not None:
+        _GENERATION[0] += 1
+
+
+def generation() -> int:
+    """A number that changes whenever the registry does (dispatch decisions are cached by it)."""
+    return _GENERATION[0]
 
 
 def available() -> list[str]:
@@ -52,4 +65,4 @@ def _register_builtin() -> None:
 
 _register_builtin()
 
-__all__ = ["Operator", "available", "get", "register"]
+__all__ = ["Operator", "available", "generation", "get", "register", "unregister"]

@@ -110,7 +110,8 @@ class CudnnOperator(VendorOperator):
             res = aten_entry(DENSE[0])(q, k, v, bias, True, inp.dropout_p, causal, False, scale=inp.scale)
         out, lse_raw, seed, offset = res[0], res[1], res[6], res[7]
         layout = lse_layout(lse_raw, plan, inp.B, inp.Hq, inp.Mq)
-        lse = lse_from_kernel(lse_raw, plan, inp.B, inp.Hq, inp.Mq, layout)
+        hidden = self.rows_may_be_hidden(inp, plan)
+        lse = lse_from_kernel(lse_raw, plan, inp.B, inp.Hq, inp.Mq, layout, rows_may_be_hidden=hidden)
         out = self.fix_empty_rows(inp, plan, out, lse)
         return out, lse, VendorCtx(self.NAME, lse_raw, layout, (seed, offset))
 

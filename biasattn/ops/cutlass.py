@@ -109,7 +109,9 @@ class CutlassOperator(VendorOperator):
             q, k, v, bias, cu_q, cu_k, max_q, max_k, inp.dropout_p, cutlass_mask_type(plan), True, scale=inp.scale,
         )
         layout = "seq_h_m" if plan.varlen else "bhm"
-        lse = self._empty_additive_rows(inp, lse_from_kernel(lse_raw, plan, inp.B, inp.Hq, inp.Mq, layout))
+        hidden = self.rows_may_be_hidden(inp, plan)
+        lse = lse_from_kernel(lse_raw, plan, inp.B, inp.Hq, inp.Mq, layout, rows_may_be_hidden=hidden)
+        lse = self._empty_additive_rows(inp, lse)
         out = self.fix_empty_rows(inp, plan, self._unpack_out(out, plan, inp.B, inp.Dv), lse)
         return out, lse, VendorCtx(self.NAME, lse_raw, layout, (seed, offset))
 

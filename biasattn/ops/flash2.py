@@ -86,7 +86,8 @@ class Flash2Operator(VendorOperator):
         layout = lse_layout(lse_raw, plan, inp.B, inp.Hq, inp.Mq)
         if plan.varlen:
             self._varlen_lse_layout = layout
-        lse = lse_from_kernel(lse_raw, plan, inp.B, inp.Hq, inp.Mq, layout)
+        hidden = self.rows_may_be_hidden(inp, plan)
+        lse = lse_from_kernel(lse_raw, plan, inp.B, inp.Hq, inp.Mq, layout, rows_may_be_hidden=hidden)
         out = self.fix_empty_rows(inp, plan, out, lse)
         return out, lse, VendorCtx(self.NAME, lse_raw, layout, (rng, unused))
 

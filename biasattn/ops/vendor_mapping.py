@@ -313,9 +313,12 @@ def lse_layout(raw: torch.Tensor, plan: SeqPlan, B: int, H: int, Mq: int) -> str
     raise RuntimeError(f"unexpected log-sum-exp layout {list(shape)} for B={B}, H={H}, Mq={Mq}")
 
 
-def lse_from_kernel(raw: torch.Tensor, plan: SeqPlan, B: int, H: int, Mq: int, layout: str) -> torch.Tensor:
+def lse_from_kernel(
+    raw: torch.Tensor, plan: SeqPlan, B: int, H: int, Mq: int, layout: str, *, rows_may_be_hidden: bool = True,
+) -> torch.Tensor:
     """A kernel's log-sum-exp (``layout``, see :func:`lse_to_kernel`) as ``[B, H, Mq]`` float32,
-    ``-inf`` where a row sees no key (kernels write ``+inf``, ``-inf`` or NaN there)."""
+    ``-inf`` where a row sees no key (kernels write ``+inf``, ``-inf`` or NaN there). With
+    ``rows_may_be_hidden=False`` (every row sees a key) the values are taken as they are."""
     if layout == "bhm":
         lse = raw[:, :, :Mq]
     elif layout == "bhm1":
@@ -330,6 +333,8 @@ def lse_from_kernel(raw: torch.Tensor, plan: SeqPlan, B: int, H: int, Mq: int, l
         lse = raw[seg, :, pos].reshape(B, Mq, H).transpose(1, 2)
     else:
         raise ValueError(f"layout must be one of {LSE_LAYOUTS}, got {layout!r}")
+    if not rows_may_be_hidden:
+        return lse.float().contiguous()
     inf = float("inf")
     return torch.nan_to_num(lse.float(), nan=-inf, posinf=-inf, neginf=-inf).contiguous()
 
@@ -440,9 +445,14 @@ class VendorOperator(Operator):
         """The :class:`SeqPlan` of ``inp.spec`` (cached on the spec)."""
         return inp.spec.cached("plan", lambda: plan_sequences(inp.spec))
 
+    def rows_may_be_hidden(self, inp: AttentionInputs, plan: SeqPlan) -> bool:
+        """Whether some query row may see no key: host metadata cannot rule it out, or an additive
+        bias may hide a whole row."""
+        return inp.additive is not None or plan.cached("rows_may_be_empty", lambda: rows_may_be_empty(inp.spec, plan))
+
     def fix_empty_rows(self, inp: AttentionInputs, plan: SeqPlan, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """``out`` with 0 on rows that see no key, when host metadata says such rows may exist."""
-        if rows_may_be_empty(inp.spec, plan):
+        if plan.cached("rows_may_be_empty", lambda: rows_may_be_empty(inp.spec, plan)):
             out = torch.where(torch.isneginf(lse)[..., None], torch.zeros((), dtype=out.dtype, device=out.device), out)
         return out
 
