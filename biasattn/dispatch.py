@@ -124,7 +124,7 @@ def _reasons(inp: AttentionInputs, need_lse: bool, backward: bool) -> dict[str, 
 
 
 def _first(inp: AttentionInputs, need_lse: bool, backward: bool) -> Operator | None:
-    """The first candidate with no reasons (later candidates are not asked: dispatch runs on every call)."""
+    """The first candidate with no reasons (later candidates are not asked: a walk is part of a first call's host time)."""
     for op in candidates(inp.device.type, inp):
         if op.supports(inp, need_lse=need_lse, backward=backward):
             return op
