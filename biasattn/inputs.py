@@ -160,7 +160,7 @@ def make_inputs(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, requires_
 
     bias = as_bias(attn_bias)
     if bias is not None:
-        if not _same_device(bias.device, q.device) and _has_tensors(bias):
+        if _has_tensors(bias) and not _same_device(bias.device, q.device):  # sizes-only biases follow q
             raise InputTypeError(f"attn_bias is on {bias.device}, q is on {q.device}; move it with attn_bias.to(q.device)")
         bB, bH, bMq, bMk = bias.sizes
         expected = (("batch size", bB, B, "q"), ("heads", bH, Hq, "q"), ("Mq", bMq, Mq, "q"), ("Mk", bMk, k.shape[2], "k"))

@@ -375,5 +375,11 @@ def _structure_key(bias, g, device):
     for atom in bias.atoms:
         if atom.tensors():
             return None
-        parts.append((type(atom), tuple(getattr(atom, f.name) for f in fields(atom))))
+        parts.append((type(atom), tuple(getattr(atom, name) for name in _field_names(type(atom)))))
     return (type(bias), tuple(parts), g, str(device))
+
+
+@functools.cache
+def _field_names(atom_type: type) -> tuple[str, ...]:
+    """The dataclass field names of an atom type (asked on every lowering of a fresh bias)."""
+    return tuple(f.name for f in fields(atom_type))
