@@ -445,14 +445,18 @@ class VendorOperator(Operator):
         """The :class:`SeqPlan` of ``inp.spec`` (cached on the spec)."""
         return inp.spec.cached("plan", lambda: plan_sequences(inp.spec))
 
+    def _rows_may_be_empty(self, inp: AttentionInputs, plan: SeqPlan) -> bool:
+        """:func:`rows_may_be_empty`, asked once per plan."""
+        return plan.cached("rows_may_be_empty", lambda: rows_may_be_empty(inp.spec, plan))
+
     def rows_may_be_hidden(self, inp: AttentionInputs, plan: SeqPlan) -> bool:
         """Whether some query row may see no key: host metadata cannot rule it out, or an additive
         bias may hide a whole row."""
-        return inp.additive is not None or plan.cached("rows_may_be_empty", lambda: rows_may_be_empty(inp.spec, plan))
+        return inp.additive is not None or self._rows_may_be_empty(inp, plan)
 
     def fix_empty_rows(self, inp: AttentionInputs, plan: SeqPlan, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """``out`` with 0 on rows that see no key, when host metadata says such rows may exist."""
-        if plan.cached("rows_may_be_empty", lambda: rows_may_be_empty(inp.spec, plan)):
+        if self._rows_may_be_empty(inp, plan):
             out = torch.where(torch.isneginf(lse)[..., None], torch.zeros((), dtype=out.dtype, device=out.device), out)
         return out
 
