@@ -1,5 +1,8 @@
 """The dispatcher: choices on the CPU, use_ops, forced operators, NotSupportedError and explain()."""
 
+import contextlib
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -290,3 +293,31 @@ def test_an_operator_that_runs_the_backward_runs_the_forward(data):
         for need_lse in (False, True):
             back = set(op.not_supported_reasons(inp, need_lse=need_lse, backward=True))
             assert set(op.not_supported_reasons(inp, need_lse=need_lse, backward=False)) <= back, name
+
+
+def _walk_or_refusal(inp, need_lse, op):
+    try:
+        return dispatch._choose(inp, need_lse, op)
+    except ba.NotSupportedError:
+        return "refused"
+
+
+def _choice_or_refusal(inp, need_lse, op):
+    try:
+        return dispatch.choose(inp, need_lse=need_lse, op=op)
+    except ba.NotSupportedError:
+        return "refused"
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=strategies.attention_inputs(dtypes=(torch.float32, torch.float16), max_seqlen=24, allow_empty=True))
+def test_kept_choices_equal_a_fresh_walk(case):
+    """Whatever calls came before on the same spec, a kept choice is the one a fresh walk makes."""
+    combos = list(itertools.product(
+        [None, ("triton_splitk", "chunked"), ("triton", "reference"), ("reference",)],  # use_ops
+        [False, True], [False, True], [None, "chunked", "triton_splitk"],  # need_lse, gradients, op=
+    ))
+    for restrict, need_lse, grad, op in combos + combos[::-1]:
+        inp = make_inputs(case.q, case.k, case.v, case.bias, scale=case.scale, requires_grad=grad)
+        with ba.use_ops(*restrict) if restrict else contextlib.nullcontext():
+            assert _choice_or_refusal(inp, need_lse, op) == _walk_or_refusal(inp, need_lse, op)
