@@ -8,7 +8,7 @@ of it. With ``--floor`` every point also gets the GB/s of the fastest one-launch
 reads its K and V (``read_floor.py``): what launch latency and size leave reachable at that point.
 Writes ``decode.csv`` (long format), ``decode.md`` and ``decode.png`` into ``--out``.
 
-    PYTHONPATH=. python benchmarks/bench_decode.py --out benchmarks/results/h200
+    PYTHONPATH=. python benchmarks/bench_decode.py --floor    # into benchmarks/results/<device>, e.g. h100
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import csv
 import datetime
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -379,6 +380,13 @@ def ab_switch(grid, name: str, rounds: int) -> None:
     print(f"{name}: off/on time median {statistics.median(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f}")
 
 
+def device_tag(name: str) -> str:
+    """A results folder name for a device: its model number ("NVIDIA H100 80GB HBM3" -> "h100"), else
+    the whole name in lower case with non-alphanumerics as dashes."""
+    model = re.search(r"\b([A-Z]\d{2,4})\b", name)
+    return model.group(1).lower() if model else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
 def _git_commit() -> str:
     """The commit measured: ``BIASATTN_COMMIT`` when set (a copy of the tree without its history), else git's."""
     if os.environ.get("BIASATTN_COMMIT"):
@@ -392,7 +400,7 @@ def _git_commit() -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="benchmarks/results/h200")
+    ap.add_argument("--out", default=None, help="output folder (default: benchmarks/results/<device>, e.g. h100)")
     ap.add_argument("--sweep", action="store_true", help="also time tile-config variants")
     ap.add_argument("--splits", action="store_true", help="only time every split count on small caches")
     ap.add_argument("--quick", action="store_true", help="B in {1, 16}, Mk in {8k, 128k} only")
@@ -417,6 +425,7 @@ def main(argv=None):
         ap.error("--growing needs --eager (a CUDA graph replays fixed sizes)")
     if args.bias and not args.eager:
         ap.error("--bias needs --eager (a bias built per call copies its lengths to the GPU, which a graph cannot capture)")
+    args.out = args.out or os.path.join("benchmarks", "results", device_tag(torch.cuda.get_device_name()))
     os.makedirs(args.out, exist_ok=True)
     commit = args.commit or _git_commit()
     meta = dict(
