@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..inputs import AttentionInputs
@@ -34,11 +36,8 @@ class _AttentionFunction(torch.autograd.Function):
 
 def run(inp: AttentionInputs, fwd_op: Operator, bwd_op: Operator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` through ``fwd_op``; gradients through ``bwd_op`` when ``inp.requires_grad``."""
-    if not inp.requires_grad:
-        if torch.is_grad_enabled():  # inference loops usually run under no_grad already
-            with torch.no_grad():
-                out, lse, _ = fwd_op.fwd(inp)
-        else:
+    if not inp.requires_grad:  # inference loops usually run under no_grad already
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
             out, lse, _ = fwd_op.fwd(inp)
         return out, lse
     return _AttentionFunction.apply(inp.q, inp.k, inp.v, inp.additive, inp, fwd_op, bwd_op)
