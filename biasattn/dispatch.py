@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 from collections.abc import Iterator
 
 import torch
@@ -17,6 +16,7 @@ from . import ops
 from .errors import NotSupportedError
 from .inputs import AttentionInputs
 from .ops.base import Operator
+from .ops.triton import environment
 
 # Measured on the H200 (benchmarks/results/h200/dispatch.md, bf16, D=128, B·S=16384, S=2048 and 8192,
 # commit 64158e0; earlier runs 0b2626b, 99b0abf, 2fd2e30, cd6c481 agree): cudnn is fastest wherever it
@@ -175,7 +175,7 @@ def _decision_key(inp: AttentionInputs, need_lse: bool, op) -> tuple:
         add is not None and add.requires_grad, torch.are_deterministic_algorithms_enabled(), _allowed.get(),
         PRIORITY.get(dev.type), SPLITK_MAX_MQ, CUDNN_DECODE_MAX_GROUPS, CUDNN_DECODE_UNGROUPED_MAX_MQ,
         CUDNN_DECODE_UNGROUPED_MIN_PAIRS, CUDNN_DECODE_UNGROUPED_MAX_MK, cuda and graph_capturing(),
-        not cuda and os.environ.get("TRITON_INTERPRET"), ops.generation(), "dispatch",
+        not cuda and environment.interpreted(), ops.generation(), "dispatch",
     )
 
 
