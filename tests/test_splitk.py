@@ -166,7 +166,35 @@ def test_key_tiles_follow_the_cache_length_and_the_grid():
     assert default_config(128, 128, 128, cuda, keys=1024, pairs=64, queries=4) == SplitKConfig(64, 64, 4, 3)
 
 
+@pytest.mark.parametrize("keys", [1024, 8192, 131072])
+def test_hopper_pads_mid_size_row_groups_to_a_warp_group_tile(keys):
+    """17-64 packed rows (an MQA group of 32 heads) run 64-row blocks on sm90, not on other devices;
+    16 rows or fewer, and more than 64, keep their own blocks."""
+    from biasattn.ops.triton.splitk import SplitKConfig, default_config
+
+    cuda = torch.device("cuda")
+    for rows in (17, 32, 64):
+        assert default_config(rows, 128, 128, cuda, keys=keys, pairs=4, capability=(9, 0)) == SplitKConfig(64, 64, 4, 3)
+        assert default_config(rows, 128, 128, cuda, keys=keys, pairs=4, capability=(8, 0)).block_m == min(64, 2 ** math.ceil(math.log2(rows)))
+    assert default_config(16, 128, 128, cuda, keys=keys, pairs=4, capability=(9, 0)).block_m == 16
+    assert default_config(4, 128, 128, cuda, keys=keys, pairs=4, capability=(9, 0)).block_m == 16
+    assert default_config(32, 256, 256, cuda, keys=keys, pairs=4, capability=(9, 0)).block_n == 32  # wide heads unchanged
+    if keys >= 8192:
+        assert default_config(128, 128, 128, cuda, keys=keys, pairs=4, capability=(9, 0)) == SplitKConfig(128, 128, 8, 3)
+
+
 # ------------------------------------------------------------------------------------ kernels
+@pytest.mark.parametrize("splits", [1, 3])
+def test_row_block_taller_than_the_group(splits):
+    """A 64-row block over 4 heads x 3 queries (12 rows): the padding rows are neither read nor written."""
+    from biasattn.ops.triton.splitk import SplitKConfig
+
+    q, k, v = qkv(2, 8, 2, 3, 40, 16, torch.float16)
+    inp = make_inputs(q, k, v, ba.LowerTriangularFromBottomRightMask())
+    out, lse = run_poisoned(inp, num_splits=splits, config=SplitKConfig(64, 16, 4, 1))
+    assert_close_to_reference(out, lse, inp)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("heads", [(2, 2), (4, 2), (4, 1)])
 @pytest.mark.parametrize("Mq", [1, 3])

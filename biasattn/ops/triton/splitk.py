@@ -97,17 +97,24 @@ MID_CACHE_KEYS = 2048  # ... and from which they do on grids of fewer than FULL_
 FULL_GRID_PROGRAMS = 512
 
 
+WARPGROUP_ROWS = 64  # rows of a warp-group MMA tile (sm90): smaller row groups are padded to it
+
+
 def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.device, keys: int = 0,
-                   pairs: int = 0, queries: int = 1) -> SplitKConfig:
+                   pairs: int = 0, queries: int = 1, capability: tuple[int, int] = (0, 0)) -> SplitKConfig:
     """Tiles for ``rows`` packed query rows (group heads × ``queries`` queries per sequence) of
-    ``pairs`` (sequence, KV head) pairs over at most ``keys`` keys per sequence; small key tiles
-    under the interpreter."""
+    ``pairs`` (sequence, KV head) pairs over at most ``keys`` keys per sequence on a device of
+    compute ``capability``; small key tiles under the interpreter."""
     widest = max(head_dim, head_dim_v)
     block_m = min(tile_size(rows), 128 if widest <= 128 else 64)
     if device.type != "cuda":
         return SplitKConfig(block_m, 16, 4, 1)
     if widest > 128:
         return SplitKConfig(block_m, 32, 4 if block_m <= 64 else 8, 4)
+    if 16 < rows <= WARPGROUP_ROWS and capability[0] == 9:
+        # Hopper: a 64-row block runs warp-group MMAs fed from shared memory, a shorter per-tile
+        # chain than the 32-row block's mma.sync, though half its rows are padding (notes 64)
+        return SplitKConfig(WARPGROUP_ROWS, 64, 4, 3)
     if keys < MID_CACHE_KEYS:  # short caches: 64-row blocks, more programs (128 packed rows: +19-32%, notes 59)
         block_m = min(block_m, 64)
     programs = pairs * cdiv(rows, block_m)  # before any split
@@ -197,7 +204,8 @@ def splitk_attention_fwd(
     rows = G * mq_stride
     head_dim, head_dim_v = tile_size(D), tile_size(Dv)
     bound, lengths = _key_bounds(inp, mq_stride)
-    cfg = config or default_config(rows, head_dim, head_dim_v, dev, bound, Z * Hkv, mq_stride)
+    cfg = config or default_config(rows, head_dim, head_dim_v, dev, bound, Z * Hkv, mq_stride,
+                                   cuda_capability(dev) if dev.type == "cuda" else (0, 0))
     row_blocks = cdiv(rows, cfg.block_m)
     # a band or packed segments may start a sequence's keys inside a tile: one tile more to cover
     unaligned = int(spec.band_lo is not None or segments)
