@@ -351,7 +351,7 @@ def operators(grid, eager: bool = False, bias: str | None = None, grow: int = 0)
               + f"; dispatched / best SDPA {r['dispatched'] / sdpa:.3f}", flush=True)
 
 
-AB_SWITCHES = {"pdl": "PDL"}  # --ab name -> switch of biasattn.ops.triton.splitk
+AB_SWITCHES = {"pdl": "PDL", "warpgroup": "PAD_TO_WARPGROUP"}  # --ab name -> switch of biasattn.ops.triton.splitk
 
 
 def ab_switch(grid, name: str, rounds: int) -> None:

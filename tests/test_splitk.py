@@ -167,9 +167,10 @@ def test_key_tiles_follow_the_cache_length_and_the_grid():
 
 
 @pytest.mark.parametrize("keys", [1024, 8192, 131072])
-def test_hopper_pads_mid_size_row_groups_to_a_warp_group_tile(keys):
-    """17-64 packed rows (an MQA group of 32 heads) run 64-row blocks on sm90, not on other devices;
-    16 rows or fewer, and more than 64, keep their own blocks."""
+def test_hopper_pads_mid_size_row_groups_to_a_warp_group_tile(keys, monkeypatch):
+    """17-64 packed rows (an MQA group of 32 heads) run 64-row blocks on sm90, not on other devices
+    nor with the switch off; 16 rows or fewer, and more than 64, keep their own blocks."""
+    from biasattn.ops.triton import splitk
     from biasattn.ops.triton.splitk import SplitKConfig, default_config
 
     cuda = torch.device("cuda")
@@ -182,6 +183,8 @@ def test_hopper_pads_mid_size_row_groups_to_a_warp_group_tile(keys):
     assert default_config(32, 256, 256, cuda, keys=keys, pairs=4, capability=(9, 0)).block_n == 32  # wide heads unchanged
     if keys >= 8192:
         assert default_config(128, 128, 128, cuda, keys=keys, pairs=4, capability=(9, 0)) == SplitKConfig(128, 128, 8, 3)
+    monkeypatch.setattr(splitk, "PAD_TO_WARPGROUP", False)
+    assert default_config(32, 128, 128, cuda, keys=keys, pairs=4, capability=(9, 0)).block_m == 32
 
 
 # ------------------------------------------------------------------------------------ kernels

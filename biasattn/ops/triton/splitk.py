@@ -97,7 +97,8 @@ MID_CACHE_KEYS = 2048  # ... and from which they do on grids of fewer than FULL_
 FULL_GRID_PROGRAMS = 512
 
 
-WARPGROUP_ROWS = 64  # rows of a warp-group MMA tile (sm90): smaller row groups are padded to it
+WARPGROUP_ROWS = 64  # rows of a warp-group MMA tile (sm90): smaller row groups are padded to it ...
+PAD_TO_WARPGROUP = True  # ... where this is on (A/B runs turn it off)
 
 
 def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.device, keys: int = 0,
@@ -111,7 +112,7 @@ def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.devi
         return SplitKConfig(block_m, 16, 4, 1)
     if widest > 128:
         return SplitKConfig(block_m, 32, 4 if block_m <= 64 else 8, 4)
-    if 16 < rows <= WARPGROUP_ROWS and capability[0] == 9:
+    if PAD_TO_WARPGROUP and 16 < rows <= WARPGROUP_ROWS and capability[0] == 9:
         # Hopper: a 64-row block runs warp-group MMAs fed from shared memory, a shorter per-tile
         # chain than the 32-row block's mma.sync, though half its rows are padding (notes 64)
         return SplitKConfig(WARPGROUP_ROWS, 64, 4, 3)
@@ -273,8 +274,8 @@ def splitk_attention_fwd(
 def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """The key of a call's launch plan in its spec's store: the tensors' signature, the scale and
     every module switch the launches read."""
-    return ("split-KV plan", plans.tensor_key(q, k, v), scale, FORCE_INDEX_64, PDL, MERGE_BLOCK_S, MERGE_TILE,
-            launch.DIRECT, configs.interpreted())
+    return ("split-KV plan", plans.tensor_key(q, k, v), scale, FORCE_INDEX_64, PDL, PAD_TO_WARPGROUP, MERGE_BLOCK_S,
+            MERGE_TILE, launch.DIRECT, configs.interpreted())
 
 
 def _same_start(view: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
