@@ -168,23 +168,25 @@ def test_key_tiles_follow_the_cache_length_and_the_grid():
 
 @pytest.mark.parametrize("keys", [1024, 8192, 131072])
 def test_hopper_pads_mid_size_row_groups_to_a_warp_group_tile(keys, monkeypatch):
-    """17-64 packed rows (an MQA group of 32 heads) run 64-row blocks on sm90, not on other devices
-    nor with the switch off; 16 rows or fewer, and more than 64, keep their own blocks."""
+    """17-64 packed rows (an MQA group of 32 heads) run 64-row blocks on sm90 from 8192 keys per call,
+    not on other devices nor with the switch off; 16 rows or fewer, and more than 64, keep their own blocks."""
     from biasattn.ops.triton import splitk
     from biasattn.ops.triton.splitk import SplitKConfig, default_config
 
     cuda = torch.device("cuda")
     for rows in (17, 32, 64):
-        assert default_config(rows, 128, 128, cuda, keys=keys, pairs=4, capability=(9, 0)) == SplitKConfig(64, 64, 4, 3)
-        ampere = default_config(rows, 128, 128, cuda, keys=keys, pairs=4, capability=(8, 0))
+        assert default_config(rows, 128, 128, cuda, keys=keys, pairs=8, capability=(9, 0)) == SplitKConfig(64, 64, 4, 3)
+        ampere = default_config(rows, 128, 128, cuda, keys=keys, pairs=8, capability=(8, 0))
         assert ampere.block_m == 2 ** math.ceil(math.log2(rows))
     assert default_config(16, 128, 128, cuda, keys=keys, pairs=4, capability=(9, 0)).block_m == 16
     assert default_config(4, 128, 128, cuda, keys=keys, pairs=4, capability=(9, 0)).block_m == 16
     assert default_config(32, 256, 256, cuda, keys=keys, pairs=4, capability=(9, 0)).block_n == 32  # wide heads unchanged
     if keys >= 8192:
         assert default_config(128, 128, 128, cuda, keys=keys, pairs=4, capability=(9, 0)) == SplitKConfig(128, 128, 8, 3)
+    if keys == 1024:  # 4 pairs of 1k keys: a call too small to pad
+        assert default_config(32, 128, 128, cuda, keys=keys, pairs=4, capability=(9, 0)).block_m == 32
     monkeypatch.setattr(splitk, "PAD_TO_WARPGROUP", False)
-    assert default_config(32, 128, 128, cuda, keys=keys, pairs=4, capability=(9, 0)).block_m == 32
+    assert default_config(32, 128, 128, cuda, keys=keys, pairs=8, capability=(9, 0)).block_m == 32
 
 
 # ------------------------------------------------------------------------------------ kernels

@@ -98,7 +98,8 @@ FULL_GRID_PROGRAMS = 512
 
 
 WARPGROUP_ROWS = 64  # rows of a warp-group MMA tile (sm90): smaller row groups are padded to it ...
-PAD_TO_WARPGROUP = True  # ... where this is on (A/B runs turn it off)
+PAD_TO_WARPGROUP = True  # ... where this is on (A/B runs turn it off) ...
+WARPGROUP_MIN_KEYS = 8192  # ... and the call's (sequence, KV head) pairs hold this many keys together
 
 
 def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.device, keys: int = 0,
@@ -112,9 +113,10 @@ def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.devi
         return SplitKConfig(block_m, 16, 4, 1)
     if widest > 128:
         return SplitKConfig(block_m, 32, 4 if block_m <= 64 else 8, 4)
-    if PAD_TO_WARPGROUP and 16 < rows <= WARPGROUP_ROWS and capability[0] == 9:
+    if PAD_TO_WARPGROUP and 16 < rows <= WARPGROUP_ROWS and capability[0] == 9 and pairs * keys >= WARPGROUP_MIN_KEYS:
         # Hopper: a 64-row block runs warp-group MMAs fed from shared memory, a shorter per-tile
-        # chain than the 32-row block's mma.sync, though half its rows are padding (notes 64)
+        # chain than the 32-row block's mma.sync, though half its rows are padding; on smaller
+        # calls, whose programs stream a tile or two, the 32-row block's shorter start wins (notes 64)
         return SplitKConfig(WARPGROUP_ROWS, 64, 4, 3)
     if keys < MID_CACHE_KEYS:  # short caches: 64-row blocks, more programs (128 packed rows: +19-32%, notes 59)
         block_m = min(block_m, 64)
