@@ -105,3 +105,51 @@ def test_padding_reaches_attention_as_lengths(attention_spy):
         logits(model, "biasattn", input_ids=torch.randint(0, VOCAB, RIGHT.shape), attention_mask=RIGHT)
     assert {a.kind for a in seen[0].atoms} == {"padded_keys", "band"}
     assert seen[0].atoms[0].host == (9, 12, 5)
+
+
+def test_layers_of_one_forward_share_one_bias(attention_spy):
+    """Every layer of a forward pass gets the bias built for the first (one spec: one dispatch walk,
+    one read of the lengths); the next forward, with its own mask tensor, gets a new one."""
+    seen = attention_spy(bt)
+    model = llama(num_hidden_layers=3).eval()
+    ids = torch.randint(0, VOCAB, RIGHT.shape)
+    with torch.no_grad():
+        logits(model, "biasattn", input_ids=ids, attention_mask=RIGHT)
+        logits(model, "biasattn", input_ids=ids, attention_mask=RIGHT.clone())
+    assert len(seen) == 6
+    assert seen[0] is seen[1] is seen[2] and seen[3] is seen[4] is seen[5]
+    assert seen[3] is not seen[0]
+
+
+def _layer(q, k, mask, **kw):
+    class Layer(torch.nn.Module):
+        is_causal = True
+
+    return bt.attention_forward(Layer(), q, k, k, mask, **kw)[0]
+
+
+def test_a_mask_changed_in_place_gets_a_new_bias(attention_spy):
+    seen = attention_spy(bt)
+    q, k = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 6, 8)
+    mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    first = _layer(q, k, mask)
+    assert seen[-1].atoms[0].host == (6, 4)
+    mask[0, 3:] = False  # the same tensor object, edited: its version moves on
+    second = _layer(q, k, mask)
+    assert seen[-1].atoms[0].host == (3, 4)
+    expect = ba.attention(q, k[:, :, :3], k[:, :, :3])[:1].transpose(1, 2)
+    torch.testing.assert_close(second[:1], expect)
+    torch.testing.assert_close(second[1:], first[1:])
+
+
+def test_a_shared_bias_follows_the_call_sizes(attention_spy):
+    """The same mask object with another key length (a static cache cut to the mask) or query count
+    builds its own bias."""
+    seen = attention_spy(bt)
+    mask = torch.tensor([[True] * 5 + [False], [True] * 6])
+    q = torch.randn(2, 4, 2, 8)
+    _layer(q, torch.randn(2, 2, 6, 8), mask)
+    _layer(q[:, :, :1], torch.randn(2, 2, 6, 8), mask)
+    _layer(q, torch.randn(2, 2, 9, 8), mask)  # 9 slots, 6 in the mask: keys cut to 6
+    assert seen[0] is not seen[1] and seen[2] is not seen[0]
+    assert seen[2].atoms[0].host == (5, 6)

@@ -26,6 +26,8 @@ model ignores those positions either way.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..api import attention
@@ -90,6 +92,45 @@ def attention_forward(
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     B, L, S = query.shape[0], query.shape[2], key.shape[2]
+    bias, kept = _layer_bias(query, attention_mask, kwargs, is_causal, sliding_window, B, L, S)
+    if kept < S:  # a static cache: slots past the mask are unused
+        key, value = key[:, :, :kept], value[:, :, :kept]
+    out = attention(query, key, value, bias, scale=scaling, dropout_p=dropout)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_SOURCES = ("cu_seq_lens_q", "cu_seq_lens_k", "position_ids")  # keyword tensors a bias is built from
+_SHARED_MAX = 8  # biases kept at once (models alternate sliding-window and full layers)
+_shared: dict = {}  # key -> (weak references to the source tensors, bias, keys kept)
+
+
+def _layer_bias(query, attention_mask, kwargs: dict, is_causal: bool, sliding_window, B: int, L: int, S: int):
+    """``(bias, keys kept)`` of one layer's call, built once per forward pass.
+
+    Every layer of a forward pass receives the same mask tensors, so the bias built for the first
+    layer serves the others while those tensors are the same objects, unmodified (same version):
+    one bias means one lowered spec, whose dispatch choice and launch plans the later layers reuse,
+    and one read of the lengths instead of one host sync per layer. Under ``torch.compile``, and
+    for sources that are not tensors, every call builds its own.
+    """
+    sources = (attention_mask,) + tuple(kwargs.get(name) for name in _SOURCES)
+    held = tuple(t for t in sources if isinstance(t, torch.Tensor))
+    if torch.compiler.is_compiling() or len(held) < sum(t is not None for t in sources):
+        return _build_bias(query, attention_mask, kwargs, is_causal, sliding_window, B, L, S)
+    key = (B, L, S, is_causal, sliding_window, query.device, query.dtype,
+           tuple(None if t is None else (type(t), id(t), t._version) for t in sources))
+    hit = _shared.get(key)
+    if hit is not None and len(hit[0]) == len(held) and all(ref() is t for ref, t in zip(hit[0], held)):
+        return hit[1], hit[2]
+    bias, kept = _build_bias(query, attention_mask, kwargs, is_causal, sliding_window, B, L, S)
+    if len(_shared) >= _SHARED_MAX:
+        _shared.clear()
+    _shared[key] = (tuple(weakref.ref(t) for t in held), bias, kept)
+    return bias, kept
+
+
+def _build_bias(query, attention_mask, kwargs: dict, is_causal: bool, sliding_window, B: int, L: int, S: int):
+    """``(bias, keys kept)`` from the layer's mask arguments (see the module docstring)."""
     parts: list[AttentionBias] = []
 
     packed = _packed_sequences(attention_mask, kwargs, B, L, S)
@@ -107,17 +148,14 @@ def attention_forward(
             parts.append(AdditiveBias(m if m.dtype == torch.bool else m.to(query.dtype)))
         elif attention_mask is not None:  # the 2-D padding mask
             keep = attention_mask.bool()
-            if keep.shape[1] < S:  # a static cache: slots past the mask are unused
-                key, value, S = key[:, :, : keep.shape[1]], value[:, :, : keep.shape[1]], keep.shape[1]
+            S = min(S, keep.shape[1])  # a static cache: slots past the mask are unused
             parts.append(key_padding_bias(keep))
         if sliding_window is not None:  # keeps the last `sliding_window` keys (both sides when not causal)
             parts.append(LocalAttentionMask(sliding_window - 1, 0 if is_causal else sliding_window - 1))
         elif is_causal:
             parts.append(LowerTriangularFromBottomRightMask())
 
-    bias = compose(parts, query.device)
-    out = attention(query, key, value, bias, scale=scaling, dropout_p=dropout)
-    return out.transpose(1, 2).contiguous(), None
+    return compose(parts, query.device), S
 
 
 def _packed_sequences(attention_mask, kwargs: dict, B: int, L: int, S: int) -> BlockDiagonalMask | None:
