@@ -126,6 +126,42 @@ def test_right_padding_becomes_padded_keys_mask(attention_spy):
     assert isinstance(key_padding_bias(torch.tensor([[False, True, True]])), ba.AdditiveBias)
 
 
+def test_a_stack_shares_one_bias_per_mask(attention_spy):
+    """Layers called with the same key_padding_mask tensor share one bias; an edited or another mask
+    gets its own, and the outputs follow the mask's current values."""
+    seen = attention_spy(multihead)
+    layers = [MultiheadAttention(E, H).eval() for _ in range(3)]
+    x = torch.randn(S, B, E)
+    kpm = right_padding([9, 4, 6])
+    for mod in layers:
+        mod(x, x, x, key_padding_mask=kpm)
+    assert seen[0] is seen[1] is seen[2]
+    kpm[1, 2:] = True  # the same tensor, edited in place: row 1 keeps 2 keys
+    edited = layers[0](x, x, x, key_padding_mask=kpm)[0]
+    assert seen[3] is not seen[0] and seen[3].atoms[0].host == (9, 2, 6)
+    torch.testing.assert_close(edited, layers[0](x, x, x, key_padding_mask=right_padding([9, 2, 6]))[0])
+    assert seen[4] is not seen[3]
+
+
+def test_bias_memo_keys_on_identity_version_and_key():
+    memo, built = multihead.BiasMemo(size=2), []
+
+    def build(tag):
+        built.append(tag)
+        return tag
+
+    a, b = torch.ones(3), torch.ones(3)
+    assert memo.get((a, None), ("k",), lambda: build(1)) == 1
+    assert memo.get((a, None), ("k",), lambda: build(2)) == 1  # kept
+    assert memo.get((b, None), ("k",), lambda: build(3)) == 3  # equal values, another tensor
+    assert memo.get((a, None), ("other",), lambda: build(4)) == 4  # another key
+    a.add_(1)
+    assert memo.get((a, None), ("k",), lambda: build(5)) == 5  # edited in place
+    assert memo.get(([1, 2], None), ("k",), lambda: build(6)) == 6  # not a tensor: never kept
+    assert memo.get(([1, 2], None), ("k",), lambda: build(7)) == 7
+    assert len(memo.held) <= 2 and built == [1, 3, 4, 5, 6, 7]
+
+
 def test_lazy_bias_as_attn_mask():
     mod = MultiheadAttention(E, H, batch_first=True).eval()
     x = torch.randn(B, L, E)

@@ -26,8 +26,6 @@ model ignores those positions either way.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from ..api import attention
@@ -39,7 +37,7 @@ from ..bias import (
     LowerTriangularFromBottomRightMask,
 )
 from ..errors import NotSupportedError
-from ..nn.multihead import compose, key_padding_bias
+from ..nn.multihead import BiasMemo, compose, key_padding_bias
 
 NAME = "biasattn"
 
@@ -100,33 +98,15 @@ def attention_forward(
 
 
 _SOURCES = ("cu_seq_lens_q", "cu_seq_lens_k", "position_ids")  # keyword tensors a bias is built from
-_SHARED_MAX = 8  # biases kept at once (models alternate sliding-window and full layers)
-_shared: dict = {}  # key -> (weak references to the source tensors, bias, keys kept)
+_biases = BiasMemo()
 
 
 def _layer_bias(query, attention_mask, kwargs: dict, is_causal: bool, sliding_window, B: int, L: int, S: int):
-    """``(bias, keys kept)`` of one layer's call, built once per forward pass.
-
-    Every layer of a forward pass receives the same mask tensors, so the bias built for the first
-    layer serves the others while those tensors are the same objects, unmodified (same version):
-    one bias means one lowered spec, whose dispatch choice and launch plans the later layers reuse,
-    and one read of the lengths instead of one host sync per layer. Under ``torch.compile``, and
-    for sources that are not tensors, every call builds its own.
-    """
+    """``(bias, keys kept)`` of one layer's call, built once per forward pass (:class:`BiasMemo`):
+    every layer of a pass receives the same mask tensors."""
     sources = (attention_mask,) + tuple(kwargs.get(name) for name in _SOURCES)
-    held = tuple(t for t in sources if isinstance(t, torch.Tensor))
-    if torch.compiler.is_compiling() or len(held) < sum(t is not None for t in sources):
-        return _build_bias(query, attention_mask, kwargs, is_causal, sliding_window, B, L, S)
-    key = (B, L, S, is_causal, sliding_window, query.device, query.dtype,
-           tuple(None if t is None else (type(t), id(t), t._version) for t in sources))
-    hit = _shared.get(key)
-    if hit is not None and len(hit[0]) == len(held) and all(ref() is t for ref, t in zip(hit[0], held)):
-        return hit[1], hit[2]
-    bias, kept = _build_bias(query, attention_mask, kwargs, is_causal, sliding_window, B, L, S)
-    if len(_shared) >= _SHARED_MAX:
-        _shared.clear()
-    _shared[key] = (tuple(weakref.ref(t) for t in held), bias, kept)
-    return bias, kept
+    key = (B, L, S, is_causal, sliding_window, query.device, query.dtype)
+    return _biases.get(sources, key, lambda: _build_bias(query, attention_mask, kwargs, is_causal, sliding_window, B, L, S))
 
 
 def _build_bias(query, attention_mask, kwargs: dict, is_causal: bool, sliding_window, B: int, L: int, S: int):

@@ -1,5 +1,5 @@
 """Modules built on :func:`biasattn.attention`."""
 
-from .multihead import MultiheadAttention, key_padding_bias, right_padding_lengths
+from .multihead import BiasMemo, MultiheadAttention, key_padding_bias, right_padding_lengths
 
-__all__ = ["MultiheadAttention", "key_padding_bias", "right_padding_lengths"]
+__all__ = ["BiasMemo", "MultiheadAttention", "key_padding_bias", "right_padding_lengths"]

@@ -9,6 +9,7 @@ a right-padding ``key_padding_mask`` becomes a :class:`~biasattn.PaddedKeysMask`
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,37 @@ def key_padding_bias(keep: Tensor) -> AttentionBias:
     return AdditiveBias(keep[:, None, None, :])
 
 
+class BiasMemo:
+    """Biases built from mask tensors, kept while those tensors are the same objects, unmodified.
+
+    The layers of one model call receive the same mask tensors, so the bias built for the first
+    layer can serve the others: one bias means one lowered spec, whose dispatch choice and launch
+    plans the later layers reuse, and one read of the mask (a host sync on a GPU) per call rather
+    than one per layer. A tensor is recognised by identity and version (an in-place edit moves the
+    version on), never by value; writes that bypass the version counter (through ``.data`` or a
+    NumPy view) are not seen. Under ``torch.compile`` every call builds its own.
+    """
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size  # biases kept at once (models alternate sliding-window and full layers)
+        self.held: dict = {}  # key -> (weak references to the source tensors, value)
+
+    def get(self, sources: tuple, key: tuple, build):
+        """``build()``, or what it returned for the same ``sources`` (tensors or None) and hashable ``key``."""
+        held = tuple(t for t in sources if t is not None)
+        if torch.compiler.is_compiling() or not all(isinstance(t, Tensor) for t in held):
+            return build()
+        full = key + tuple(None if t is None else (id(t), t._version) for t in sources)
+        hit = self.held.get(full)
+        if hit is not None and all(ref() is t for ref, t in zip(hit[0], held)):
+            return hit[1]
+        value = build()
+        if len(self.held) >= self.size:
+            self.held.clear()
+        self.held[full] = (tuple(weakref.ref(t) for t in held), value)
+        return value
+
+
 def compose(parts: list[AttentionBias], device) -> AttentionBias | None:
     """The composition (``+``) of ``parts`` on ``device`` (unsized masks are created on the CPU), or None."""
     out = None
@@ -48,6 +80,9 @@ def compose(parts: list[AttentionBias], device) -> AttentionBias | None:
             p = p.to(device)
         out = p if out is None else out + p
     return out
+
+
+_biases = BiasMemo()
 
 
 class MultiheadAttention(nn.Module):
@@ -171,6 +206,12 @@ class MultiheadAttention(nn.Module):
         )
 
     def _bias(self, attn_mask, key_padding_mask, is_causal: bool, B: int, L: int, S: int, dtype, device):
+        """The call's bias, built once for the layers of a stack that share their masks (:class:`BiasMemo`)."""
+        key = (is_causal, B, L, S, self.num_heads, dtype, device)
+        return _biases.get((attn_mask, key_padding_mask), key, lambda: self._build_bias(
+            attn_mask, key_padding_mask, is_causal, B, L, S, dtype, device))
+
+    def _build_bias(self, attn_mask, key_padding_mask, is_causal: bool, B: int, L: int, S: int, dtype, device):
         parts: list[AttentionBias] = []
         if attn_mask is not None:
             if isinstance(attn_mask, AttentionBias):
