@@ -299,6 +299,17 @@ def test_lengths_written_after_lowering_are_honoured():
     assert_close_to_reference(out, lse, make_inputs(q, k, v, ba.PaddedKeysMask([70, 41], device=DEVICE)))
 
 
+def test_lengths_written_out_of_range_read_as_the_nearest_end():
+    """In-place lengths above Mk read as Mk, negative ones as 0 (zeros, lse = -inf): never a read past the cache."""
+    q, k, v = qkv(3, 2, 1, 1, 40, 16, torch.float32)
+    bias = ba.PaddedKeysMask([40, 40, 40], device=DEVICE)
+    splitk_attention_fwd(make_inputs(q, k, v, bias))
+    bias.kv_seqlens.copy_(torch.tensor([1000, -5, 17], dtype=torch.int32))
+    for splits in (None, 1, 3):
+        out, lse = run_poisoned(make_inputs(q, k, v, bias), num_splits=splits)
+        assert_close_to_reference(out, lse, make_inputs(q, k, v, ba.PaddedKeysMask([40, 0, 17], device=DEVICE)))
+
+
 def test_top_left_causal_hides_whole_rows():
     """Rows of a top-left causal mask with Mq > Mk see nothing: 0 out, -inf lse."""
     q, k, v = qkv(1, 2, 1, 5, 3, 16, torch.float32)
