@@ -17,10 +17,10 @@ instead (GPU work only: no host time, no launch gaps), and ``--point-rounds N`` 
 provider of a point in N alternating rounds and keeps the median round, so that a drift of the
 GPU's clocks (this H200 runs at its power cap on dense work) does not favour whoever ran first.
 
-    PYTHONPATH=. python benchmarks/bench_attention.py --out benchmarks/results/h200
+    PYTHONPATH=. python benchmarks/bench_attention.py                  # into benchmarks/results/<device>, e.g. h100
     PYTHONPATH=. python benchmarks/bench_attention.py --quick          # a few rows, to check the harness
     PYTHONPATH=. python benchmarks/bench_attention.py --timing graph --point-rounds 3 --cases causal window \
-        --seqlens 2048 8192 --head-dims 128 --out benchmarks/results/h200/masks_graph   # GPU time only
+        --seqlens 2048 8192 --head-dims 128 --out benchmarks/results/h100/masks_graph   # GPU time only
     PYTHONPATH=. python benchmarks/bench_attention.py --tune           # time the tile configs of each kernel
 """
 
@@ -40,7 +40,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cases import CASE_NAMES, make_case  # noqa: E402
+from cases import CASE_NAMES, make_case, results_dir  # noqa: E402
 
 import biasattn as ba  # noqa: E402
 
@@ -445,7 +445,7 @@ def ab_switch(args) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="benchmarks/results/h200")
+    p.add_argument("--out", default=None, help="output folder (default: benchmarks/results/<device>, e.g. h100)")
     p.add_argument("--cases", nargs="+", default=list(CASE_NAMES), choices=CASE_NAMES)
     p.add_argument("--seqlens", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
@@ -472,6 +472,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.cases, args.seqlens, args.head_dims = ["none", "causal"], [2048], [128]
+    args.out = args.out or results_dir()
     os.makedirs(args.out, exist_ok=True)
     args.csv_path = os.path.join(args.out, "attention.csv")
     if args.render:

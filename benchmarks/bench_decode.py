@@ -19,7 +19,6 @@ import csv
 import datetime
 import math
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from biasattn.ops.common import num_sms
 from biasattn.ops.triton.splitk import SplitKConfig, splitk_attention_fwd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cases import results_dir  # noqa: E402
 from read_floor import VARIANTS, read_floor_fn  # noqa: E402
 
 D = 128
@@ -380,13 +380,6 @@ def ab_switch(grid, name: str, rounds: int) -> None:
     print(f"{name}: off/on time median {statistics.median(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f}")
 
 
-def device_tag(name: str) -> str:
-    """A results folder name for a device: its model number ("NVIDIA H100 80GB HBM3" -> "h100"), else
-    the whole name in lower case with non-alphanumerics as dashes."""
-    model = re.search(r"\b([A-Z]\d{2,4})\b", name)
-    return model.group(1).lower() if model else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
 def _git_commit() -> str:
     """The commit measured: ``BIASATTN_COMMIT`` when set (a copy of the tree without its history), else git's."""
     if os.environ.get("BIASATTN_COMMIT"):
@@ -425,7 +418,7 @@ def main(argv=None):
         ap.error("--growing needs --eager (a CUDA graph replays fixed sizes)")
     if args.bias and not args.eager:
         ap.error("--bias needs --eager (a bias built per call copies its lengths to the GPU, which a graph cannot capture)")
-    args.out = args.out or os.path.join("benchmarks", "results", device_tag(torch.cuda.get_device_name()))
+    args.out = args.out or results_dir()
     os.makedirs(args.out, exist_ok=True)
     commit = args.commit or _git_commit()
     meta = dict(

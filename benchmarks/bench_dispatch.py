@@ -13,7 +13,7 @@ Results go to a long-format CSV (device, versions, commit, date) and a markdown 
 ratios of the dispatch criterion: auto vs the fastest of our operators (>= 0.95) and auto vs the
 fastest SDPA backend (>= 1.0 within 3% noise).
 
-    PYTHONPATH=. python benchmarks/bench_dispatch.py --sizes 2048 --out benchmarks/results/h200/dispatch
+    PYTHONPATH=. python benchmarks/bench_dispatch.py --sizes 2048   # into benchmarks/results/<device>/dispatch
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import biasattn as ba  # noqa: E402
-from benchmarks.cases import CASE_NAMES, make_case  # noqa: E402
+from benchmarks.cases import CASE_NAMES, make_case, results_dir  # noqa: E402
 from biasattn import dispatch  # noqa: E402
 from biasattn.inputs import make_inputs  # noqa: E402
 
@@ -244,10 +244,11 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", default="2048")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--cases", default=",".join(CASE_NAMES + EXTRA_CASES))
-    p.add_argument("--out", default="benchmarks/results/h200/dispatch")
+    p.add_argument("--out", default=None, help="path prefix (default: benchmarks/results/<device>/dispatch)")
     p.add_argument("--budget", type=float, default=1e9, help="stop starting new cases after this many seconds")
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore")
+    a.out = a.out or results_dir("dispatch")
     rows = run([int(s) for s in a.sizes.split(",")], a.modes.split(","), a.cases.split(","), budget_s=a.budget)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".csv", "w", newline="") as f:

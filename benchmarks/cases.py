@@ -8,12 +8,28 @@ number of visible (query, key) pairs for "effective" FLOP counts.
 from __future__ import annotations
 
 import math
+import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 import biasattn as ba
+
+
+def device_tag(name: str) -> str:
+    """A results folder name for a device: its model number ("NVIDIA H100 80GB HBM3" -> "h100"), else
+    the whole name in lower case with non-alphanumerics as dashes."""
+    model = re.search(r"\b([A-Z]\d{2,4})\b", name)
+    return model.group(1).lower() if model else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def results_dir(*parts: str) -> str:
+    """``benchmarks/results/<this GPU's tag, or cpu>/<parts>``: where a harness writes its records by default."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return os.path.join("benchmarks", "results", device_tag(name), *parts)
+
 
 CASE_NAMES = ("none", "causal", "window", "padded", "varlen", "block_sparse", "additive", "alibi")
 
