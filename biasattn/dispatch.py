@@ -57,6 +57,17 @@ CUDNN_DECODE_UNGROUPED_MAX_MK = 8192
 
 def priority(device_type: str, inp: AttentionInputs | None = None) -> tuple[str, ...]:
     """``PRIORITY[device_type]`` adjusted to the inputs: ``triton_splitk`` is tried first only for decode shapes."""
+    return _ordered(device_type, inp, None)
+
+
+def priority_notes(device_type: str, inp: AttentionInputs) -> list[str]:
+    """Why :func:`priority` moved operators for these inputs, one line per rule applied."""
+    notes: list[str] = []
+    _ordered(device_type, inp, notes)
+    return notes
+
+
+def _ordered(device_type: str, inp: AttentionInputs | None, notes: list[str] | None) -> tuple[str, ...]:
     order = list(PRIORITY.get(device_type, DEFAULT_PRIORITY))
     if inp is None or device_type != "cuda":
         return tuple(order)
@@ -65,13 +76,34 @@ def priority(device_type: str, inp: AttentionInputs | None = None) -> tuple[str,
     if longest > SPLITK_MAX_MQ and "triton_splitk" in order:  # not a decode shape: try it last of the compiled ops
         order.remove("triton_splitk")
         order.insert(order.index("cutlass") + 1 if "cutlass" in order else len(order), "triton_splitk")
+        if notes is not None:
+            notes.append(f"triton_splitk tried late: a sequence has {longest} queries, more than the "
+                         f"{SPLITK_MAX_MQ} of a decode step")
     elif "cudnn" in order and "triton_splitk" in order and _cudnn_decodes_faster(inp, longest):
         order.remove("cudnn")
         order.insert(order.index("triton_splitk"), "cudnn")
+        if notes is not None:
+            notes.append(_cudnn_first_note(inp, longest))
+    elif notes is not None and "triton_splitk" in order:
+        where = "inside a CUDA graph capture (only GPU time counts)" if graph_capturing() else "called eagerly"
+        notes.append(f"triton_splitk first: a decode step of {longest} {'query' if longest == 1 else 'queries'} per "
+                     f"sequence with {inp.groups} query heads per KV head, {where}")
     if inp.dropout_p > 0 and "flash2" in order and "triton" in order:
         order.remove("flash2")
         order.insert(order.index("triton"), "flash2")
+        if notes is not None:
+            notes.append(f"flash2 before triton: dropout (p={inp.dropout_p:g}) costs flash2 less")
     return tuple(order)
+
+
+def _cudnn_first_note(inp: AttentionInputs, longest: int) -> str:
+    if longest == 1:
+        return (f"cudnn before triton_splitk: one query per sequence with {inp.groups} query heads per KV head "
+                f"(at most {CUDNN_DECODE_MAX_GROUPS}), called eagerly, where host time decides; inside a CUDA "
+                "graph capture triton_splitk goes first")
+    return (f"cudnn before triton_splitk: {longest} queries per sequence without grouped heads, "
+            f"{inp.B * inp.Hkv} (sequence, KV head) pairs (at least {CUDNN_DECODE_UNGROUPED_MIN_PAIRS}) and "
+            f"{inp.Mk} keys (at most {CUDNN_DECODE_UNGROUPED_MAX_MK})")
 
 
 def _cudnn_decodes_faster(inp: AttentionInputs, longest: int) -> bool:
@@ -211,6 +243,7 @@ def explanation(inp: AttentionInputs, *, need_lse: bool = False) -> str:
         fwd, bwd = choose(inp, need_lse=need_lse)
     except NotSupportedError:
         fwd = bwd = None
+    lines += [f"order: {note}" for note in priority_notes(inp.device.type, inp)]
     passes = [("forward", False)] + ([("backward", True)] if inp.requires_grad else [])
     for title, backward in passes:
         chosen = fwd if not backward else bwd
@@ -223,7 +256,8 @@ def explanation(inp: AttentionInputs, *, need_lse: bool = False) -> str:
                 reasons[name] = why or ["not in this device's priority list; force it with op= or use_ops()"]
         for name, why in reasons.items():
             if chosen is not None and name == chosen.NAME:
-                lines.append(f"  {name:<14} chosen")
+                launch = chosen.describe_launch(inp) if not backward else None
+                lines.append(f"  {name:<14} chosen" + (f": {launch}" if launch else ""))
             elif not why:
                 lines.append(f"  {name:<14} available (lower priority)")
             else:

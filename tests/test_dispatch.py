@@ -277,6 +277,36 @@ def test_cuda_priority_with_dropout_puts_flash2_before_triton():
     assert sorted(plain) == sorted(dropped)
 
 
+def test_priority_notes_name_the_rule_and_its_numbers(monkeypatch):
+    """explain()'s order lines: one per rule that moved an operator, with the values it read."""
+    (note,) = dispatch.priority_notes("cuda", _decode(8, 2, 1))
+    assert note.startswith("cudnn before triton_splitk") and "4 query heads per KV head" in note
+    (note,) = dispatch.priority_notes("cuda", _decode(32, 32, 4, B=16))
+    assert note.startswith("cudnn before triton_splitk") and "512 (sequence, KV head) pairs" in note
+    (note,) = dispatch.priority_notes("cuda", _decode(32, 1, 1))
+    assert note.startswith("triton_splitk first") and "32 query heads per KV head, called eagerly" in note
+    (note,) = dispatch.priority_notes("cuda", _decode(2, 2, 17))
+    assert note.startswith("triton_splitk tried late") and "17 queries" in note
+    q = torch.randn(2, 4, 64, 8)
+    notes = dispatch.priority_notes("cuda", make_inputs(q, q, q, dropout_p=0.1))
+    assert notes[-1] == "flash2 before triton: dropout (p=0.1) costs flash2 less"
+    assert dispatch.priority_notes("cpu", _decode(8, 2, 1)) == []
+    monkeypatch.setattr(dispatch, "graph_capturing", lambda: True)
+    (note,) = dispatch.priority_notes("cuda", _decode(8, 2, 1))
+    assert note.startswith("triton_splitk first") and "inside a CUDA graph capture" in note
+
+
+def test_explain_shows_a_chosen_split_kv_launch(monkeypatch):
+    from biasattn.ops.triton import environment
+
+    if environment.environment_reasons(torch.device("cpu")):
+        pytest.skip("triton_splitk runs on the CPU only under the Triton interpreter")
+    q, k = torch.randn(4, 32, 1, 16, dtype=torch.float16), torch.randn(4, 1, 300, 16, dtype=torch.float16)
+    with ba.use_ops("triton_splitk"):
+        text = ba.explain(q, k, k, ba.PaddedKeysMask([200, 300, 40, 1]))
+    assert "triton_splitk  chosen: 1 block of 32 packed rows per (sequence, KV head), 16-key tiles" in text
+
+
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_an_operator_that_runs_the_backward_runs_the_forward(data):

@@ -189,6 +189,28 @@ def test_hopper_pads_mid_size_row_groups_to_a_warp_group_tile(keys, monkeypatch)
     assert default_config(32, 128, 128, cuda, keys=keys, pairs=8, capability=(9, 0)).block_m == 32
 
 
+def test_launch_shape_is_what_the_launcher_launches(monkeypatch):
+    """explain()'s launch line comes from the same computation as the call's grid (padded keys,
+    packed segments with a band, forced Mq)."""
+    from biasattn.ops.triton import splitk
+
+    made = []
+    real = splitk._launch_shape
+    monkeypatch.setattr(splitk, "_launch_shape", lambda *a: made.append(real(*a)) or made[-1])
+    q, k, v = qkv(3, 4, 2, 2, 70, 16, torch.float16)
+    packed_q, packed_k, packed_v = qkv(1, 4, 2, 5, 90, 16, torch.float16)
+    cases = [
+        make_inputs(q, k, v, ba.PaddedKeysMask([70, 9, 0], device=DEVICE)),
+        make_inputs(packed_q, packed_k, packed_v,
+                    ba.BlockDiagonalMask.from_seqlens([2, 3], [40, 50], device=DEVICE).make_causal_from_bottom_right()),
+    ]
+    for inp in cases:
+        splitk_attention_fwd(inp)
+        shape = splitk.launch_shape(inp)
+        assert shape == made[-1]
+        assert f"{shape.config.block_n}-key tiles" in shape.describe()
+
+
 # ------------------------------------------------------------------------------------ kernels
 @pytest.mark.parametrize("splits", [1, 3])
 def test_row_block_taller_than_the_group(splits):

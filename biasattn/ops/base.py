@@ -111,6 +111,11 @@ class Operator:
         """Operator-specific limits beyond the declarations."""
         return []
 
+    def describe_launch(self, inp: AttentionInputs) -> str | None:
+        """What the forward would launch for these inputs (tiles, splits), for ``explain()``; None when
+        the operator has nothing to tell."""
+        return None
+
     # ----------------------------------------------------------------------------- compute
     def fwd(self, inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor, Any]:
         raise NotImplementedError

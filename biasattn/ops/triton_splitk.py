@@ -61,6 +61,13 @@ class TritonSplitKOperator(Operator):
             reasons.append("does not run bfloat16 on the CPU: the Triton interpreter's bfloat16 matmul is inexact")
         return reasons
 
+    def describe_launch(self, inp: AttentionInputs) -> str | None:
+        """Row blocks, key tiles, pipeline and split count of the forward (:func:`~biasattn.ops.triton.splitk.launch_shape`)."""
+        from .triton.splitk import launch_shape
+
+        shape = launch_shape(inp)
+        return None if shape is None else shape.describe()
+
     def fwd(self, inp: AttentionInputs):
         """``(out [B, Hq, Mq, Dv], lse [B, Hq, Mq] float32, None)``."""
         from .triton.splitk import splitk_attention_fwd

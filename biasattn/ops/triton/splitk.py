@@ -204,24 +204,9 @@ def splitk_attention_fwd(
         return out, lse
 
     mq_stride = max([b - a for a, b in zip(qs, qs[1:])] + [1])
-    rows = G * mq_stride
     head_dim, head_dim_v = tile_size(D), tile_size(Dv)
-    bound, lengths = _key_bounds(inp, mq_stride)
-    cfg = config or default_config(rows, head_dim, head_dim_v, dev, bound, Z * Hkv, mq_stride,
-                                   cuda_capability(dev) if dev.type == "cuda" else (0, 0))
-    row_blocks = cdiv(rows, cfg.block_m)
-    # a band or packed segments may start a sequence's keys inside a tile: one tile more to cover
-    unaligned = int(spec.band_lo is not None or segments)
-    key_tiles = cdiv(bound, cfg.block_n) + unaligned
-    if num_splits is None:
-        tile_bytes = cfg.block_n * (head_dim + head_dim_v) * q.element_size()
-        num_splits = choose_num_splits(
-            Z * Hkv * row_blocks, key_tiles, num_sms(dev),
-            split_overhead_tiles=1.0 + min(rows, cfg.block_m) * Dv * 8 / tile_bytes,
-            tiles_per_sequence=None if lengths is None else [cdiv(n, cfg.block_n) + unaligned for n in lengths],
-        )
-        num_splits = cdiv(key_tiles, cdiv(key_tiles, num_splits))
-    tiles_per_split = cdiv(key_tiles, num_splits)
+    shape = _launch_shape(inp, Z, mq_stride, num_splits, config)
+    cfg, row_blocks, num_splits, tiles_per_split = shape.config, shape.row_blocks, shape.num_splits, shape.tiles_per_split
 
     if num_splits == 1:
         o_buf, l_buf = out, lse
@@ -271,6 +256,67 @@ def splitk_attention_fwd(
     else:
         plans.settle(spec.derived, key, rec, (q, k, v, out, lse, o_buf, l_buf), num_splits)
     return out, lse
+
+
+@dataclass(frozen=True)
+class LaunchShape:
+    """What one split-KV call launches: its tiles, row blocks per (sequence, KV head) pair, and splits."""
+
+    config: SplitKConfig
+    row_blocks: int
+    key_tiles: int
+    num_splits: int
+
+    @property
+    def tiles_per_split(self) -> int:
+        return cdiv(self.key_tiles, self.num_splits)
+
+    def describe(self) -> str:
+        """One line for ``explain()``."""
+        c = self.config
+        split = (f"{self.num_splits} splits of {self.tiles_per_split} key tiles each, merged by log-sum-exp"
+                 if self.num_splits > 1 else f"no split ({self.key_tiles} key tiles per program)")
+        return (f"{self.row_blocks} block{'s' if self.row_blocks > 1 else ''} of {c.block_m} packed rows per "
+                f"(sequence, KV head), {c.block_n}-key tiles, {c.num_warps} warps, {c.num_stages} pipeline "
+                f"stage{'s' if c.num_stages > 1 else ''}; {split}")
+
+
+def launch_shape(inp: AttentionInputs) -> LaunchShape | None:
+    """The launch :func:`splitk_attention_fwd` makes for ``inp`` by default (None when it launches nothing)."""
+    q, spec = inp.q, inp.spec
+    segments = spec.q_seqstart is not None
+    qs = spec.host.q_seqstart if segments else (0, inp.Mq)
+    Z = len(qs) - 1 if segments else inp.B
+    if min(inp.B, inp.Hq, inp.Mq, inp.Mk, Z) == 0 or q.device.type not in ("cuda", "cpu"):
+        return None
+    mq_stride = max([b - a for a, b in zip(qs, qs[1:])] + [1])
+    return _launch_shape(inp, Z, mq_stride, None, None)
+
+
+def _launch_shape(inp: AttentionInputs, Z: int, mq_stride: int, num_splits: int | None,
+                  config: SplitKConfig | None) -> LaunchShape:
+    """Tiles, row blocks and split count of a call of ``Z`` sequences of at most ``mq_stride`` queries;
+    ``num_splits`` and ``config`` override the heuristic and the default tiles."""
+    q, spec, dev = inp.q, inp.spec, inp.q.device
+    D, Dv, Hkv = inp.D, inp.Dv, inp.Hkv
+    rows = inp.groups * mq_stride
+    head_dim, head_dim_v = tile_size(D), tile_size(Dv)
+    bound, lengths = _key_bounds(inp, mq_stride)
+    cfg = config or default_config(rows, head_dim, head_dim_v, dev, bound, Z * Hkv, mq_stride,
+                                   cuda_capability(dev) if dev.type == "cuda" else (0, 0))
+    row_blocks = cdiv(rows, cfg.block_m)
+    # a band or packed segments may start a sequence's keys inside a tile: one tile more to cover
+    unaligned = int(spec.band_lo is not None or spec.q_seqstart is not None)
+    key_tiles = cdiv(bound, cfg.block_n) + unaligned
+    if num_splits is None:
+        tile_bytes = cfg.block_n * (head_dim + head_dim_v) * q.element_size()
+        num_splits = choose_num_splits(
+            Z * Hkv * row_blocks, key_tiles, num_sms(dev),
+            split_overhead_tiles=1.0 + min(rows, cfg.block_m) * Dv * 8 / tile_bytes,
+            tiles_per_sequence=None if lengths is None else [cdiv(n, cfg.block_n) + unaligned for n in lengths],
+        )
+        num_splits = cdiv(key_tiles, cdiv(key_tiles, num_splits))
+    return LaunchShape(cfg, row_blocks, key_tiles, num_splits)
 
 
 def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
