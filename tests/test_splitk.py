@@ -11,13 +11,14 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import biasattn as ba
 from biasattn.inputs import make_inputs
 from biasattn.ops.merge import merge_partials, merge_partials_torch
 from biasattn.ops.reference import dense_bias, softmax_attention
+from biasattn.testing import strategies as bst
 
 triton = pytest.importorskip("triton")
 from biasattn.ops.triton.splitk import (  # noqa: E402
@@ -212,6 +213,24 @@ def test_launch_shape_is_what_the_launcher_launches(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ kernels
+DECODE_FAMILIES = tuple(f for f in bst.FAMILIES if f != "block_sparse")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    case=bst.attention_inputs(dtypes=(torch.float16, torch.float32), families=DECODE_FAMILIES, max_terms=2,
+                              max_queries=16, max_seqlen=90, head_dims=(1, 16, 33), allow_empty=True),
+    splits=st.sampled_from([None, 1, 2, 7, 128]),
+)
+def test_random_decode_cases_match_the_reference(case, splits):
+    """Every family the operator declares, composed, at any split count (empty pieces included)."""
+    q, k, v = (t.to(DEVICE) for t in (case.q, case.k, case.v))
+    inp = make_inputs(q, k, v, case.bias.to(DEVICE) if case.bias is not None else None, scale=case.scale)
+    assert not OP.not_supported_reasons(inp), OP.not_supported_reasons(inp)
+    out, lse = run_poisoned(inp, num_splits=splits)
+    assert_close_to_reference(out, lse, inp)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_row_block_taller_than_the_group(splits):
     """A 64-row block over 4 heads x 3 queries (12 rows): the padding rows are neither read nor written."""

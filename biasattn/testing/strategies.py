@@ -107,10 +107,12 @@ def shapes(
     allow_empty: bool = False,
     batch: int | None = None,
     square: bool | None = None,
+    max_queries: int | None = None,
 ) -> Shape:
     """An attention :class:`Shape`; GQA (``Hq = g·Hkv``), ``Mq != Mk`` and ``Dv != D`` included.
 
-    ``batch`` fixes B (1 for packed batches); ``square=True`` forces ``Mq == Mk``, False forbids it.
+    ``batch`` fixes B (1 for packed batches); ``square=True`` forces ``Mq == Mk``, False forbids it;
+    ``max_queries`` caps Mq below ``max_seqlen`` (decoding: a few queries against many keys).
     """
     B = batch if batch is not None else draw(st.integers(1, max_batch))
     Hkv = draw(st.integers(1, max_heads))
@@ -119,7 +121,7 @@ def shapes(
     if Hq > max_heads and Hkv > 1:
         Hkv = max(1, max_heads // groups)
         Hq = Hkv * groups
-    Mq = draw(seq_lens(max_seqlen, allow_empty=allow_empty))
+    Mq = draw(seq_lens(max_seqlen if max_queries is None else min(max_queries, max_seqlen), allow_empty=allow_empty))
     if square:
         Mk = Mq
     else:
@@ -316,8 +318,11 @@ def attention_inputs(
     requires_grad: bool = False,
     bias_requires_grad: bool = False,
     tensor_bias: bool = False,
+    max_queries: int | None = None,
 ) -> AttentionCase:
     """A complete :class:`AttentionCase`: shape, q/k/v of one dtype, and a bias of 0–3 families.
+
+    ``max_queries`` caps Mq (decode cases, e.g. 16 for ``triton_splitk``), keys still up to ``max_seqlen``.
 
     ``requires_grad`` marks q, k, v as requiring grad (they are then leaves, or transposed views of
     leaves: read gradients with ``torch.autograd.grad``); ``bias_requires_grad`` does so for the float
@@ -330,7 +335,7 @@ def attention_inputs(
     batch = 1 if "block_diagonal" in names else None
     shape = draw(
         shapes(max_batch=max_batch, max_heads=max_heads, max_seqlen=max_seqlen, head_dims=head_dims,
-               allow_empty=allow_empty, batch=batch)
+               allow_empty=allow_empty, batch=batch, max_queries=max_queries)
     )
     bias = draw(_compose_families(names, shape, torch.float64 if dtype == torch.float64 else torch.float32)) if names else None
     if bias is not None and bias_requires_grad:
