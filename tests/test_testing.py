@@ -170,6 +170,20 @@ def test_every_family_strategy_fits_its_shape(data, family):
     make_inputs(q, k, torch.zeros(shape.B, shape.Hkv, shape.Mk, shape.Dv), bias)
 
 
+def test_max_queries_caps_mq_not_mk():
+    seen = {"mk_above": False, "mq_at_cap": False}
+
+    @settings(max_examples=80, database=None)
+    @given(case=bst.attention_inputs(max_queries=3, max_seqlen=113, families=("padded", "causal_bottom_right")))
+    def collect(case):
+        assert case.shape.Mq <= 3 and case.shape.Mk <= 113
+        seen["mk_above"] |= case.shape.Mk > 3
+        seen["mq_at_cap"] |= case.shape.Mq == 3
+
+    collect()
+    assert seen["mk_above"] and seen["mq_at_cap"]
+
+
 def test_strategies_reach_the_hard_cases():
     seen = {"odd": set(), "gqa": False, "rect": False, "empty_segment": False, "bool": False}
 
