@@ -182,10 +182,16 @@ def choose(inp: AttentionInputs, *, need_lse: bool = False, op=None) -> tuple[Op
     """``(forward operator, backward operator or None)`` for ``inp``; raises NotSupportedError.
 
     A choice is kept in the spec's store under :func:`_decision_key`, so a call like an earlier one
-    (the same spec: a bias reused, or a shared one) skips the walk; refusals are never kept.
+    (the same spec: a bias reused, or a shared one) skips the walk; refusals are never kept. A
+    cache-length mask alone (``PaddedKeysMask``, often built anew every decode step) keeps its choice
+    in one store for all such specs: no operator's verdict reads the length values.
     """
     key = _decision_key(inp, need_lse, op)
     store = inp.spec.derived
+    if inp.spec.features == _LENGTHS_ONLY:
+        store = _length_mask_choices
+        if len(store) >= _LENGTH_MASK_CHOICES_MAX:
+            store.clear()
     try:
         decision = store.get(key)
     except TypeError:  # symbolic sizes (tracing) are unhashable: no caching
@@ -193,6 +199,11 @@ def choose(inp: AttentionInputs, *, need_lse: bool = False, op=None) -> tuple[Op
     if decision is None:
         decision = store[key] = _choose(inp, need_lse, op)
     return decision
+
+
+_LENGTHS_ONLY = frozenset({"padded_keys"})
+_LENGTH_MASK_CHOICES_MAX = 1024
+_length_mask_choices: dict = {}
 
 
 def _decision_key(inp: AttentionInputs, need_lse: bool, op) -> tuple:

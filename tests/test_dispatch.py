@@ -72,6 +72,21 @@ def test_a_repeated_call_reuses_its_choice(monkeypatch):
     assert len(walks) == 4  # another flag, gradients, another dtype: walked again
 
 
+def test_cache_length_masks_built_anew_share_their_choice(monkeypatch):
+    """A PaddedKeysMask built for every decode step: one walk for all of them (per call signature),
+    and the kept choice is the one a walk gives."""
+    monkeypatch.setattr(dispatch, "_length_mask_choices", {})
+    walks = []
+    walk = dispatch._choose
+    monkeypatch.setattr(dispatch, "_choose", lambda *a: walks.append(a) or walk(*a))
+    q, k, v = qkv(B=2, M=9)
+    chosen = [dispatch.choose(make_inputs(q, k, v, ba.PaddedKeysMask([9 - n, n]))) for n in range(5)]
+    assert len(walks) == 1 and all(c == walk(make_inputs(q, k, v, ba.PaddedKeysMask([4, 5])), False, None) for c in chosen)
+    dispatch.choose(make_inputs(q, k, v, ba.LowerTriangularMask() & ba.PaddedKeysMask([3, 4])))  # a band too
+    dispatch.choose(make_inputs(q, k, v, ba.LowerTriangularMask() & ba.PaddedKeysMask([3, 4])))
+    assert len(walks) == 3  # specs of other features keep their choices in their own stores
+
+
 def test_a_kept_choice_follows_priority_use_ops_registry_and_capture(monkeypatch, forward_only):
     """A kept choice never outlives what it was made from: the priority list, use_ops, the registry, graph capture."""
     inp = make_inputs(*qkv(M=9))

@@ -28,6 +28,11 @@ def fresh_shared_specs(monkeypatch):
 
     monkeypatch.setattr(spec_module, "_PLAIN_SPECS", {})
     monkeypatch.setattr(spec_module, "_STRUCTURAL_SPECS", {})
+    try:
+        from biasattn.ops.triton import splitk
+    except ImportError:
+        return
+    monkeypatch.setattr(splitk, "_shared_plans", {})
 
 
 @pytest.fixture
@@ -255,3 +260,41 @@ def test_split_kv_calls_with_forced_splits_are_never_planned(plans):
         splitk_attention_fwd(forced)
     stored = [val for key, val in forced.spec.derived.items() if isinstance(key, tuple) and key[0] == "split-KV plan"]
     assert len(stored) == 1 and type(stored[0]) is plans.Plan
+
+
+@pytest.mark.skipif(SPLITK is None or bool(SPLITK.environment_reasons(torch.device(DEVICE))),
+                    reason="the triton_splitk operator cannot run here")
+@pytest.mark.parametrize("causal", [False, True], ids=["padded", "padded+causal"])
+def test_split_kv_plans_serve_a_mask_built_anew_every_step(plans, monkeypatch, causal):
+    """A decode loop that builds its cache-length mask every step (a new spec each time) replays a plan
+    shared by those specs, with the step's own lengths: the same bits as the full path, and a plan
+    only for steps whose lengths give the same launch."""
+    from biasattn.ops.triton import splitk
+
+    replays, shapes = [], []
+    real_run = plans.Plan.run
+    monkeypatch.setattr(plans.Plan, "run", lambda self, roles: replays.append(roles[-1]) or real_run(self, roles))
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 1, 16, generator=gen).to(DEVICE)
+    k, v = (torch.randn(3, 1, 200, 16, generator=gen).to(DEVICE) for _ in range(2))  # 3 pairs: lengths set the split
+    steps = [[150 + i, 7 + i, i % 2] for i in range(6)] + [[200, 200, 200]] * 4  # the last lengths split otherwise
+    for step, lengths in enumerate(steps):
+        bias = ba.PaddedKeysMask(lengths, device=DEVICE)
+        if causal:  # one query per sequence: the causal mask hides nothing and lowers away
+            bias = ba.LowerTriangularFromBottomRightMask() & bias
+        before = len(replays)
+        planned = ba.attention_with_lse(q, k, v, bias, op="triton_splitk")
+        shapes.append(splitk.launch_shape(make_inputs(q, k, v, bias)))
+        monkeypatch.setattr(plans, "ENABLED", False)
+        plain = ba.attention_with_lse(q, k, v, bias, op="triton_splitk")
+        monkeypatch.setattr(plans, "ENABLED", True)
+        for what, a, b in zip(("out", "lse"), planned, plain):
+            assert torch.equal(a, b), f"step {step}: {what} differs from the unplanned launches"
+        if len(replays) > before:
+            assert torch.equal(replays[-1].cpu(), torch.tensor(lengths, dtype=torch.int32)), "replayed with old lengths"
+    assert len(set(shapes)) > 1, "the steps should cover several launch shapes"
+    seen: dict = {}
+    for shape in shapes:  # a launch shape's first three steps record its plan, later ones replay it
+        seen[shape] = seen.get(shape, 0) + 1
+    expected = sum(max(0, n - 3) for n in seen.values())
+    assert expected > 0 and len(replays) == expected

@@ -179,6 +179,11 @@ def splitk_attention_fwd(
     plannable = num_splits is None and config is None and out is None and lse is None and partials is None
     key = _plan_key(q, k, v, inp.scale) if plannable else None
     plan = plans.lookup(spec.derived, key)
+    shared_key = None
+    if plan is None and key is not None and spec.features == _LENGTHS_ONLY and min(B, Hq, Mq, Mk) > 0:
+        lengths = spec.kv_seqlens
+        shared_key = (key, lengths.dtype, lengths.data_ptr() & 15, _launch_shape(inp, B, Mq, None, None))
+        plan = plans.lookup(_shared_plans, shared_key)
     if plan is not None:
         out = torch.empty((B, Hq, Mq, Dv), dtype=q.dtype, device=dev)
         lse = torch.empty((B, Hq, Mq), dtype=torch.float32, device=dev)
@@ -187,7 +192,7 @@ def splitk_attention_fwd(
             l_buf = torch.empty((plan.note, B, Hq, Mq), dtype=torch.float32, device=dev)
         else:
             o_buf, l_buf = out, lse
-        plan.run((q, k, v, out, lse, o_buf, l_buf))
+        plan.run((q, k, v, out, lse, o_buf, l_buf, spec.kv_seqlens))
         return out, lse
     if out is None:
         out = torch.empty((B, Hq, Mq, Dv), dtype=q.dtype, device=dev)
@@ -255,7 +260,21 @@ def splitk_attention_fwd(
             lse[:, :, rows_] = float("-inf")
     else:
         plans.settle(spec.derived, key, rec, (q, k, v, out, lse, o_buf, l_buf), num_splits)
+        if shared_key is not None:
+            if len(_shared_plans) >= _SHARED_PLANS_MAX:
+                _shared_plans.clear()
+            plans.settle(_shared_plans, shared_key, rec, (q, k, v, out, lse, o_buf, l_buf, spec.kv_seqlens), num_splits)
     return out, lse
+
+
+# Plans shared by the specs of cache-length masks (``PaddedKeysMask`` alone, or with a causal mask
+# that hides nothing for the call): a decode loop that builds its mask anew every step gets a new
+# spec every step, so a plan kept in the spec would never be replayed. Here the lengths tensor is a
+# role of the plan, like q, k and v, and the key holds the launch shape the call's host lengths give
+# (tiles, row blocks, split count): a plan is replayed only by calls that would launch the same.
+_LENGTHS_ONLY = frozenset({"padded_keys"})
+_SHARED_PLANS_MAX = 256
+_shared_plans: dict = {}
 
 
 @dataclass(frozen=True)
