@@ -162,6 +162,22 @@ def test_bias_memo_keys_on_identity_version_and_key():
     assert len(memo.held) <= 2 and built == [1, 3, 4, 5, 6, 7]
 
 
+def test_bias_memo_drops_a_bias_with_its_mask():
+    """A kept bias (which may hold a converted copy of a large mask) is freed when its mask is."""
+    import gc
+    import weakref
+
+    memo = multihead.BiasMemo()
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    bias = memo.get((mask,), (), lambda: ba.AdditiveBias(torch.zeros(2, 1, 1, 5)))
+    alive = weakref.ref(bias)
+    del bias
+    assert alive() is not None and len(memo.held) == 1
+    del mask
+    gc.collect()
+    assert alive() is None and not memo.held
+
+
 def test_lazy_bias_as_attn_mask():
     mod = MultiheadAttention(E, H, batch_first=True).eval()
     x = torch.randn(B, L, E)

@@ -8,6 +8,7 @@ a right-padding ``key_padding_mask`` becomes a :class:`~biasattn.PaddedKeysMask`
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 
@@ -68,8 +69,16 @@ class BiasMemo:
         value = build()
         if len(self.held) >= self.size:
             self.held.clear()
-        self.held[full] = (tuple(weakref.ref(t) for t in held), value)
+        drop = functools.partial(_drop, weakref.ref(self), full)  # a bias lives no longer than its masks
+        self.held[full] = (tuple(weakref.ref(t, drop) for t in held), value)
         return value
+
+
+def _drop(memo_ref, key, _dead) -> None:
+    """Weak-reference callback: a source tensor of ``key`` was freed, so its bias is dropped too."""
+    memo = memo_ref()
+    if memo is not None:
+        memo.held.pop(key, None)
 
 
 def compose(parts: list[AttentionBias], device) -> AttentionBias | None:
