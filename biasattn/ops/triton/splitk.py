@@ -288,6 +288,7 @@ class LaunchShape:
 
     @property
     def tiles_per_split(self) -> int:
+        """Key tiles of one split (the last split takes any rest)."""
         return cdiv(self.key_tiles, self.num_splits)
 
     def describe(self) -> str:
