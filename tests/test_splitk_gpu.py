@@ -238,3 +238,35 @@ def test_merge_attentions_uses_the_shared_kernel():
     ref_out, ref_lse = merge_partials_torch(torch.stack(outs), torch.stack(lses))
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads", [(32, 8), (32, 1)])
+def test_masks_built_every_step_replay_shared_plans_with_their_own_lengths(heads, monkeypatch):
+    """An eager decode loop that builds its cache-length mask every step: after three steps of one
+    launch shape the launches are replayed from the plan shared by those masks, with each step's
+    own lengths (a replay that kept old lengths would miss keys, or read rows of length 0)."""
+    from biasattn.ops.triton import plans, splitk
+
+    monkeypatch.setattr(splitk, "_shared_plans", {})
+    replays = []
+    real_run = plans.Plan.run
+    monkeypatch.setattr(plans.Plan, "run", lambda self, roles: replays.append(roles[-1]) or real_run(self, roles))
+    q, k, v = decode_inputs(4, *heads, 1, 8192, torch.bfloat16)
+    for step in range(6):
+        lengths = [8192 - step, 3000 + step, 1 + step, 0]  # the same key tiles, so the same launch, every step
+        bias = ba.LowerTriangularFromBottomRightMask() & ba.PaddedKeysMask(lengths, device=CUDA)
+        before = len(replays)
+        out, lse = ba.attention_with_lse(q, k, v, bias, op="triton_splitk")
+        assert_close_to_reference(out, lse, make_inputs(q, k, v, ba.PaddedKeysMask(lengths, device=CUDA)))
+        assert len(replays) - before == (1 if step >= 3 else 0), f"step {step}"
+        if step >= 3:
+            assert replays[-1].tolist() == lengths
+
+
+def test_explain_names_the_decode_rule_and_the_split_kv_launch():
+    q, k, v = decode_inputs(4, 32, 1, 1, 8192, torch.bfloat16)
+    text = ba.explain(q, k, v)
+    assert "order: triton_splitk first: a decode step of 1 query per sequence with 32 query heads per KV head" in text
+    assert "triton_splitk  chosen: " in text and "key tiles" in text
+    q, k, v = decode_inputs(4, 32, 8, 1, 8192, torch.bfloat16)
+    assert "order: cudnn before triton_splitk" in ba.explain(q, k, v)
