@@ -188,7 +188,7 @@ def choose(inp: AttentionInputs, *, need_lse: bool = False, op=None) -> tuple[Op
     """
     key = _decision_key(inp, need_lse, op)
     store = inp.spec.derived
-    if inp.spec.features == _LENGTHS_ONLY:
+    if inp.spec.key_lengths_only:
         store = _length_mask_choices
         if len(store) >= _LENGTH_MASK_CHOICES_MAX:
             store.clear()
@@ -201,7 +201,6 @@ def choose(inp: AttentionInputs, *, need_lse: bool = False, op=None) -> tuple[Op
     return decision
 
 
-_LENGTHS_ONLY = frozenset({"padded_keys"})
 _LENGTH_MASK_CHOICES_MAX = 1024
 _length_mask_choices: dict = {}
 

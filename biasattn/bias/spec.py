@@ -111,6 +111,14 @@ class BiasSpec:
         }
         return frozenset(k for k, v in present.items() if v)
 
+    @property
+    def key_lengths_only(self) -> bool:
+        """Whether the spec's only field is per-sequence key lengths (a cache-length mask, often built
+        anew every decode step): operators read the length values on the device, and on the host
+        only to tune a launch, so what is derived from one such spec may serve another of its kind."""
+        return (self.kv_seqlens is not None and self.q_seqstart is None and self.band_lo is None
+                and self.layout is None and self.additive is None and self.alibi_slopes is None)
+
     def cached(self, key, make):
         """``make()``, computed once per spec and ``key`` and kept in :attr:`derived`."""
         store = self.derived

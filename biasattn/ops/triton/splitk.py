@@ -180,7 +180,7 @@ def splitk_attention_fwd(
     key = _plan_key(q, k, v, inp.scale) if plannable else None
     plan = plans.lookup(spec.derived, key)
     shared_key = None
-    if plan is None and key is not None and spec.features == _LENGTHS_ONLY and min(B, Hq, Mq, Mk) > 0:
+    if plan is None and key is not None and spec.key_lengths_only and min(B, Hq, Mq, Mk) > 0:
         lengths = spec.kv_seqlens
         shared_key = (key, lengths.dtype, lengths.data_ptr() & 15, _launch_shape(inp, B, Mq, None, None))
         plan = plans.lookup(_shared_plans, shared_key)
@@ -272,7 +272,6 @@ def splitk_attention_fwd(
 # spec every step, so a plan kept in the spec would never be replayed. Here the lengths tensor is a
 # role of the plan, like q, k and v, and the key holds the launch shape the call's host lengths give
 # (tiles, row blocks, split count): a plan is replayed only by calls that would launch the same.
-_LENGTHS_ONLY = frozenset({"padded_keys"})
 _SHARED_PLANS_MAX = 256
 _shared_plans: dict = {}
 
