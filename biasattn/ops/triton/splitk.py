@@ -179,10 +179,10 @@ def splitk_attention_fwd(
     plannable = num_splits is None and config is None and out is None and lse is None and partials is None
     key = _plan_key(q, k, v, inp.scale) if plannable else None
     plan = plans.lookup(spec.derived, key)
-    shared_key = None
+    shared_key = shape = None
     if plan is None and key is not None and spec.key_lengths_only and min(B, Hq, Mq, Mk) > 0:
-        lengths = spec.kv_seqlens
-        shared_key = (key, lengths.dtype, lengths.data_ptr() & 15, _launch_shape(inp, B, Mq, None, None))
+        lengths, shape = spec.kv_seqlens, _launch_shape(inp, B, Mq, None, None)  # one sequence per batch row
+        shared_key = (key, lengths.dtype, lengths.data_ptr() & 15, shape)
         plan = plans.lookup(_shared_plans, shared_key)
     if plan is not None:
         out = torch.empty((B, Hq, Mq, Dv), dtype=q.dtype, device=dev)
@@ -210,7 +210,7 @@ def splitk_attention_fwd(
 
     mq_stride = max([b - a for a, b in zip(qs, qs[1:])] + [1])
     head_dim, head_dim_v = tile_size(D), tile_size(Dv)
-    shape = _launch_shape(inp, Z, mq_stride, num_splits, config)
+    shape = shape or _launch_shape(inp, Z, mq_stride, num_splits, config)
     cfg, row_blocks, num_splits, tiles_per_split = shape.config, shape.row_blocks, shape.num_splits, shape.tiles_per_split
 
     if num_splits == 1:
