@@ -240,11 +240,13 @@ def split_counts(meta):
             splitk.choose_num_splits = original
         cudnn = graph_time(provider_fn("sdpa_cudnn", Hq, Hkv), sets)
         line = [f"auto(S={chosen[0]})={kv_bytes / auto / 1e6:.0f}", f"cudnn={kv_bytes / cudnn / 1e6:.0f}"]
-        rows = Hq // Hkv * Mq
-        bm = min(max(16, triton.next_power_of_2(rows)), 128)
-        for bn, w, st in ((64, 4, 4), (128, 8, 3), (32, 4, 6)):
-            cfg = SplitKConfig(bm, bn, 8 if bm > 64 else w, st)
-            line.append(f"| N{bn}w{w}s{st}")
+        default = splitk.launch_shape(make_inputs(*sets[0])).config  # the row block the launcher picks here
+        bm = default.block_m
+        variants = ((64, 4, 4), (128, 8, 3), (32, 4, 6))
+        configs = [default] + [SplitKConfig(bm, bn, 8 if bm > 64 else w, st) for bn, w, st in variants]
+        for cfg in dict.fromkeys(configs):
+            tag = " (default)" if cfg == default else ""
+            line.append(f"| M{cfg.block_m}N{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}{tag}")
             for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
                 fn = lambda q, k, v, s=s, cfg=cfg: splitk_attention_fwd(make_inputs(q, k, v), num_splits=s, config=cfg)  # noqa: E731
                 ms = graph_time(fn, sets)
