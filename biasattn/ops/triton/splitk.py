@@ -200,15 +200,12 @@ def splitk_attention_fwd(
         lse = torch.empty((B, Hq, Mq), dtype=torch.float32, device=dev)
     if B == 0 or Hq == 0 or Mq == 0:
         return out, lse
-    segments = spec.q_seqstart is not None
-    qs = spec.host.q_seqstart if segments else (0, Mq)
-    Z = len(qs) - 1 if segments else B
+    segments, qs, Z, mq_stride = _sequences(inp)
     if Mk == 0 or Z == 0:
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
 
-    mq_stride = max([b - a for a, b in zip(qs, qs[1:])] + [1])
     head_dim, head_dim_v = tile_size(D), tile_size(Dv)
     shape = shape or _launch_shape(inp, Z, mq_stride, num_splits, config)
     cfg, row_blocks, num_splits, tiles_per_split = shape.config, shape.row_blocks, shape.num_splits, shape.tiles_per_split
@@ -302,14 +299,18 @@ class LaunchShape:
 
 def launch_shape(inp: AttentionInputs) -> LaunchShape | None:
     """The launch :func:`splitk_attention_fwd` makes for ``inp`` by default (None when it launches nothing)."""
-    q, spec = inp.q, inp.spec
-    segments = spec.q_seqstart is not None
-    qs = spec.host.q_seqstart if segments else (0, inp.Mq)
-    Z = len(qs) - 1 if segments else inp.B
-    if min(inp.B, inp.Hq, inp.Mq, inp.Mk, Z) == 0 or q.device.type not in ("cuda", "cpu"):
+    _, _, Z, mq_stride = _sequences(inp)
+    if min(inp.B, inp.Hq, inp.Mq, inp.Mk, Z) == 0 or inp.q.device.type not in ("cuda", "cpu"):
         return None
-    mq_stride = max([b - a for a, b in zip(qs, qs[1:])] + [1])
     return _launch_shape(inp, Z, mq_stride, None, None)
+
+
+def _sequences(inp: AttentionInputs) -> tuple[bool, tuple[int, ...], int, int]:
+    """``(packed, query starts, sequences Z, most queries in one sequence)`` of a call: its packed
+    segments, or one sequence per batch row."""
+    segments = inp.spec.q_seqstart is not None
+    qs = inp.spec.host.q_seqstart if segments else (0, inp.Mq)
+    return segments, qs, len(qs) - 1 if segments else inp.B, max([b - a for a, b in zip(qs, qs[1:])] + [1])
 
 
 def _launch_shape(inp: AttentionInputs, Z: int, mq_stride: int, num_splits: int | None,
