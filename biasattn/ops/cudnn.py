@@ -26,7 +26,6 @@ from .vendor_mapping import (
     aligned_bias,
     aten_entry,
     cudnn_causal,
-    lse_from_kernel,
     lse_layout,
     lse_to_kernel,
 )
@@ -110,8 +109,7 @@ class CudnnOperator(VendorOperator):
             res = aten_entry(DENSE[0])(q, k, v, bias, True, inp.dropout_p, causal, False, scale=inp.scale)
         out, lse_raw, seed, offset = res[0], res[1], res[6], res[7]
         layout = lse_layout(lse_raw, plan, inp.B, inp.Hq, inp.Mq)
-        hidden = self.rows_may_be_hidden(inp, plan)
-        lse = lse_from_kernel(lse_raw, plan, inp.B, inp.Hq, inp.Mq, layout, rows_may_be_hidden=hidden)
+        lse = self.kernel_lse(lse_raw, inp, plan, layout)
         out = self.fix_empty_rows(inp, plan, out, lse)
         return out, lse, VendorCtx(self.NAME, lse_raw, layout, (seed, offset))
 

@@ -31,7 +31,6 @@ from .vendor_mapping import (
     aten_entry,
     cu_seqlens,
     cutlass_mask_type,
-    lse_from_kernel,
     pack_keys,
     pack_queries,
     pad_head_dim,
@@ -109,9 +108,7 @@ class CutlassOperator(VendorOperator):
             q, k, v, bias, cu_q, cu_k, max_q, max_k, inp.dropout_p, cutlass_mask_type(plan), True, scale=inp.scale,
         )
         layout = "seq_h_m" if plan.varlen else "bhm"
-        hidden = self.rows_may_be_hidden(inp, plan)
-        lse = lse_from_kernel(lse_raw, plan, inp.B, inp.Hq, inp.Mq, layout, rows_may_be_hidden=hidden)
-        lse = self._empty_additive_rows(inp, lse)
+        lse = self._empty_additive_rows(inp, self.kernel_lse(lse_raw, inp, plan, layout))
         out = self.fix_empty_rows(inp, plan, self._unpack_out(out, plan, inp.B, inp.Dv), lse)
         return out, lse, VendorCtx(self.NAME, lse_raw, layout, (seed, offset))
 

@@ -19,7 +19,6 @@ from .vendor_mapping import (
     aten_entry,
     cu_seqlens,
     flash_window,
-    lse_from_kernel,
     lse_layout,
     lse_to_kernel,
     pack_keys,
@@ -86,8 +85,7 @@ class Flash2Operator(VendorOperator):
         layout = lse_layout(lse_raw, plan, inp.B, inp.Hq, inp.Mq)
         if plan.varlen:
             self._varlen_lse_layout = layout
-        hidden = self.rows_may_be_hidden(inp, plan)
-        lse = lse_from_kernel(lse_raw, plan, inp.B, inp.Hq, inp.Mq, layout, rows_may_be_hidden=hidden)
+        lse = self.kernel_lse(lse_raw, inp, plan, layout)
         out = self.fix_empty_rows(inp, plan, out, lse)
         return out, lse, VendorCtx(self.NAME, lse_raw, layout, (rng, unused))
 

@@ -454,6 +454,11 @@ class VendorOperator(Operator):
         bias may hide a whole row."""
         return inp.additive is not None or self._rows_may_be_empty(inp, plan)
 
+    def kernel_lse(self, raw: torch.Tensor, inp: AttentionInputs, plan: SeqPlan, layout: str) -> torch.Tensor:
+        """:func:`lse_from_kernel` of the call, rows without keys fixed only where some may exist."""
+        hidden = self.rows_may_be_hidden(inp, plan)
+        return lse_from_kernel(raw, plan, inp.B, inp.Hq, inp.Mq, layout, rows_may_be_hidden=hidden)
+
     def fix_empty_rows(self, inp: AttentionInputs, plan: SeqPlan, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """``out`` with 0 on rows that see no key, when host metadata says such rows may exist."""
         if self._rows_may_be_empty(inp, plan):
