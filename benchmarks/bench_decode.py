@@ -353,26 +353,41 @@ def operators(grid, eager: bool = False, bias: str | None = None, grow: int = 0)
               + f"; dispatched / best SDPA {r['dispatched'] / sdpa:.3f}", flush=True)
 
 
-AB_SWITCHES = {"pdl": "PDL", "warpgroup": "PAD_TO_WARPGROUP"}  # --ab name -> switch of biasattn.ops.triton.splitk
+# --ab name -> (setting of biasattn.ops.triton.splitk, its default "on", the variant "off", whether it
+# acts only through the launch shape: points where both values launch the same are then skipped)
+AB_SWITCHES = {"pdl": ("PDL", True, False, False), "warpgroup": ("PAD_TO_WARPGROUP", True, False, False),
+               "merge8": ("MERGE_OVERHEAD_TILES", 4.0, 8.0, True),
+               "warpgroup_merge": ("WARPGROUP_MERGE_ROW_TILES", 0.4, 0.0, True),
+               "rows64": ("MANY_ROWS_WARPGROUP", True, False, True)}
 
 
 def ab_switch(grid, name: str, rounds: int) -> None:
-    """Same-process A/B of a ``triton_splitk`` launcher switch (on, off), alternating for ``rounds``
-    rounds per point, next to SDPA's cuDNN; prints GB/s and off/on time ratios."""
+    """Same-process A/B of a ``triton_splitk`` launcher setting (on: its default, off: the variant),
+    alternating for ``rounds`` rounds per point, next to SDPA's cuDNN; prints GB/s and off/on time ratios."""
     from biasattn.ops.triton import splitk
 
-    attr = AB_SWITCHES[name]
+    attr, on, off, shape_only = AB_SWITCHES[name]
     ratios = []
     for Mq, Hq, Hkv, B, Mk in grid_points(grid):
         sets = make_sets(B, Hq, Hkv, Mq, Mk)
+        if shape_only:
+            shapes = []
+            for value in (on, off):
+                setattr(splitk, attr, value)
+                shapes.append(splitk.launch_shape(make_inputs(*sets[0])))
+            setattr(splitk, attr, on)
+            if shapes[0] == shapes[1]:
+                print(f"B={B:<3} {Hq}/{Hkv:<3} Mq={Mq} Mk={Mk:<7} same launch either way: {shapes[0].describe()}")
+                continue
+            print(f"B={B:<3} {Hq}/{Hkv:<3} Mq={Mq} Mk={Mk:<7} on: {shapes[0].describe()}; off: {shapes[1].describe()}")
         kv_bytes = 2 * B * Hkv * Mk * D * 2
         times = {"on": [], "off": [], "sdpa_cudnn": []}
         for _ in range(rounds):
             for variant in times:
-                setattr(splitk, attr, variant != "off")
+                setattr(splitk, attr, off if variant == "off" else on)
                 fn = provider_fn("sdpa_cudnn" if variant == "sdpa_cudnn" else "triton_splitk", Hq, Hkv)
                 times[variant].append(graph_time(fn, sets))
-        setattr(splitk, attr, True)
+        setattr(splitk, attr, on)
         med = {n: statistics.median(t) for n, t in times.items()}
         ratios.append(med["off"] / med["on"])
         print(f"B={B:<3} {Hq}/{Hkv:<3} Mq={Mq} Mk={Mk:<7} GB/s: {name} on {kv_bytes / med['on'] / 1e6:6.0f}  "
@@ -402,6 +417,7 @@ def main(argv=None):
     ap.add_argument("--heads", nargs="+", default=None, help="head layouts Hq/Hkv instead of 32/32 32/8 32/1")
     ap.add_argument("--mq", nargs="+", type=int, default=None, help="queries per sequence instead of 1 and 4")
     ap.add_argument("--mk", nargs="+", type=int, default=None, help="cache lengths instead of 1k 8k 32k 128k")
+    ap.add_argument("--batch", nargs="+", type=int, default=None, help="batch sizes instead of 1 4 16 64")
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse, where git works)")
     ap.add_argument("--operators", action="store_true",
                     help="only print the dispatched call against forced triton_splitk and cudnn (our operators)")
@@ -411,8 +427,8 @@ def main(argv=None):
     ap.add_argument("--growing", type=int, default=0, metavar="N",
                     help="with --operators --eager: each call sees up to N keys fewer, cycling (a cache "
                          "growing by one key per step: new sizes on every call)")
-    ap.add_argument("--ab", choices=list(AB_SWITCHES), help="only A/B a triton_splitk switch: " + ", ".join(
-        f"{k} (splitk.{v})" for k, v in AB_SWITCHES.items()))
+    ap.add_argument("--ab", choices=list(AB_SWITCHES), help="only A/B a triton_splitk setting: " + ", ".join(
+        f"{k} (splitk.{a} {on} against {off})" for k, (a, on, off, _) in AB_SWITCHES.items()))
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of --ab (medians reported)")
     ap.add_argument("--floor", action="store_true", help="also time the read floor of every point (read_floor.py)")
     args = ap.parse_args(argv)
@@ -443,6 +459,8 @@ def main(argv=None):
         grid.update(Mq=tuple(args.mq))
     if args.mk:
         grid.update(Mk=tuple(args.mk))
+    if args.batch:
+        grid.update(B=tuple(args.batch))
     if args.operators:
         operators(grid, args.eager, args.bias, args.growing)
         return 0

@@ -43,7 +43,8 @@ def step(tag, dev, dt, B, Hq, Hkv, Mk):
     q = torch.randn(B, Hq, 1, 128, device=dev, dtype=dt)
     k = torch.randn(B, Hkv, Mk, 128, device=dev, dtype=dt)
     v = torch.randn_like(k)
-    padded = ba.PaddedKeysMask([Mk - 3] * B, device=dev)
+    lengths = [Mk - 3 - b % 5 for b in range(B)]
+    padded = ba.PaddedKeysMask(lengths, device=dev)
     rows = {
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=Hq != Hkv),
         "dispatched": lambda: ba.attention(q, k, v),
@@ -51,6 +52,7 @@ def step(tag, dev, dt, B, Hq, Hkv, Mk):
         "op=triton_splitk": lambda: ba.attention(q, k, v, op="triton_splitk"),
         "causal-br fresh": lambda: ba.attention(q, k, v, ba.LowerTriangularFromBottomRightMask()),
         "padded reused": lambda: ba.attention(q, k, v, padded),
+        "padded fresh": lambda: ba.attention(q, k, v, ba.PaddedKeysMask(lengths, device=dev)),
     }
     res = {n: [] for n in rows}
     with torch.no_grad():

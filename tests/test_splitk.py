@@ -184,10 +184,36 @@ def test_hopper_pads_mid_size_row_groups_to_a_warp_group_tile(keys, monkeypatch)
     assert default_config(32, 256, 256, cuda, keys=keys, pairs=4, capability=(9, 0)).block_n == 32  # wide heads unchanged
     if keys >= 8192:
         assert default_config(128, 128, 128, cuda, keys=keys, pairs=4, capability=(9, 0)) == SplitKConfig(128, 128, 8, 3)
+        # 65-128 rows: two 64-row blocks while the call still splits every pair within one wave
+        two_blocks = default_config(128, 128, 128, cuda, keys=keys, pairs=4, capability=(9, 0), sms=132)
+        assert two_blocks == SplitKConfig(64, 128, 4, 3)
+        assert default_config(96, 128, 128, cuda, keys=keys, pairs=33, capability=(9, 0), sms=132).block_m == 64
+        assert default_config(96, 128, 128, cuda, keys=keys, pairs=34, capability=(9, 0), sms=132).block_m == 128
+        assert default_config(128, 128, 128, cuda, keys=keys, pairs=4, capability=(8, 0), sms=108).block_m == 128
     if keys == 1024:  # 4 pairs of 1k keys: a call too small to pad
         assert default_config(32, 128, 128, cuda, keys=keys, pairs=4, capability=(9, 0)).block_m == 32
     monkeypatch.setattr(splitk, "PAD_TO_WARPGROUP", False)
     assert default_config(32, 128, 128, cuda, keys=keys, pairs=8, capability=(9, 0)).block_m == 32
+    monkeypatch.setattr(splitk, "MANY_ROWS_WARPGROUP", False)
+    if keys >= 8192:
+        assert default_config(128, 128, 128, cuda, keys=keys, pairs=4, capability=(9, 0), sms=132).block_m == 128
+
+
+def test_a_padded_warp_group_block_prices_its_merge_by_the_rows_merged():
+    """A padded warp-group block's merge costs more of its tiles per wave of merged rows, so a call
+    whose pairs already fill half the SMs stays unsplit (B=64, 32 heads on one KV head, 1k keys),
+    while a small batch still splits; other blocks keep the fixed price."""
+    from biasattn.ops.triton import splitk
+    from biasattn.ops.triton.splitk import SplitKConfig, merge_overhead
+
+    padded, own = SplitKConfig(64, 64, 4, 3), SplitKConfig(32, 64, 4, 3)
+    assert merge_overhead(own, 32, 64 * 32, 132) == splitk.MERGE_OVERHEAD_TILES
+    assert merge_overhead(padded, 32, 64 * 32, 132) > merge_overhead(padded, 32, 16 * 32, 132) > splitk.MERGE_OVERHEAD_TILES
+    overhead = 1.0 + 32 * 128 * 8 / (64 * 256 * 2)  # writing a 32-row partial, in 64-key tiles of D = Dv = 128
+    big, small = (choose_num_splits(pairs, 16, 132, split_overhead_tiles=overhead,
+                                    merge_overhead_tiles=merge_overhead(padded, 32, pairs * 32, 132)) for pairs in (64, 16))
+    assert (big, small) == (1, 8)
+    assert choose_num_splits(64, 16, 132, split_overhead_tiles=overhead, merge_overhead_tiles=splitk.MERGE_OVERHEAD_TILES) == 2
 
 
 def test_launch_shape_is_what_the_launcher_launches(monkeypatch):

@@ -100,13 +100,16 @@ FULL_GRID_PROGRAMS = 512
 WARPGROUP_ROWS = 64  # rows of a warp-group MMA tile (sm90): smaller row groups are padded to it ...
 PAD_TO_WARPGROUP = True  # ... where this is on (A/B runs turn it off) ...
 WARPGROUP_MIN_KEYS = 8192  # ... and the call's (sequence, KV head) pairs hold this many keys together
+WARPGROUP_MERGE_ROW_TILES = 0.4  # a warp-group block's merge: tile loads more per wave of merged rows (notes 66)
+MANY_ROWS_WARPGROUP = True  # sm90: groups of 65-128 packed rows on long caches in two 64-row blocks (notes 66)
 
 
 def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.device, keys: int = 0,
-                   pairs: int = 0, queries: int = 1, capability: tuple[int, int] = (0, 0)) -> SplitKConfig:
+                   pairs: int = 0, queries: int = 1, capability: tuple[int, int] = (0, 0), sms: int = 0) -> SplitKConfig:
     """Tiles for ``rows`` packed query rows (group heads × ``queries`` queries per sequence) of
     ``pairs`` (sequence, KV head) pairs over at most ``keys`` keys per sequence on a device of
-    compute ``capability``; small key tiles under the interpreter."""
+    compute ``capability`` with ``sms`` multiprocessors (0: not known); small key tiles under the
+    interpreter."""
     widest = max(head_dim, head_dim_v)
     block_m = min(tile_size(rows), 128 if widest <= 128 else 64)
     if device.type != "cuda":
@@ -118,6 +121,12 @@ def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.devi
         # chain than the 32-row block's mma.sync, though half its rows are padding; on smaller
         # calls, whose programs stream a tile or two, the 32-row block's shorter start wins (notes 64)
         return SplitKConfig(WARPGROUP_ROWS, 64, 4, 3)
+    if (MANY_ROWS_WARPGROUP and WARPGROUP_ROWS < rows <= 2 * WARPGROUP_ROWS and capability[0] == 9
+            and keys >= LONG_CACHE_KEYS and 0 < 4 * pairs <= sms):
+        # Hopper, 65-128 rows: two 64-row warp-group blocks per pair; the second reads the pair's
+        # K/V tiles from L2. Only while the call still splits each pair in one wave: on grids that
+        # the row blocks fill alone, the two blocks read K/V apart (6-11% slower, notes 66)
+        return SplitKConfig(WARPGROUP_ROWS, 128, 4, 3)
     if keys < MID_CACHE_KEYS:  # short caches: 64-row blocks, more programs (128 packed rows: +19-32%, notes 59)
         block_m = min(block_m, 64)
     programs = pairs * cdiv(rows, block_m)  # before any split
@@ -322,8 +331,9 @@ def _launch_shape(inp: AttentionInputs, Z: int, mq_stride: int, num_splits: int 
     rows = inp.groups * mq_stride
     head_dim, head_dim_v = tile_size(D), tile_size(Dv)
     bound, lengths = _key_bounds(inp, mq_stride)
+    sms = num_sms(dev)
     cfg = config or default_config(rows, head_dim, head_dim_v, dev, bound, Z * Hkv, mq_stride,
-                                   cuda_capability(dev) if dev.type == "cuda" else (0, 0))
+                                   cuda_capability(dev) if dev.type == "cuda" else (0, 0), sms)
     row_blocks = cdiv(rows, cfg.block_m)
     # a band or packed segments may start a sequence's keys inside a tile: one tile more to cover
     unaligned = int(spec.band_lo is not None or spec.q_seqstart is not None)
@@ -331,19 +341,31 @@ def _launch_shape(inp: AttentionInputs, Z: int, mq_stride: int, num_splits: int 
     if num_splits is None:
         tile_bytes = cfg.block_n * (head_dim + head_dim_v) * q.element_size()
         num_splits = choose_num_splits(
-            Z * Hkv * row_blocks, key_tiles, num_sms(dev),
+            Z * Hkv * row_blocks, key_tiles, sms,
             split_overhead_tiles=1.0 + min(rows, cfg.block_m) * Dv * 8 / tile_bytes,
+            merge_overhead_tiles=merge_overhead(cfg, rows, Z * Hkv * rows, sms),
             tiles_per_sequence=None if lengths is None else [cdiv(n, cfg.block_n) + unaligned for n in lengths],
         )
         num_splits = cdiv(key_tiles, cdiv(key_tiles, num_splits))
     return LaunchShape(cfg, row_blocks, key_tiles, num_splits)
 
 
+def merge_overhead(cfg: SplitKConfig, rows: int, merged_rows: int, sms: int) -> float:
+    """The merge of a split call in tile loads of one split program of ``cfg`` (``rows`` packed rows
+    per (sequence, KV head) pair; ``merged_rows`` output rows in all; ``sms`` multiprocessors).
+    A warp-group block padded from fewer rows streams its tiles faster, so the merge, one program
+    per output row, costs it more of its tiles per wave of rows."""
+    if cfg.block_m <= tile_size(rows):
+        return MERGE_OVERHEAD_TILES
+    return MERGE_OVERHEAD_TILES + WARPGROUP_MERGE_ROW_TILES * merged_rows / max(1, sms)
+
+
 def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """The key of a call's launch plan in its spec's store: the tensors' signature, the scale and
     every module switch the launches read."""
     return ("split-KV plan", plans.tensor_key(q, k, v), scale, FORCE_INDEX_64, PDL, PAD_TO_WARPGROUP, MERGE_BLOCK_S,
-            MERGE_TILE, launch.DIRECT, configs.interpreted())
+            MERGE_TILE, MERGE_OVERHEAD_TILES, WARPGROUP_MERGE_ROW_TILES, MANY_ROWS_WARPGROUP, launch.DIRECT,
+            configs.interpreted())
 
 
 def _same_start(view: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
