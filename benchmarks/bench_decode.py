@@ -358,7 +358,8 @@ def operators(grid, eager: bool = False, bias: str | None = None, grow: int = 0)
 AB_SWITCHES = {"pdl": ("PDL", True, False, False), "warpgroup": ("PAD_TO_WARPGROUP", True, False, False),
                "merge8": ("MERGE_OVERHEAD_TILES", 4.0, 8.0, True),
                "warpgroup_merge": ("WARPGROUP_MERGE_ROW_TILES", 0.4, 0.0, True),
-               "rows64": ("MANY_ROWS_WARPGROUP", True, False, True)}
+               "rows64": ("MANY_ROWS_WARPGROUP", True, False, True),
+               "merge_tile2k": ("MERGE_TILE", 8192, 2048, False), "merge_tile4k": ("MERGE_TILE", 8192, 4096, False)}
 
 
 def ab_switch(grid, name: str, rounds: int) -> None:
