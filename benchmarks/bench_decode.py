@@ -359,7 +359,7 @@ AB_SWITCHES = {"pdl": ("PDL", True, False, False), "warpgroup": ("PAD_TO_WARPGRO
                "merge8": ("MERGE_OVERHEAD_TILES", 4.0, 8.0, True),
                "warpgroup_merge": ("WARPGROUP_MERGE_ROW_TILES", 0.4, 0.0, True),
                "rows64": ("MANY_ROWS_WARPGROUP", True, False, True),
-               "merge_tile2k": ("MERGE_TILE", 8192, 2048, False), "merge_tile4k": ("MERGE_TILE", 8192, 4096, False)}
+               "slack1": ("SPLIT_SLACK", 0.05, 0.01, True)}
 
 
 def ab_switch(grid, name: str, rounds: int) -> None:

@@ -49,6 +49,23 @@ def test_cache_lengths_up_to_128k(lengths):
     assert_close_to_reference(*run_poisoned(inp), inp)
 
 
+@pytest.mark.parametrize("heads, Mq", [((32, 1), 4), ((32, 4), 16), ((24, 1), 4)])
+def test_groups_of_65_to_128_rows_on_long_caches(heads, Mq):
+    """65-128 packed rows on a long cache: on Hopper two 64-row warp-group blocks per (sequence, KV
+    head) pair (96 rows: the second block half padding), split; exact with mixed lengths, a causal
+    band, and rows that see no key."""
+    from biasattn.ops.triton import splitk
+
+    Mk = 8192 + 77
+    q, k, v = decode_inputs(3, *heads, Mq, Mk, torch.bfloat16)
+    bias = ba.PaddedKeysMask([Mk, 4000, 1], device=CUDA) & ba.LowerTriangularFromBottomRightMask().to(CUDA)
+    inp = make_inputs(q, k, v, bias)
+    shape = splitk.launch_shape(inp)
+    if torch.cuda.get_device_capability(CUDA)[0] == 9:
+        assert (shape.config.block_m, shape.row_blocks) == (64, 2) and shape.num_splits > 1, shape
+    assert_close_to_reference(*run_poisoned(inp), inp)
+
+
 def test_key_slice_beyond_2_31_elements():
     """A cache laid out [B, Mk, Hkv, D] whose (sequence, KV head) slice spans more than 2**31 elements:
     the key offsets switch to 64 bits. Two of the heads are checked against the reference."""

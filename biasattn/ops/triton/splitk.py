@@ -42,7 +42,7 @@ def pdl_available(device: torch.device) -> bool:
 def choose_num_splits(
     batch_heads: int, key_tiles: int, num_sms: int, *, programs_per_sm: int = 1,
     split_overhead_tiles: float = 1.0, merge_overhead_tiles: float = MERGE_OVERHEAD_TILES,
-    max_splits: int = MAX_SPLITS, tiles_per_sequence: Sequence[int] | None = None,
+    max_splits: int = MAX_SPLITS, tiles_per_sequence: Sequence[int] | None = None, slack: float = SPLIT_SLACK,
 ) -> int:
     """Number of splits of ``key_tiles`` (the longest sequence's tiles); 1 means no split.
 
@@ -57,7 +57,7 @@ def choose_num_splits(
     ``ceil(busy(S) / wave) · (p + split_overhead_tiles) + merge_overhead_tiles``, the two overheads
     counted in one program's tile loads: a program's own fixed cost (its start, writing its partial
     output) and the merge launch, paid once by every split call. The answer is the fewest splits
-    within ``SPLIT_SLACK`` (5%) of the best time, so that near-ties buy no extra merge work. Never
+    within ``slack`` (:data:`SPLIT_SLACK`) of the best time, so that near-ties buy no extra merge work. Never
     more splits than tiles.
     """
     if batch_heads <= 0 or key_tiles <= 1 or num_sms <= 0:
@@ -66,12 +66,12 @@ def choose_num_splits(
         return 1
     lengths = tuple(tiles_per_sequence) if tiles_per_sequence else (key_tiles,)
     return _modelled_best(batch_heads, key_tiles, num_sms, programs_per_sm, split_overhead_tiles, merge_overhead_tiles,
-                          max_splits, lengths)
+                          max_splits, lengths, slack)
 
 
 @functools.lru_cache(maxsize=4096)  # decoding asks again on every step, and the tile counts move slowly
 def _modelled_best(batch_heads: int, key_tiles: int, num_sms: int, programs_per_sm: int, split_overhead_tiles: float,
-                   merge_overhead_tiles: float, max_splits: int, lengths: tuple[int, ...]) -> int:
+                   merge_overhead_tiles: float, max_splits: int, lengths: tuple[int, ...], slack: float) -> int:
     slots = num_sms * max(1, programs_per_sm)
     splits = np.arange(1, min(max_splits, key_tiles) + 1)
     piece = -(-key_tiles // splits)
@@ -79,7 +79,7 @@ def _modelled_best(batch_heads: int, key_tiles: int, num_sms: int, programs_per_
     busy = batch_heads / len(lengths) * pieces
     waves = np.ceil(busy / slots - 1e-9)
     costs = waves * (piece + split_overhead_tiles) + np.where(splits > 1, merge_overhead_tiles, 0.0)
-    return int(splits[np.argmax(costs <= costs.min() * (1 + SPLIT_SLACK))])
+    return int(splits[np.argmax(costs <= costs.min() * (1 + slack))])
 
 
 @dataclass(frozen=True)
@@ -345,6 +345,7 @@ def _launch_shape(inp: AttentionInputs, Z: int, mq_stride: int, num_splits: int 
             split_overhead_tiles=1.0 + min(rows, cfg.block_m) * Dv * 8 / tile_bytes,
             merge_overhead_tiles=merge_overhead(cfg, rows, Z * Hkv * rows, sms),
             tiles_per_sequence=None if lengths is None else [cdiv(n, cfg.block_n) + unaligned for n in lengths],
+            slack=SPLIT_SLACK,
         )
         num_splits = cdiv(key_tiles, cdiv(key_tiles, num_splits))
     return LaunchShape(cfg, row_blocks, key_tiles, num_splits)
@@ -364,7 +365,7 @@ def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """The key of a call's launch plan in its spec's store: the tensors' signature, the scale and
     every module switch the launches read."""
     return ("split-KV plan", plans.tensor_key(q, k, v), scale, FORCE_INDEX_64, PDL, PAD_TO_WARPGROUP, MERGE_BLOCK_S,
-            MERGE_TILE, MERGE_OVERHEAD_TILES, WARPGROUP_MERGE_ROW_TILES, MANY_ROWS_WARPGROUP, launch.DIRECT,
+            MERGE_TILE, MERGE_OVERHEAD_TILES, WARPGROUP_MERGE_ROW_TILES, SPLIT_SLACK, MANY_ROWS_WARPGROUP, launch.DIRECT,
             configs.interpreted())
 
 
