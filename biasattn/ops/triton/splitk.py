@@ -354,8 +354,8 @@ def _launch_shape(inp: AttentionInputs, Z: int, mq_stride: int, num_splits: int 
 def merge_overhead(cfg: SplitKConfig, rows: int, merged_rows: int, sms: int) -> float:
     """The merge of a split call in tile loads of one split program of ``cfg`` (``rows`` packed rows
     per (sequence, KV head) pair; ``merged_rows`` output rows in all; ``sms`` multiprocessors).
-    A warp-group block padded from fewer rows streams its tiles faster, so the merge, one program
-    per output row, costs it more of its tiles per wave of rows."""
+    A block taller than the pair's rows (Hopper's padded warp-group block) streams its tiles
+    faster, so the merge, one program per output row, costs it more of its tiles per wave of rows."""
     if cfg.block_m <= tile_size(rows):
         return MERGE_OVERHEAD_TILES
     return MERGE_OVERHEAD_TILES + WARPGROUP_MERGE_ROW_TILES * merged_rows / max(1, sms)
