@@ -359,7 +359,10 @@ AB_SWITCHES = {"pdl": ("PDL", True, False, False), "warpgroup": ("PAD_TO_WARPGRO
                "merge8": ("MERGE_OVERHEAD_TILES", 4.0, 8.0, True),
                "warpgroup_merge": ("WARPGROUP_MERGE_ROW_TILES", 0.4, 0.0, True),
                "rows64": ("MANY_ROWS_WARPGROUP", True, False, True),
-               "slack1": ("SPLIT_SLACK", 0.05, 0.01, True)}
+               "slack1": ("SPLIT_SLACK", 0.05, 0.01, True),
+               "rows16": ("SHORT_ROW_BLOCKS", True, False, True),
+               "one_tile_stages": ("SHORT_PIECE_TILES", 1, 0, True),
+               "piece_stages3": ("SHORT_PIECE_TILES", 1, 3, True)}
 
 
 def ab_switch(grid, name: str, rounds: int) -> None:

@@ -199,6 +199,38 @@ def test_hopper_pads_mid_size_row_groups_to_a_warp_group_tile(keys, monkeypatch)
         assert default_config(128, 128, 128, cuda, keys=keys, pairs=4, capability=(9, 0), sms=132).block_m == 128
 
 
+def test_hopper_fills_a_wave_with_two_short_row_blocks_on_short_caches(monkeypatch):
+    """17-32 packed rows on a short cache run two 16-row blocks of 128-key tiles on sm90 where those
+    blocks fill more than a third of the SMs and at most all of them; otherwise (fewer or more pairs,
+    longer caches, 33+ rows, other devices, the switch off) the other rules decide."""
+    from biasattn.ops.triton import splitk
+    from biasattn.ops.triton.splitk import SplitKConfig, default_config
+
+    cuda, hopper = torch.device("cuda"), (9, 0)
+    short = SplitKConfig(16, 128, 4, 3)
+    for pairs in (45, 56, 66):
+        for rows in (17, 32):
+            assert default_config(rows, 128, 128, cuda, keys=1024, pairs=pairs, capability=hopper, sms=132) == short
+    assert default_config(32, 128, 128, cuda, keys=1024, pairs=44, capability=hopper, sms=132) != short
+    assert default_config(32, 128, 128, cuda, keys=1024, pairs=67, capability=hopper, sms=132) != short
+    assert default_config(32, 128, 128, cuda, keys=2048, pairs=64, capability=hopper, sms=132) != short
+    assert default_config(64, 128, 128, cuda, keys=1024, pairs=32, capability=hopper, sms=132) != short
+    assert default_config(32, 128, 128, cuda, keys=1024, pairs=64, capability=(8, 0), sms=108) != short
+    monkeypatch.setattr(splitk, "SHORT_ROW_BLOCKS", False)
+    assert default_config(32, 128, 128, cuda, keys=1024, pairs=64, capability=hopper, sms=132) != short
+
+
+def test_one_tile_pieces_run_two_stages():
+    """A program of a single key tile runs two pipeline stages whatever its config says (deeper
+    stages only delay its one tile); longer pieces, and configs of fewer stages, keep theirs."""
+    from biasattn.ops.triton.splitk import piece_stages
+
+    assert [piece_stages(s, 1) for s in (1, 2, 3, 4)] == [1, 2, 2, 2]
+    assert [piece_stages(s, 2) for s in (2, 3, 4)] == [2, 3, 4]
+    assert [piece_stages(4, t, short_piece=3) for t in (1, 2, 3, 4)] == [2, 2, 3, 4]
+    assert piece_stages(3, 1, short_piece=0) == 3
+
+
 def test_a_padded_warp_group_block_prices_its_merge_by_the_rows_merged():
     """A padded warp-group block's merge costs more of its tiles per wave of merged rows, so a call
     whose pairs already fill half the SMs stays unsplit (B=64, 32 heads on one KV head, 1k keys),

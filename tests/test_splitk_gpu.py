@@ -42,6 +42,26 @@ def test_decode_with_mixed_cache_lengths(dtype, heads, Mq):
         assert_close_to_reference(*run_poisoned(inp, num_splits=s), inp)
 
 
+def test_short_caches_in_two_16_row_blocks_and_one_tile_pieces():
+    """Hopper launches of short caches: an MQA group of 32 heads over 56 sequences runs two 16-row
+    blocks per pair, unsplit; a small GQA call splits into one-tile pieces of two stages. Both exact
+    with mixed lengths, including 1 and 0."""
+    from biasattn.ops.triton import splitk
+
+    hopper = torch.cuda.get_device_capability(CUDA)[0] == 9
+    q, k, v = decode_inputs(56, 32, 1, 1, 1024, torch.bfloat16)
+    inp = make_inputs(q, k, v, ba.PaddedKeysMask([1024, 1, 0, 700] * 14, device=CUDA))
+    shape = splitk.launch_shape(inp)
+    if hopper and splitk.num_sms(CUDA) >= 112:
+        assert (shape.config.block_m, shape.config.block_n, shape.row_blocks, shape.num_splits) == (16, 128, 2, 1), shape
+    assert_close_to_reference(*run_poisoned(inp), inp)
+    q, k, v = decode_inputs(1, 32, 8, 1, 1024, torch.bfloat16)
+    inp = make_inputs(q, k, v, ba.PaddedKeysMask([1000], device=CUDA))
+    shape = splitk._launch_shape(inp, 1, 1, 16, None)  # 16 splits of one 64-key tile
+    assert shape.tiles_per_split == 1 and shape.config.num_stages == 2, shape
+    assert_close_to_reference(*run_poisoned(inp, num_splits=16), inp)
+
+
 @pytest.mark.parametrize("lengths", [[131072, 1], [65537, 0]])
 def test_cache_lengths_up_to_128k(lengths):
     q, k, v = decode_inputs(2, 8, 2, 1, 131072, torch.bfloat16)

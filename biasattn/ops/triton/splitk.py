@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -102,6 +102,8 @@ PAD_TO_WARPGROUP = True  # ... where this is on (A/B runs turn it off) ...
 WARPGROUP_MIN_KEYS = 8192  # ... and the call's (sequence, KV head) pairs hold this many keys together
 WARPGROUP_MERGE_ROW_TILES = 0.4  # a warp-group block's merge: tile loads more per wave of merged rows (notes 66)
 MANY_ROWS_WARPGROUP = True  # sm90: groups of 65-128 packed rows on long caches in two 64-row blocks (notes 66)
+SHORT_ROW_BLOCKS = True  # sm90, short caches: 17-32 rows in two 16-row blocks filling 1/3 to all of a wave (notes 67)
+SHORT_PIECE_TILES = 1  # programs of at most this many key tiles run no more stages than tiles, at least 2 (notes 67)
 
 
 def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.device, keys: int = 0,
@@ -116,6 +118,12 @@ def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.devi
         return SplitKConfig(block_m, 16, 4, 1)
     if widest > 128:
         return SplitKConfig(block_m, 32, 4 if block_m <= 64 else 8, 4)
+    if (SHORT_ROW_BLOCKS and 16 < rows <= 32 and capability[0] == 9 and keys < MID_CACHE_KEYS
+            and sms < 3 * pairs and 2 * pairs <= sms):
+        # Hopper, short caches: two 16-row blocks per pair (the second reads K/V from L2) fill more than
+        # two thirds of a wave with no merge, where the padded 64-row block would leave a third of the
+        # SMs idle or split the keys (notes 67)
+        return SplitKConfig(16, 128, 4, 3)
     if PAD_TO_WARPGROUP and 16 < rows <= WARPGROUP_ROWS and capability[0] == 9 and pairs * keys >= WARPGROUP_MIN_KEYS:
         # Hopper: a 64-row block runs warp-group MMAs fed from shared memory, a shorter per-tile
         # chain than the 32-row block's mma.sync, though half its rows are padding; on smaller
@@ -348,7 +356,19 @@ def _launch_shape(inp: AttentionInputs, Z: int, mq_stride: int, num_splits: int 
             slack=SPLIT_SLACK,
         )
         num_splits = cdiv(key_tiles, cdiv(key_tiles, num_splits))
+    if config is None:
+        cfg = replace(cfg, num_stages=piece_stages(cfg.num_stages, cdiv(key_tiles, num_splits)))
     return LaunchShape(cfg, row_blocks, key_tiles, num_splits)
+
+
+def piece_stages(stages: int, tiles: int, short_piece: int | None = None) -> int:
+    """Pipeline stages for a program of ``tiles`` key tiles under a config of ``stages``: a short piece
+    (at most ``short_piece`` tiles, :data:`SHORT_PIECE_TILES` by default) runs no more stages than it
+    has tiles, and at least two; the stages it cannot fill only delay its first tile (notes 67)."""
+    short_piece = SHORT_PIECE_TILES if short_piece is None else short_piece
+    if tiles > short_piece or stages <= 2:
+        return stages
+    return min(stages, max(2, tiles))
 
 
 def merge_overhead(cfg: SplitKConfig, rows: int, merged_rows: int, sms: int) -> float:
@@ -365,7 +385,8 @@ def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """The key of a call's launch plan in its spec's store: the tensors' signature, the scale and
     every module switch the launches read."""
     return ("split-KV plan", plans.tensor_key(q, k, v), scale, FORCE_INDEX_64, PDL, PAD_TO_WARPGROUP, MERGE_BLOCK_S,
-            MERGE_TILE, MERGE_OVERHEAD_TILES, WARPGROUP_MERGE_ROW_TILES, SPLIT_SLACK, MANY_ROWS_WARPGROUP, launch.DIRECT,
+            MERGE_TILE, MERGE_OVERHEAD_TILES, WARPGROUP_MERGE_ROW_TILES, SPLIT_SLACK, MANY_ROWS_WARPGROUP, SHORT_ROW_BLOCKS,
+            SHORT_PIECE_TILES, launch.DIRECT,
             configs.interpreted())
 
 
