@@ -356,8 +356,9 @@ def _launch_shape(inp: AttentionInputs, Z: int, mq_stride: int, num_splits: int 
             slack=SPLIT_SLACK,
         )
         num_splits = cdiv(key_tiles, cdiv(key_tiles, num_splits))
-    if config is None:
-        cfg = replace(cfg, num_stages=piece_stages(cfg.num_stages, cdiv(key_tiles, num_splits)))
+    stages = piece_stages(cfg.num_stages, cdiv(key_tiles, num_splits))
+    if config is None and stages != cfg.num_stages:
+        cfg = replace(cfg, num_stages=stages)
     return LaunchShape(cfg, row_blocks, key_tiles, num_splits)
 
 
