@@ -201,7 +201,7 @@ def test_hopper_pads_mid_size_row_groups_to_a_warp_group_tile(keys, monkeypatch)
 
 def test_hopper_fills_a_wave_with_two_short_row_blocks_on_short_caches(monkeypatch):
     """17-32 packed rows on a short cache run two 16-row blocks of 128-key tiles on sm90 where those
-    blocks fill more than a third of the SMs and at most all of them; otherwise (fewer or more pairs,
+    blocks fill more than two thirds of the SMs and at most all of them; otherwise (fewer or more pairs,
     longer caches, 33+ rows, other devices, the switch off) the other rules decide."""
     from biasattn.ops.triton import splitk
     from biasattn.ops.triton.splitk import SplitKConfig, default_config

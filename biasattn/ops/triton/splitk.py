@@ -102,7 +102,7 @@ PAD_TO_WARPGROUP = True  # ... where this is on (A/B runs turn it off) ...
 WARPGROUP_MIN_KEYS = 8192  # ... and the call's (sequence, KV head) pairs hold this many keys together
 WARPGROUP_MERGE_ROW_TILES = 0.4  # a warp-group block's merge: tile loads more per wave of merged rows (notes 66)
 MANY_ROWS_WARPGROUP = True  # sm90: groups of 65-128 packed rows on long caches in two 64-row blocks (notes 66)
-SHORT_ROW_BLOCKS = True  # sm90, short caches: 17-32 rows in two 16-row blocks filling 1/3 to all of a wave (notes 67)
+SHORT_ROW_BLOCKS = True  # sm90, short caches: 17-32 rows in two 16-row blocks filling 2/3 to all of a wave (notes 67)
 SHORT_PIECE_TILES = 1  # programs of at most this many key tiles run no more stages than tiles, at least 2 (notes 67)
 
 
