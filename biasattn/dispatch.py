@@ -129,6 +129,11 @@ def use_ops(*names: str) -> Iterator[None]:
 
     Operators missing from the device's priority list (``triton`` on the CPU, under the Triton
     interpreter) are tried after it, in the order given.
+
+    The restriction is held in a :mod:`contextvars` variable: it applies to the code of this thread
+    (and to asyncio tasks created inside the block), but not to threads started inside the block,
+    which begin with no restriction. Enter ``use_ops`` inside the thread's function, or run the
+    function in a copy of this context (``contextvars.copy_context().run(fn)``).
     """
     for n in names:
         ops.get(n)
@@ -263,7 +268,7 @@ def explanation(inp: AttentionInputs, *, need_lse: bool = False) -> str:
         for name in ops.available():  # operators outside this device's priority list, with their reasons
             if name not in reasons:
                 why = ops.get(name).not_supported_reasons(inp, need_lse=need_lse, backward=backward or same_op)
-                reasons[name] = why or ["not in this device's priority list; force it with op= or use_ops()"]
+                reasons[name] = why or [_not_tried(name)]
         for name, why in reasons.items():
             if chosen is not None and name == chosen.NAME:
                 launch = chosen.describe_launch(inp) if not backward else None
@@ -275,3 +280,12 @@ def explanation(inp: AttentionInputs, *, need_lse: bool = False) -> str:
         if chosen is None:
             lines.append("  -> no operator can run these inputs")
     return "\n".join(lines)
+
+
+def _not_tried(name: str) -> str:
+    """Why an operator that could run the inputs is not a candidate: ``use_ops`` left it out, or the
+    device's priority list has no place for it."""
+    allowed = _allowed.get()
+    if allowed is not None and name not in allowed:
+        return f"excluded by use_ops({', '.join(map(repr, allowed))})"
+    return "not in this device's priority list; force it with op= or use_ops()"
