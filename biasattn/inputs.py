@@ -117,6 +117,17 @@ def _has_tensors(bias: AttentionBias) -> bool:
     return any(t is not None for atom in bias.atoms for t in atom.tensors().values())
 
 
+def _layout_hint(q: torch.Tensor, k: torch.Tensor) -> str:
+    """A hint when q and k look like ``[B, M, H, D]`` (the xformers / flash-attn layout): with dims 1 and 2
+    swapped, the head counts would divide. Empty otherwise."""
+    Hq, Hkv = q.shape[2], k.shape[2]
+    if Hkv == 0 or Hq % Hkv != 0 or (q.shape[1], k.shape[1]) == (Hq, Hkv):
+        return ""
+    return (f"; q {list(q.shape)} and k {list(k.shape)} look like [B, M, H, D], but biasattn takes [B, H, M, D] "
+            "(PyTorch's layout): pass q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2) and transpose the "
+            "output back with out.transpose(1, 2)")
+
+
 def as_bias(attn_bias) -> AttentionBias | None:
     """Wrap a plain float/bool tensor into an :class:`AdditiveBias`; pass biases and None through."""
     if attn_bias is None or isinstance(attn_bias, AttentionBias):
@@ -150,7 +161,7 @@ def make_inputs(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, requires_
         raise InputError(f"head dims must be positive, got D={D}, Dv={v.shape[3]}")
     Hkv = k.shape[1]
     if Hkv == 0 or Hq % Hkv != 0:
-        raise InputError(f"q has Hq={Hq} heads, which is not a multiple of k's Hkv={Hkv} heads")
+        raise InputError(f"q has Hq={Hq} heads, which is not a multiple of k's Hkv={Hkv} heads" + _layout_hint(q, k))
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
@@ -166,7 +177,9 @@ def make_inputs(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, requires_
         expected = (("batch size", bB, B, "q"), ("heads", bH, Hq, "q"), ("Mq", bMq, Mq, "q"), ("Mk", bMk, k.shape[2], "k"))
         for name, got, want, what in expected:
             if got is not None and got != want:
-                raise InputError(f"attn_bias ({type(bias).__name__}) has {name} {got}, {what} has {want}")
+                swapped = {"heads": q.shape[2], "Mq": q.shape[1], "Mk": k.shape[1]}.get(name)
+                hint = _layout_hint(q, k) if got == swapped else ""  # the bias fits q and k read as [B, M, H, D]
+                raise InputError(f"attn_bias ({type(bias).__name__}) has {name} {got}, {what} has {want}" + hint)
     spec = lower(bias, B, Hq, Mq, k.shape[2], q.device)
     if requires_grad is None:
         requires_grad = torch.is_grad_enabled() and (

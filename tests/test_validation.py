@@ -100,6 +100,32 @@ def test_heads_not_divisible():
         ba.attention(q, k, v)
 
 
+def test_heads_not_divisible_names_a_transposed_layout():
+    """q/k/v in the [B, M, H, D] layout got a head-count error with no hint that they were transposed."""
+    q, k, v = (t.transpose(1, 2) for t in qkv(Hq=4, Hkv=2, Mq=9, Mk=6))  # [B, M, H, D]
+    with raises(InputError, "Hq=9", "Hkv=6", "look like [B, M, H, D]", "[B, H, M, D]", "q.transpose(1, 2)"):
+        ba.attention(q, k, v)
+    ba.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # the hint's advice runs
+
+
+def test_bias_heads_mismatch_names_a_transposed_layout():
+    """A bias that fits q read as [B, M, H, D] says the inputs look transposed; one that fits neither reading does not."""
+    q, k, v = (t.transpose(1, 2) for t in qkv(Hq=4, Mq=6, Mk=6))  # [2, 6, 4, 8]: six "heads" as written
+    with raises(InputError, "attn_bias (AdditiveBias) has heads 4", "q has 6", "look like [B, M, H, D]"):
+        ba.attention(q, k, v, torch.zeros(2, 4, 6, 6))
+    with pytest.raises(InputError) as err:
+        ba.attention(q, k, v, torch.zeros(2, 3, 4, 4))
+    assert "look like" not in str(err.value)
+
+
+def test_untransposed_heads_error_has_no_layout_hint():
+    """The layout hint appears only when swapping dims 1 and 2 would make the heads divide."""
+    q, k, v = qkv(Hq=3, Hkv=2, Mq=5, Mk=6)
+    with pytest.raises(InputError) as err:
+        ba.attention(q, k, v)
+    assert "look like" not in str(err.value)
+
+
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), "0.5", True])
 def test_scale(scale):
     q, k, v = qkv()
