@@ -3,6 +3,10 @@
 >>> import torch, biasattn as ba
 >>> q = k = v = torch.randn(1, 2, 8, 16)
 >>> out = ba.attention(q, k, v, attn_bias=ba.LowerTriangularMask())
+
+The subpackages ``biasattn.nn``, ``biasattn.testing``, ``biasattn.integrations`` (and
+``biasattn.distributed`` where present) are attributes imported on first use, as ``torch.nn`` is:
+``import biasattn`` alone stays light.
 """
 
 from . import dispatch, errors, inputs, ops
@@ -24,6 +28,29 @@ from .dispatch import use_ops
 from .errors import BiasCompositionError, InputError, InputTypeError, NotSupportedError
 
 __version__ = "0.1.0"
+
+_SUBPACKAGES = ("distributed", "integrations", "nn", "testing")
+
+
+def _present(name: str) -> bool:
+    """Whether the subpackage ``biasattn.<name>`` is part of this build."""
+    import importlib.util
+
+    return importlib.util.find_spec(f"{__name__}.{name}") is not None
+
+
+def __getattr__(name: str):
+    """Import a subpackage on first access (``biasattn.nn``, ``biasattn.testing``, ...)."""
+    if name in _SUBPACKAGES and _present(name):
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's names plus the subpackages that import on first access."""
+    return sorted(set(globals()) | {n for n in _SUBPACKAGES if _present(n)})
 
 __all__ = [
     "ALiBi",
