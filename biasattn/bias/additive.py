@@ -16,22 +16,32 @@ from .base import AttentionBias
 
 @dataclass(frozen=True, eq=False)
 class AdditiveAtom(Atom):
-    """``tensor[b, h, i, j]`` is added to the scores (a bool mask is stored as 0 / -inf)."""
+    """``tensor[b, h, i, j]`` is added to the scores (a bool mask is stored as 0 / -inf).
 
-    tensor: torch.Tensor  # 4-D, broadcastable to [B, H, Mq_full, Mk_full]
+    ``tensor`` is the user's tensor itself (1 to 4 dims), not a view made at construction, so that
+    ``requires_grad_()`` called on it later still reaches it; :attr:`tensor4d` is its 4-D view.
+    """
+
+    tensor: torch.Tensor  # 1-4 dims, broadcastable to [B, H, Mq_full, Mk_full]
     is_mask: bool = False
     family: str = "AdditiveBias"
     kind = "additive"
 
+    @property
+    def tensor4d(self) -> torch.Tensor:
+        """``tensor`` as ``[B|1, H|1, Mq|1, Mk|1]`` (a view with leading 1s when it has fewer dims)."""
+        t = self.tensor
+        return t if t.dim() == 4 else t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+
     def sizes(self):
-        b, h, mq, mk = self.tensor.shape
-        return tuple(n if n > 1 else None for n in (b, h, mq, mk))
+        shape = (1,) * (4 - self.tensor.dim()) + tuple(self.tensor.shape)
+        return tuple(n if n > 1 else None for n in shape)
 
     def tensors(self):
         return {"tensor": self.tensor}
 
     def dense(self, g: Geometry, dtype, device) -> torch.Tensor:
-        t = self.tensor.to(device=device, dtype=dtype)
+        t = self.tensor4d.to(device=device, dtype=dtype)
         if t.shape[2] > 1:
             t = t[:, :, g.q_off : g.q_off + g.Mq]
         if t.shape[3] > 1:
@@ -39,18 +49,19 @@ class AdditiveAtom(Atom):
         return t
 
     def lower(self, builder) -> None:
-        builder.add_additive(self.tensor.to(builder.device))
+        builder.add_additive(self.tensor4d.to(builder.device))
 
     def __repr__(self) -> str:
         kind = "mask" if self.is_mask else str(self.tensor.dtype).replace("torch.", "")
-        return f"{kind}{list(self.tensor.shape)}"
+        return f"{kind}{list(self.tensor4d.shape)}"
 
 
 class AdditiveBias(AttentionBias):
     """A dense float bias broadcastable to ``[B, H, Mq, Mk]`` (fewer dims broadcast from the left).
 
     A bool tensor means "True = visible" and becomes a mask. Gradients flow to a float tensor
-    that requires grad, reduced over its broadcast dims.
+    that requires grad, reduced over its broadcast dims; the bias keeps the tensor given, so
+    ``t.requires_grad_()`` after construction still gives ``t.grad``.
     """
 
     def __new__(cls, tensor: torch.Tensor):
@@ -65,10 +76,9 @@ class AdditiveBias(AttentionBias):
             tensor = visible_to_additive(tensor, torch.float32)
         elif not tensor.is_floating_point():
             raise InputTypeError(f"AdditiveBias tensor must be floating point or bool, got dtype {tensor.dtype}")
-        t4 = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape)) if tensor.dim() < 4 else tensor
-        return cls._create([AdditiveAtom(t4, is_mask=is_mask, family=cls.__name__)], device=tensor.device)
+        return cls._create([AdditiveAtom(tensor, is_mask=is_mask, family=cls.__name__)], device=tensor.device)
 
     @property
     def tensor(self) -> torch.Tensor:
-        """The 4-D additive tensor (a view of the one given)."""
-        return self.atoms[0].tensor
+        """The 4-D additive tensor: the float tensor given, viewed with leading 1s when it has fewer dims."""
+        return self.atoms[0].tensor4d

@@ -42,6 +42,15 @@ class Geometry:
         return (torch.arange(self.Mk, device=device) + self.k_off)[None, :]
 
 
+def class_name(cls: type) -> str:
+    """``"module:qualname"`` of a class: how pickled biases and compiled graphs name atoms and families."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+#: Every atom class by :func:`class_name`; unpickling builds atoms from this table only.
+ATOM_CLASSES: dict[str, type] = {}
+
+
 def visible_to_additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Turn a bool visibility tensor into the additive form (0 visible, -inf hidden)."""
     zero = torch.zeros((), dtype=dtype, device=visible.device)
@@ -54,6 +63,10 @@ class Atom:
     family: ClassVar[str] = "AttentionBias"
     kind: ClassVar[str] = ""
     is_mask: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        ATOM_CLASSES[class_name(cls)] = cls
 
     def sizes(self) -> tuple[int | None, int | None, int | None, int | None]:
         """``(B, H, Mq_full, Mk_full)`` this atom fixes; None where it broadcasts or is unsized."""

@@ -5,11 +5,12 @@ but no storage of its own. Its meaning is a tuple of *atoms* (a band, segments, 
 layout, an additive tensor, ALiBi slopes), each of which knows how to materialize itself and how to
 lower itself into a :class:`~biasattn.bias.spec.BiasSpec`. Composition concatenates atoms; slicing
 records offsets. All ``__torch_function__`` handling lives here, so ``torch.compile`` support,
-``.to()`` and foreign-op materialization are solved once for every family.
+``.to()``, copying, pickling and foreign-op materialization are solved once for every family.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import importlib
@@ -22,7 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import BiasCompositionError, InputError
-from .atoms import Atom, Geometry, as_lengths, visible_to_additive  # noqa: F401  (kept importable from here)
+from .atoms import (  # noqa: F401  (as_lengths, visible_to_additive kept importable from here)
+    ATOM_CLASSES,
+    Atom,
+    Geometry,
+    as_lengths,
+    class_name,
+    visible_to_additive,
+)
 
 MATERIALIZE_WARN_BYTES = 256 * 2**20
 _warned_large_materialize = False
@@ -66,12 +74,21 @@ class AttentionBias(torch.Tensor):
     Shape dims that a bias does not fix are 1 (it broadcasts there); unsized masks take Mq and Mk
     from q and k at call time. Compose with ``&`` (masks) and ``+`` (masks and additive terms);
     slice lazily with ``bias[..., q0:q1, k0:k1]``; ``materialize(shape)`` gives the dense tensor.
+
+    Every bias survives ``copy.copy`` (shares its small tensors), ``copy.deepcopy`` (copies them,
+    keeping ``requires_grad``), ``pickle`` and ``torch.save``/``torch.load`` as the same lazy bias.
+    ``torch.load`` works with its default ``weights_only=True`` once ``biasattn`` is imported: the
+    library registers its rebuild function with ``torch.serialization.add_safe_globals``.
     """
 
     _atoms: tuple[Atom, ...]
     _offsets: tuple[int, int]
     _lengths: tuple[int | None, int | None]
     _full: tuple[int | None, int | None]
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        BIAS_CLASSES[class_name(cls)] = cls
 
     @staticmethod
     def __new__(cls, *args, **kwargs):  # families define their own constructors
@@ -198,7 +215,9 @@ class AttentionBias(torch.Tensor):
     # ----------------------------------------------------------------------------- algebra
     def __and__(self, other):
         if not isinstance(other, AttentionBias):
-            return NotImplemented if not isinstance(other, torch.Tensor) else _foreign(torch.Tensor.__and__, (self, other), {})
+            if not isinstance(other, torch.Tensor):
+                return NotImplemented
+            other = _mask_operand(self, other)
         for x in (self, other):
             if not x.is_mask:
                 raise BiasCompositionError(
@@ -209,7 +228,7 @@ class AttentionBias(torch.Tensor):
 
     def __rand__(self, other):
         if isinstance(other, torch.Tensor) and not isinstance(other, AttentionBias):
-            return _foreign(torch.Tensor.__and__, (other, self), {})
+            return _mask_operand(self, other) & self
         return NotImplemented
 
     def __add__(self, other):
@@ -306,6 +325,30 @@ class AttentionBias(torch.Tensor):
     def detach(self) -> AttentionBias:
         """The bias with detached additive tensors; stays lazy."""
         return self._derive(atoms=tuple(a.detach() for a in self._atoms))
+
+    # ----------------------------------------------------------------------------- copy and pickle
+    def __copy__(self) -> AttentionBias:
+        return self._derive()
+
+    def __deepcopy__(self, memo: dict) -> AttentionBias:
+        atoms = tuple(
+            dataclasses.replace(a, **{n: copy.deepcopy(t, memo) for n, t in a.tensors().items()}) for a in self._atoms
+        )
+        out = self._derive(atoms=atoms)
+        memo[id(self)] = out
+        return out
+
+    def __reduce_ex__(self, protocol):
+        atoms = tuple(
+            (
+                class_name(type(a)),
+                tuple((f.name, getattr(a, f.name)) for f in dataclasses.fields(a) if f.name not in a.tensors()),
+                tuple(a.tensors().items()),
+            )
+            for a in self._atoms
+        )
+        state = (_STATE_VERSION, class_name(type(self)), str(self.device), atoms, self._offsets, self._lengths, self._full)
+        return (_rebuild_bias, (state,))
 
     def __repr__(self, *args, **kwargs) -> str:
         parts = ", ".join(repr(a) for a in self._atoms)
@@ -419,6 +462,59 @@ class AttentionBias(torch.Tensor):
             return handler(*args, **(kwargs or {}))
         # Reached only below torch-function handling (autograd internals, tracing): same rule.
         return _foreign(func, args, kwargs or {})
+
+
+#: Every bias class by :func:`~.atoms.class_name`; unpickling builds biases from this table only.
+BIAS_CLASSES: dict[str, type] = {class_name(AttentionBias): AttentionBias}
+_STATE_VERSION = 1
+
+
+def _rebuild_bias(state: tuple) -> AttentionBias:
+    """Rebuild a pickled bias from the state :meth:`AttentionBias.__reduce_ex__` wrote.
+
+    Classes are looked up among the registered bias and atom classes only (never imported by name),
+    so loading a file with ``torch.load(weights_only=True)`` runs no other code.
+    """
+    version, cls_name, device, atom_states, offsets, lengths, full = state
+    if version != _STATE_VERSION:
+        raise InputError(f"a pickled bias has state version {version!r}, this biasattn reads version {_STATE_VERSION}")
+    cls = _registered(BIAS_CLASSES, cls_name, "bias class")
+    atoms = []
+    for atom_name, fields, tensors in atom_states:
+        atoms.append(_registered(ATOM_CLASSES, atom_name, "bias atom")(**dict(fields), **dict(tensors)))
+    if any(a.tensors() for a in atoms):
+        device = None  # the tensors' device: torch.load's map_location has moved them
+    elif torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        device = "cpu"  # a bias of sizes only follows q's device anyway
+    return AttentionBias._create.__func__(cls, atoms, tuple(offsets), tuple(lengths), device=device, full=tuple(full))  # type: ignore[attr-defined]
+
+
+def _registered(table: dict[str, type], name: str, what: str) -> type:
+    try:
+        return table[name]
+    except KeyError:
+        raise InputError(f"a pickled bias names the {what} {name!r}, which this biasattn does not define") from None
+
+
+torch.serialization.add_safe_globals([_rebuild_bias])
+
+
+def _mask_operand(bias: AttentionBias, t: torch.Tensor) -> AttentionBias:
+    """A plain tensor on one side of ``bias & t``: a bool tensor (True = visible) becomes a mask, as in ``attn_bias``."""
+    if t.dtype == torch.bool:
+        from ..inputs import as_bias
+
+        return as_bias(t)
+    if t.is_floating_point():
+        raise BiasCompositionError(
+            f"cannot compose {bias._family()} & a {str(t.dtype).replace('torch.', '')} tensor: '&' intersects masks; "
+            "pass a bool tensor (True = visible) to intersect, or write bias + biasattn.AdditiveBias(t) to add "
+            "a float bias lazily (bias + t materializes the bias)"
+        )
+    raise BiasCompositionError(
+        f"cannot compose {bias._family()} & a {str(t.dtype).replace('torch.', '')} tensor: '&' takes a bias or a "
+        "bool tensor (True = visible), e.g. bias & (t != 0)"
+    )
 
 
 _PASSTHROUGH = {

@@ -73,8 +73,11 @@ class LayoutAtom(Atom):
         builder.add_layout(self.layout.to(builder.device), self.block_q, self.block_k)
 
     def __repr__(self) -> str:
-        density = float(self.layout.float().mean()) if self.layout.numel() else 0.0
-        return f"layout={list(self.layout.shape)}, block=({self.block_q}, {self.block_k}), density={density:.2f}"
+        text = f"layout={list(self.layout.shape)}, block=({self.block_q}, {self.block_k})"
+        if self.layout.device.type == "cpu":  # elsewhere the density would need a device read (a sync, or none on meta)
+            density = float(self.layout.float().mean()) if self.layout.numel() else 0.0
+            text += f", density={density:.2f}"
+        return text
 
 
 class BlockSparseMask(AttentionBias):
