@@ -3,25 +3,36 @@
 ``fuse_attention(module)`` traces ``module`` with :func:`torch.fx.symbolic_trace` (or takes a
 ``GraphModule``), finds every site of the form
 
-    softmax(mask_terms(scale(q @ kᵀ)), dim=-1)  [-> eval-mode dropout]  @ v
+    softmax(mask_terms(scale(q @ kᵀ)), dim=-1)  [-> casts, dropout]  @ v
 
 and replaces it with one call of :func:`fused_attention`. Recognised pieces:
 
 - ``kᵀ`` as ``k.transpose(-2, -1)`` (any spelling of the last two dims), ``k.permute(0, 1, 3, 2)``,
-  ``k.mT``, or any other tensor (transposed back at run time);
+  ``k.mT``, or any other tensor (transposed back at run time); k and v repeated per head group
+  (``x[:, :, None].expand(...).reshape(...)``, as ``repeat_kv`` writes it) pass as grouped-query heads;
 - the scale as ``* c``, ``c *``, ``/ c`` (a number or a graph value such as ``k.size(-1) ** 0.5``);
-  without one the scale is 1 (a ``q`` scaled beforehand stays scaled);
-- mask terms in any order: ``+ mask`` (a float tensor), ``masked_fill(cond, -inf or a large negative)``,
-  ``torch.where(cond, scores, -inf)``; dtype casts (``.float()``, ``.to(...)``, ``.type_as(...)``)
-  around the scores and the weights are skipped;
+  without one the scale is 1 (q and k scaled beforehand stay scaled, exactly as written);
+- mask terms in any order, applied after the scale: ``+ mask`` (a float tensor), ``masked_fill(cond, fill)``,
+  ``torch.where(cond, scores, fill)`` with ``fill`` -inf or at most -1e4 (a number, a 0-d buffer,
+  ``torch.tensor(c)``, ``torch.full((), c)``); masks applied before the scale fuse only when they fill
+  with -inf (an added mask would be scaled with the scores and is refused); dtype casts
+  (``.float()``, ``.to(...)``, ``.type(...)``, ``.type_as(...)``) around the scores and the weights are skipped;
 - dropout on the weights: ``nn.Dropout`` (its ``p`` and ``training`` are read at run time) or
   ``F.dropout(..., training=...)`` as traced.
 
-A mask that is recognisably causal — a buffer whose top-left ``[:T, :T]`` slice is lower-triangular,
-as in GPT-style modules — becomes :class:`~biasattn.LowerTriangularMask`; a key-padding mask (a 2-D
-``[B, S]`` tensor expanded as ``m[:, None, None, :]``, in ``masked_fill(m == 0, ...)`` or BERT's
-``(1 - m) * -10000`` form) becomes lengths (:class:`~biasattn.PaddedKeysMask`) or a broadcast
-``[B, 1, 1, S]`` bias. Other masks pass as dense tensors, exactly as the original code used them.
+Masks that are recognisably structured become lazy biases: a 0/1 or 0/-inf buffer that is a band
+``lo <= j - i <= hi`` sliced top-left (``b[..., :T, :T]``) or bottom-right (GPT-2's
+``b[..., Mk - Mq:Mk, :Mk]``), or a band built in the graph (``torch.ones(T, T).tril()``,
+``torch.full((T, T), -inf).triu(1)``, ``torch.log(ones.tril().triu(-w))``) becomes
+:class:`~biasattn.LowerTriangularMask`, :class:`~biasattn.LowerTriangularFromBottomRightMask` or
+:class:`~biasattn.LocalAttentionMask` (a dense mask when the shapes leave no lazy equivalent); a
+key-padding mask (a 2-D ``[B, S]`` tensor expanded as ``m[:, None, None, :]``, in
+``masked_fill(m == 0, ...)`` or BERT's ``(1 - m) * -10000`` form) becomes lengths
+(:class:`~biasattn.PaddedKeysMask`) or a broadcast ``[B, 1, 1, S]`` bias. Other masks pass as dense
+tensors, exactly as the original code used them.
+
+The returned :class:`FusionReport` lists every fused site (scale, masks, dropout, notes) and every
+softmax-weighted product left alone, with the reason.
 
 Rows whose keys are all masked give 0 (biasattn's rule) where the naive code gives a uniform average
 (finite fill values) or NaN (``-inf``); all other rows agree to rounding.
@@ -31,22 +42,15 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
 
 from ..api import attention
-from ..bias import AdditiveBias, AttentionBias, LowerTriangularMask
+from ..bias import AdditiveBias, AttentionBias, LocalAttentionMask, LowerTriangularFromBottomRightMask, LowerTriangularMask
 from ..nn.multihead import compose, key_padding_bias
-
-_MATMUL = {operator.matmul, torch.matmul, torch.bmm}
-_SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax}
-_CASTS = {"float", "to", "type_as", "half", "bfloat16"}
-_LARGE_NEGATIVE = -1e4
-
+from .fx_patterns import Matcher, is_matmul
 
 # ------------------------------------------------------------------------------------ report
 
@@ -59,11 +63,15 @@ class FusedSite:
     scale: str
     masks: list[str]
     dropout: str
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass
 class FusionReport:
-    """What :func:`fuse_attention` did: ``fused`` sites (with details) and ``skipped`` candidates (with reasons)."""
+    """What :func:`fuse_attention` did: the fused ``sites`` (with details) and the ``skipped`` candidates.
+
+    Each ``skipped`` entry reads ``"<node>: <reason>"``, naming the ``weights @ v`` product left alone.
+    """
 
     sites: list[FusedSite] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
@@ -77,7 +85,8 @@ class FusionReport:
         lines = [f"fused {self.fused} attention site(s)"]
         for s in self.sites:
             masks = ", ".join(s.masks) or "no mask"
-            lines.append(f"  {s.node}: scale={s.scale}, {masks}, dropout={s.dropout}")
+            notes = "".join(f"; {n}" for n in s.notes)
+            lines.append(f"  {s.node}: scale={s.scale}, {masks}, dropout={s.dropout}{notes}")
         lines += [f"  skipped: {why}" for why in self.skipped]
         return "\n".join(lines)
 
@@ -85,25 +94,69 @@ class FusionReport:
 # ------------------------------------------------------------------------------------ run time
 
 
-def fused_attention(q, k, v, *terms, kinds: tuple[str, ...], scale=1.0, dropout=0.0):
+def band_bias(lo: int | None, hi: int | None, align: str, mq: int, mk: int, device=None) -> AttentionBias:
+    """The bias letting query i see key j iff ``lo <= j - i - shift <= hi`` (``None``: unbounded).
+
+    ``shift`` is 0 for ``align="top_left"`` and ``Mk - Mq`` for ``"bottom_right"``. Causal bands and
+    windows around the bottom-right diagonal become lazy masks; any other band is built densely
+    (``[Mq, Mk]`` bool), as the code that spelled it did.
+    """
+    shift = mk - mq if align == "bottom_right" else 0
+    if lo is None and hi == 0:
+        return LowerTriangularFromBottomRightMask() if align == "bottom_right" else LowerTriangularMask()
+    lo_b, hi_b = (None if x is None else x + shift - (mk - mq) for x in (lo, hi))  # around the bottom-right diagonal
+    if lo_b is not None and hi_b is not None and lo_b <= 0 <= hi_b:
+        return LocalAttentionMask(-lo_b, hi_b)
+    rel = torch.arange(mk, device=device)[None, :] - torch.arange(mq, device=device)[:, None] - shift
+    visible = torch.ones(mq, mk, dtype=torch.bool, device=device)
+    if lo is not None:
+        visible &= rel >= lo
+    if hi is not None:
+        visible &= rel <= hi
+    return AdditiveBias(visible)
+
+
+def _band_term(kind: tuple, tensors: list, q, k) -> AttentionBias:
+    """The bias of a ``("band", lo, hi, align, fallback)`` term (see :mod:`.fx_patterns`)."""
+    _, lo, hi, align, fallback = kind
+    mq, mk = q.shape[-2], k.shape[-2]
+    if fallback == "size":
+        rows, cols = (int(x) for x in tensors)
+        if (rows, cols) != (mq, mk):  # the code's mask broadcasts over a size-1 dim: rebuild it as it was
+            return AdditiveBias(band_bias(lo, hi, "top_left", rows, cols, q.device).tensor.expand(mq, mk))
+        return band_bias(lo, hi, align, mq, mk, q.device)
+    (t,) = tensors
+    if tuple(t.shape[-2:]) != (mq, mk):
+        return AdditiveBias(t.bool() if fallback == "visible" else t.to(q.dtype))
+    return band_bias(lo, hi, align, mq, mk, q.device)
+
+
+def fused_attention(q, k, v, *terms, kinds: tuple, scale=1.0, dropout=0.0):
     """What a fused site calls: ``softmax(q kᵀ · scale + terms) v`` through :func:`biasattn.attention`.
 
     ``terms`` come in groups described by ``kinds``: ``"additive"`` (one float tensor, added),
     ``"hidden"`` (one bool tensor, True = masked), ``"visible"`` (True = kept), ``"causal"`` (no
     tensor: a lazy top-left causal mask), ``"padding"`` (the original expanded mask and the 2-D
-    ``[B, S]`` keep mask it came from). ``dropout`` is a probability or an
-    ``nn.Dropout`` (read at call time).
+    ``[B, S]`` keep mask it came from), or a band tuple ``("band", lo, hi, align, fallback)`` with
+    two nodes (``fallback="size"``: the rows and columns of the built mask) or one (the mask tensor).
+    ``dropout`` is a probability or an ``nn.Dropout`` (read at call time). The result has v's dtype.
     """
     if isinstance(dropout, nn.Module):
         dropout = dropout.p if dropout.training else 0.0
     if isinstance(scale, torch.Tensor):
         scale = float(scale)
+    out_dtype = v.dtype
+    if q.dtype != v.dtype:  # e.g. q.float() @ k.float(): the scores' precision wins, the weights meet v in v's dtype
+        v = v.to(q.dtype)
     squeeze = q.dim() == 3  # [N, L, D] (batched matmul over one merged batch-head dim)
     if squeeze:
         q, k, v = q[:, None], k[:, None], v[:, None]
     biases: list[AttentionBias] = []
     it = iter(terms)
     for kind in kinds:
+        if isinstance(kind, tuple):
+            biases.append(_band_term(kind, [next(it) for _ in range(2 if kind[4] == "size" else 1)], q, k))
+            continue
         if kind == "causal":
             biases.append(LowerTriangularMask())
             continue
@@ -127,280 +180,17 @@ def fused_attention(q, k, v, *terms, kinds: tuple[str, ...], scale=1.0, dropout=
             biases.append(AdditiveBias(t.bool()))
     bias = compose(biases, q.device)
     out = attention(q, k, v, bias, scale=float(scale), dropout_p=float(dropout))
-    return out[:, 0] if squeeze else out
+    return (out[:, 0] if squeeze else out).to(out_dtype)
 
 
-# ------------------------------------------------------------------------------------ matching
-
-
-def _is_call(node, targets) -> bool:
-    return node.op == "call_function" and node.target in targets
-
-
-def _method(node, *names) -> bool:
-    return node.op == "call_method" and node.target in names
-
-
-def _arg(node, i, name, default=None):
-    if len(node.args) > i:
-        return node.args[i]
-    return node.kwargs.get(name, default)
-
-
-def _skip_casts(node):
-    while isinstance(node, fx.Node) and _method(node, *_CASTS) and len(node.users) == 1:
-        node = node.args[0]
-    return node
-
-
-def _is_softmax(node, modules) -> bool:
-    if _is_call(node, _SOFTMAX) or _method(node, "softmax"):
-        dim = _arg(node, 1, "dim")
-        return dim == -1
-    if node.op == "call_module" and isinstance(modules.get(node.target), nn.Softmax):
-        return modules[node.target].dim == -1
-    return False
-
-
-def _is_matmul(node) -> bool:
-    return isinstance(node, fx.Node) and (_is_call(node, _MATMUL) or _method(node, "matmul", "bmm"))
-
-
-def _const(x) -> float | None:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
-
-
-def _untranspose(kt, graph: fx.Graph):
-    """``k`` such that ``kt == k.transpose(-2, -1)``: peel an explicit transpose, or add one."""
-    if _method(kt, "transpose") or _is_call(kt, {torch.transpose}):
-        dims = {d for d in kt.args[1:3]} if len(kt.args) >= 3 else set()
-        if dims in ({-2, -1}, {2, 3}):
-            return kt.args[0]
-    if _method(kt, "permute") and tuple(kt.args[1:]) in ((0, 1, 3, 2),):
-        return kt.args[0]
-    if _is_call(kt, {getattr}) and kt.args[1] == "mT":
-        return kt.args[0]
-    with graph.inserting_after(kt):
-        return graph.call_method("transpose", (kt, -2, -1))
-
-
-def _expanded_2d(node):
-    """The 2-D node ``m`` if ``node`` is ``m[:, None, None, :]`` / ``m[:, None, None]`` / ``m.unsqueeze(1).unsqueeze(2)``."""
-    node = _skip_casts(node)
-    if _is_call(node, {operator.getitem}) and isinstance(node.args[1], tuple):
-        idx = node.args[1]
-        full = slice(None, None, None)
-        if idx in ((full, None, None, full), (full, None, None)):
-            return node.args[0]
-    if _method(node, "unsqueeze") and node.args[1] == 2:
-        inner = node.args[0]
-        if _method(inner, "unsqueeze") and inner.args[1] == 1:
-            return inner.args[0]
-    return None
-
-
-def _keep_from_condition(cond):
-    """For ``masked_fill(cond, ...)``: the node meaning "key kept" when ``cond`` is ``x == 0`` / ``~x``, else None."""
-    if _is_call(cond, {operator.eq, torch.eq}) or _method(cond, "eq"):
-        if cond.args[1] == 0:
-            return cond.args[0]
-    if _is_call(cond, {operator.invert, torch.logical_not}) or _method(cond, "logical_not", "bitwise_not"):
-        return cond.args[0]
-    return None
-
-
-class _Matcher:
-    def __init__(self, gm: fx.GraphModule):
-        self.gm = gm
-        self.modules = dict(gm.named_modules())
-
-    def _buffer(self, node):
-        """The tensor behind a ``get_attr`` node, or None."""
-        if node.op != "get_attr":
-            return None
-        obj: Any = self.gm
-        for part in node.target.split("."):
-            obj = getattr(obj, part, None)
-        return obj if isinstance(obj, torch.Tensor) else None
-
-    def _top_left_slice(self, node):
-        """``(buffer, node)`` if ``node`` is a buffer or a slice of it starting at 0 in its last two dims."""
-        node = _skip_casts(node)
-        buf = self._buffer(node)
-        if buf is not None:
-            return buf
-        if _is_call(node, {operator.getitem}) and isinstance(node.args[1], tuple):
-            buf = self._buffer(_skip_casts(node.args[0]))
-            idx = node.args[1]
-            if buf is not None and len(idx) == buf.dim() and all(isinstance(s, slice) and s.step is None for s in idx):
-                if all(s.start in (None, 0) for s in idx[-2:]) and all(s == slice(None, None, None) for s in idx[:-2]):
-                    return buf
-        return None
-
-    def _causal_visible(self, node) -> bool:
-        """True if ``node`` (1 = kept) is a top-left slice of a lower-triangular 0/1 buffer."""
-        buf = self._top_left_slice(node)
-        if buf is None or buf.dim() < 2 or buf.shape[-1] != buf.shape[-2]:
-            return False
-        b = buf.reshape(-1, *buf.shape[-2:])
-        tril = torch.ones(buf.shape[-2:], dtype=torch.bool, device=buf.device).tril()
-        return bool(((b != 0) == tril).all())
-
-    def _causal_additive(self, node) -> bool:
-        buf = self._top_left_slice(node)
-        if buf is None or buf.dim() < 2 or buf.shape[-1] != buf.shape[-2] or not buf.is_floating_point():
-            return False
-        b = buf.reshape(-1, *buf.shape[-2:])
-        tril = torch.ones(buf.shape[-2:], dtype=torch.bool, device=buf.device).tril()
-        return bool(((b == 0) == tril).all() and (b[:, ~tril] <= _LARGE_NEGATIVE).all())
-
-    def _padding_additive(self, node):
-        """The 2-D keep mask of BERT's ``(1 - m[:, None, None, :]) * c`` with ``c <= -1e4``, or None."""
-        node = _skip_casts(node)
-        if not (_is_call(node, {operator.mul, torch.mul}) or _method(node, "mul")):
-            return None
-        a, b = node.args[0], node.args[1]
-        if _const(a) is not None:
-            a, b = b, a
-        c = _const(b)
-        if c is None or c > _LARGE_NEGATIVE or not isinstance(a, fx.Node):
-            return None
-        a = _skip_casts(a)
-        if _is_call(a, {operator.sub, torch.sub}) and _const(a.args[0]) == 1.0 and isinstance(a.args[1], fx.Node):
-            return _expanded_2d(a.args[1])
-        return None
-
-    def match(self, out: fx.Node):
-        """Describe the site ending at matmul ``out`` or return a reason string."""
-        if not _is_matmul(out):
-            return None
-        p, v = out.args[0], out.args[1]
-        if not isinstance(p, fx.Node) or not isinstance(v, fx.Node):
-            return None
-        chain = []  # intermediate nodes that must have no other users
-        dropout: Any = 0.0
-        dropout_text = "none"
-        node = p
-        while True:
-            if _method(node, *_CASTS):
-                chain.append(node)
-                node = node.args[0]
-            elif node.op == "call_module" and isinstance(self.modules.get(node.target), nn.Dropout):
-                chain.append(node)
-                dropout, dropout_text = ("module", node.target), f"module {node.target}"
-                node = node.args[0]
-            elif _is_call(node, {F.dropout}):
-                chain.append(node)
-                prob, training = _arg(node, 1, "p", 0.5), _arg(node, 2, "training", True)
-                if not isinstance(training, bool) or _const(prob) is None:
-                    return "dropout with a run-time training flag"
-                dropout = float(prob) if training else 0.0
-                dropout_text = f"{dropout}"
-                node = node.args[0]
-            else:
-                break
-        if not _is_softmax(node, self.modules):
-            return None
-        chain.append(node)
-        scores = node.args[0]
-        terms: list[tuple[str, list]] = []
-        scale: Any = 1.0
-        scale_text = "1"
-        scaled = False
-        while True:
-            if not isinstance(scores, fx.Node):
-                return "scores are not a graph value"
-            chain.append(scores)
-            if _is_matmul(scores):
-                q, kt = scores.args[0], scores.args[1]
-                break
-            if _method(scores, *_CASTS):
-                scores = scores.args[0]
-            elif _is_call(scores, {operator.add, torch.add}) or _method(scores, "add"):
-                a, b = scores.args[0], scores.args[1]
-                if not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
-                    return "a number added to the scores"
-                if self._leads_to_matmul(b) and not self._leads_to_matmul(a):
-                    a, b = b, a
-                if scaled:
-                    return "a mask added before the scale"
-                terms.append(self._additive_term(b))
-                scores = a
-            elif _method(scores, "masked_fill") or _is_call(scores, {torch.masked_fill}):
-                cond, value = scores.args[1], scores.args[2]
-                if _const(value) is None or _const(value) > _LARGE_NEGATIVE:
-                    return f"masked_fill with value {value!r}"
-                terms.append(self._hidden_term(cond))
-                scores = scores.args[0]
-            elif _is_call(scores, {torch.where}) and len(scores.args) == 3:
-                cond, a, value = scores.args
-                if _const(value) is None or _const(value) > _LARGE_NEGATIVE or not isinstance(a, fx.Node):
-                    return "torch.where with a non-masking value"
-                terms.append(self._visible_term(cond))
-                scores = a
-            elif _is_call(scores, {operator.mul, torch.mul, operator.truediv, torch.div}) or _method(scores, "mul", "div"):
-                a, b = scores.args[0], scores.args[1]
-                div = scores.target in (operator.truediv, torch.div, "div")
-                if not div and not self._leads_to_matmul(a):
-                    a, b = b, a
-                if not isinstance(a, fx.Node) or (isinstance(b, fx.Node) and self._leads_to_matmul(b)) or scaled:
-                    return "scores multiplied by something other than a scale"
-                if any(kind == "additive" for kind, _ in terms):
-                    return "an additive mask scaled with the scores"
-                scaled = True
-                if _const(b) is not None:
-                    scale = 1.0 / _const(b) if div else _const(b)
-                    scale_text = f"{scale:.6g}"
-                else:
-                    scale, scale_text = (b, "1/" if div else "") , f"{'1/' if div else ''}{b}"
-                scores = a
-            else:
-                return f"unrecognised op {scores.op} {getattr(scores.target, '__name__', scores.target)} in the scores"
-        for n in chain:
-            if len(n.users) != 1:
-                return f"{n.name} is used outside the attention (e.g. the weights are returned)"
-        return q, kt, v, terms[::-1], scale, scale_text, dropout, dropout_text, chain
-
-    def _leads_to_matmul(self, node) -> bool:
-        """Whether ``node`` is on the scores chain (reaches q @ kᵀ through scores-shaped ops)."""
-        for _ in range(16):
-            if not isinstance(node, fx.Node):
-                return False
-            if _is_matmul(node):
-                return True
-            if node.op in ("call_function", "call_method") and node.args and isinstance(node.args[0], fx.Node):
-                if _is_call(node, {operator.add, torch.add, operator.mul, torch.mul}) and isinstance(node.args[1], fx.Node):
-                    return self._leads_to_matmul(node.args[0]) or self._leads_to_matmul(node.args[1])
-                node = node.args[0]
-            else:
-                return False
-        return False
-
-    def _additive_term(self, mask):
-        keep = self._padding_additive(mask)
-        if keep is not None:
-            return "padding", [mask, keep]
-        if self._causal_additive(mask):
-            return "causal", []
-        return "additive", [mask]
-
-    def _hidden_term(self, cond):
-        keep = _keep_from_condition(cond)
-        if keep is not None:
-            base = _expanded_2d(keep)
-            if base is not None:
-                return "padding", [keep, base]
-            if self._causal_visible(keep):
-                return "causal", []
-        return "hidden", [cond]
-
-    def _visible_term(self, cond):
-        base = _expanded_2d(cond)
-        if base is not None:
-            return "padding", [cond, base]
-        if self._causal_visible(cond):
-            return "causal", []
-        return "visible", [cond]
+def _mask_label(kind) -> str:
+    """How the report names a mask term."""
+    if not isinstance(kind, tuple):
+        return kind
+    _, lo, hi, align, _ = kind
+    if lo is None and hi == 0:
+        return "causal" if align == "top_left" else "causal (bottom-right)"
+    return f"band {'-inf' if lo is None else lo} <= j - i <= {'inf' if hi is None else hi} ({align.replace('_', '-')})"
 
 
 # ------------------------------------------------------------------------------------ the pass
@@ -424,44 +214,50 @@ def fuse_attention(
     in place. Returns ``(graph module, report)``.
     """
     gm = module if isinstance(module, fx.GraphModule) else _trace(module, concrete_args)
-    matcher = _Matcher(gm)
+    matcher = Matcher(gm)
     report = FusionReport()
     graph = gm.graph
     for out in list(graph.nodes):
-        if out.graph is not graph or not _is_matmul(out):
+        if out.graph is not graph or not is_matmul(out):
             continue
-        found = matcher.match(out)
-        if found is None:
+        site = matcher.match(out)
+        if site is None:
             continue
-        if isinstance(found, str):
-            report.skipped.append(f"{out.name}: {found}")
+        if isinstance(site, str):
+            report.skipped.append(f"{out.name}: {site}")
             continue
-        q, kt, v, terms, scale, scale_text, dropout, dropout_text, chain = found
-        k = _untranspose(kt, graph)
-        if isinstance(dropout, tuple):  # an nn.Dropout: its p and training flag are read at run time
-            with graph.inserting_before(out):
-                dropout = graph.get_attr(dropout[1])
-        if isinstance(scale, tuple):  # a graph value: the scale itself, or what the scores were divided by
-            value, div = scale[0], scale[1] == "1/"
-            with graph.inserting_before(out):
-                scale = graph.call_function(operator.truediv, (1.0, value)) if div else value
-        args = [q, k, v]
-        kinds = []
-        for kind, nodes in terms:
-            kinds.append(kind)
-            args.extend(nodes)
         with graph.inserting_before(out):
-            fused = graph.call_function(
-                fused_attention, tuple(args), {"kinds": tuple(kinds), "scale": scale, "dropout": dropout}
-            )
+            k = graph.call_method("transpose", (site.k, -2, -1)) if site.k_transposed else site.k
+            dropout, scale = site.dropout, site.scale
+            if isinstance(dropout, tuple):  # an nn.Dropout: its p and training flag are read at run time
+                dropout = graph.get_attr(dropout[1])
+            if isinstance(scale, tuple):  # a graph value: the scale itself, or what the scores were divided by
+                scale = graph.call_function(operator.truediv, (1.0, scale[0])) if scale[1] else scale[0]
+            args = [site.q, k, site.v]
+            for _, nodes in site.terms:
+                args.extend(nodes)
+            kinds = tuple(kind for kind, _ in site.terms)
+            fused = graph.call_function(fused_attention, tuple(args), {"kinds": kinds, "scale": scale, "dropout": dropout})
         out.replace_all_uses_with(fused)
-        for n in [out, *chain]:  # the naive computation, now unused
-            graph.erase_node(n)
-        report.sites.append(FusedSite(fused.name, scale_text, [k_ for k_, _ in terms], dropout_text))
+        _erase(graph, [out, *site.chain, *site.meta])
+        labels = [_mask_label(kind) for kind, _ in site.terms]
+        report.sites.append(FusedSite(fused.name, site.scale_text, labels, site.dropout_text, site.notes))
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()
     return gm, report
 
 
-__all__ = ["FusedSite", "FusionReport", "fuse_attention", "fused_attention"]
+def _erase(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase ``nodes`` (the naive computation, now unused), users first."""
+    left = list(dict.fromkeys(nodes))
+    while left:
+        free = [n for n in left if not n.users]
+        if not free:
+            raise RuntimeError(f"fuse_attention: nodes {[n.name for n in left]} are still used")
+        for n in free:
+            graph.erase_node(n)
+            left.remove(n)
+
+
+__all__ = ["FusedSite", "FusionReport", "band_bias", "fuse_attention", "fused_attention"]
