@@ -1,10 +1,11 @@
-"""Command line: ``python -m biasattn info | explain | demo | bench``."""
+"""Command line: ``python -m biasattn info | explain | demo | bench`` (also installed as ``biasattn``)."""
 
 from __future__ import annotations
 
 import argparse
 import math
 import platform
+import re
 import statistics
 import sys
 import time
@@ -17,6 +18,23 @@ from .errors import InputError
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
+BIAS_GRAMMAR = """\
+--bias terms:
+  causal                      causal mask aligned top-left: query i sees keys 0..i
+  causal-br                   causal mask aligned bottom-right (queries are the last keys: KV cache)
+  local:LEFT[:RIGHT]          sliding window: LEFT keys before, RIGHT after the bottom-right diagonal
+  padded:L1,L2,..             keys past each batch row's length are hidden (one length per batch row)
+  varlen:L1,L2,..             packed sequences of these lengths (batch size 1); varlen-causal:.. is causal
+  block_sparse:BLOCK:DENSITY  random block layout (seed 0): BLOCK-sized blocks, DENSITY of them visible
+  alibi                       ALiBi with the standard slopes
+  additive                    a random float bias [1, H, Mq, Mk]
+  none                        no bias
+'&' intersects masks and '+' adds terms, by the library's rules and with Python's precedence ('+'
+binds tighter than '&'): add a term to a parenthesized mask, as in "(causal & padded:100) + alibi".
+"""
+
+_TOKEN = re.compile(r"\s*(?:([()&+])|([^\s()&+]+))")
+
 
 def _ints(text: str, name: str) -> list[int]:
     try:
@@ -25,61 +43,154 @@ def _ints(text: str, name: str) -> list[int]:
         raise InputError(f"{name} must be comma-separated integers, got {text!r}") from None
 
 
-def parse_bias(text: str | None, B: int, H: int, Mq: int, Mk: int, device, dtype) -> ba.AttentionBias | None:
-    """Build a bias from a description such as ``causal & padded:100,200 + alibi``.
+def _number(text: str, name: str, default: float) -> float:
+    try:
+        return float(text) if text else default
+    except ValueError:
+        raise InputError(f"{name} must be a number, got {text!r}") from None
 
-    Terms: ``causal``, ``causal-br``, ``local:LEFT[:RIGHT]``, ``padded:L1,L2,..``, ``varlen:L1,L2,..``
-    (packed, causal with ``varlen-causal:..``), ``block_sparse:BLOCK:DENSITY``, ``alibi``, ``additive``.
-    Masks join with ``&``, additive terms with ``+``.
+
+def _term(term: str, H: int, Mq: int, Mk: int, device, dtype) -> ba.AttentionBias:
+    """One term of the ``--bias`` grammar as a library bias."""
+    name, _, arg = term.partition(":")
+    if name == "causal":
+        b = ba.LowerTriangularMask()
+    elif name == "causal-br":
+        b = ba.LowerTriangularFromBottomRightMask()
+    elif name == "local":
+        b = ba.LocalAttentionMask(*_ints(arg.replace(":", ","), "local window"))
+    elif name == "padded":
+        b = ba.PaddedKeysMask(_ints(arg, "padded lengths"))
+    elif name in ("varlen", "varlen-causal"):
+        b = ba.BlockDiagonalMask.from_seqlens(_ints(arg, "varlen lengths"))
+        b = b.make_causal() if name == "varlen-causal" else b
+    elif name == "block_sparse":
+        block, _, density = arg.partition(":")
+        block = int(_number(block, "block_sparse block size", 64))
+        gen = torch.Generator().manual_seed(0)
+        shape = (1, H, math.ceil(Mq / max(block, 1)), math.ceil(Mk / max(block, 1)))
+        b = ba.BlockSparseMask(torch.rand(shape, generator=gen) < _number(density, "block_sparse density", 0.25), block)
+    elif name == "alibi":
+        b = ba.ALiBi(ba.ALiBi.standard_slopes(H))
+    elif name == "additive":
+        b = ba.AdditiveBias(torch.randn(1, H, Mq, Mk, dtype=dtype))
+    else:
+        raise InputError(f"unknown bias term {term!r}\n{BIAS_GRAMMAR}")
+    return b.to(device)
+
+
+class _BiasParser:
+    """``--bias`` text to a bias, combining terms with the library's own ``&`` and ``+`` (Python's precedence).
+
+    expr := sum ('&' sum)* ;  sum := atom ('+' atom)* ;  atom := TERM | '(' expr ')'
     """
-    if not text or text == "none":
-        return None
-    bias = None
-    for plus_part in text.split("+"):
-        for term in plus_part.split("&"):
-            term = term.strip()
-            name, _, arg = term.partition(":")
-            if name == "causal":
-                b = ba.LowerTriangularMask()
-            elif name == "causal-br":
-                b = ba.LowerTriangularFromBottomRightMask()
-            elif name == "local":
-                parts = _ints(arg.replace(":", ","), "local window")
-                b = ba.LocalAttentionMask(*parts)
-            elif name == "padded":
-                b = ba.PaddedKeysMask(_ints(arg, "padded lengths"))
-            elif name in ("varlen", "varlen-causal"):
-                b = ba.BlockDiagonalMask.from_seqlens(_ints(arg, "varlen lengths"))
-                b = b.make_causal() if name == "varlen-causal" else b
-            elif name == "block_sparse":
-                block, _, density = arg.partition(":")
-                block = int(block or 64)
-                gen = torch.Generator().manual_seed(0)
-                layout = torch.rand(1, H, math.ceil(Mq / block), math.ceil(Mk / block), generator=gen) < float(density or 0.25)
-                b = ba.BlockSparseMask(layout, block)
-            elif name == "alibi":
-                b = ba.ALiBi(ba.ALiBi.standard_slopes(H))
-            elif name == "additive":
-                b = ba.AdditiveBias(torch.randn(1, H, Mq, Mk, dtype=dtype))
-            else:
-                raise InputError(f"unknown bias term {term!r}; see `python -m biasattn explain --help`")
-            b = b.to(device)
-            bias = b if bias is None else (bias + b if (not b.is_mask or not bias.is_mask) else bias & b)
-    return bias
+
+    def __init__(self, text: str, make):
+        self.text, self.make, self.pos = text, make, 0
+        self.tokens = [m.group(1) or m.group(2) for m in _TOKEN.finditer(text) if m.group(1) or m.group(2)]
+        self.parts: list[tuple[str, ba.AttentionBias]] = []
+
+    def fail(self, what: str):
+        raise InputError(f"cannot read --bias {self.text!r}: {what}\n{BIAS_GRAMMAR}")
+
+    def peek(self) -> str | None:
+        return self.tokens[self.pos] if self.pos < len(self.tokens) else None
+
+    def take(self) -> str | None:
+        tok = self.peek()
+        self.pos += 1
+        return tok
+
+    def parse(self) -> ba.AttentionBias:
+        bias = self.expr()
+        if self.peek() is not None:
+            self.fail(f"unexpected {self.peek()!r}")
+        return bias
+
+    def expr(self) -> ba.AttentionBias:
+        bias = self.sum()
+        while self.peek() == "&":
+            self.take()
+            bias = bias & self.sum()
+        return bias
+
+    def sum(self) -> ba.AttentionBias:
+        bias = self.atom()
+        while self.peek() == "+":
+            self.take()
+            bias = bias + self.atom()
+        return bias
+
+    def atom(self) -> ba.AttentionBias:
+        tok = self.take()
+        if tok == "(":
+            bias = self.expr()
+            if self.take() != ")":
+                self.fail("a '(' is not closed")
+            return bias
+        if tok is None or tok in ")&+":
+            self.fail("expected a term " + (f"before {tok!r}" if tok else "at the end"))
+        bias = self.make(tok)
+        self.parts.append((tok, bias))
+        return bias
+
+
+def parse_bias(text: str | None, B: int, H: int, Mq: int, Mk: int, device, dtype) -> ba.AttentionBias | None:
+    """Build a bias from a description such as ``(causal & padded:100,200) + alibi`` (grammar: ``BIAS_GRAMMAR``).
+
+    Terms are combined with the library's ``&`` and ``+``, so a combination the library refuses is
+    refused here with the library's own error.
+    """
+    return _parse(text, H, Mq, Mk, device, dtype)[0]
+
+
+def _parse(text, H, Mq, Mk, device, dtype) -> tuple[ba.AttentionBias | None, list[tuple[str, ba.AttentionBias]]]:
+    if not text or text.strip() == "none":
+        return None, []
+    parser = _BiasParser(text, lambda term: _term(term, H, Mq, Mk, device, dtype))
+    return parser.parse(), parser.parts
+
+
+def bias_notes(parts: list[tuple[str, ba.AttentionBias]], Mq: int, Mk: int) -> list[str]:
+    """One line for each ``--bias`` term that has no effect for these shapes, or that is often a mistake."""
+    notes = []
+    for text, part in parts:
+        bB, bH = part.sizes[:2]
+        shape = (bB or 1, bH or 1, Mq, Mk)
+        if math.prod(shape) > 1 << 22:
+            continue  # too large to check cheaply
+        dense = part.materialize(shape)
+        if not dense.any():
+            what = "every query sees every key" if part.is_mask else "it adds zero everywhere"
+            notes.append(f"note: {text} has no effect for Mq={Mq}, Mk={Mk}: {what}")
+        elif text == "causal" and Mq < Mk:
+            notes.append(f"note: causal is aligned top-left (query i sees keys 0..i): with {Mq} queries and {Mk} keys, "
+                         f"the last query sees {Mq} keys; when the queries are the last {Mq} keys (a KV cache) use causal-br")
+    return notes
 
 
 def _inputs(args):
-    B, Hq, Mq, D = _ints(args.shape, "--shape")
+    shape = _ints(args.shape, "--shape")
+    if len(shape) != 4 or min(shape) < 1:
+        raise InputError(f"--shape must be four positive integers B,Hq,Mq,D (e.g. 1,8,1024,64), got {args.shape!r}")
+    B, Hq, Mq, D = shape
     Hkv = args.kv_heads or Hq
     Mk = args.mk or Mq
+    if Hkv < 1 or Mk < 1:
+        raise InputError(f"--kv-heads and --mk must be positive, got {Hkv} and {Mk}")
     dtype = DTYPES[args.dtype]
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise InputError(f"--device must be a torch device such as cpu or cuda:0, got {args.device!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device {args.device} asked for, but CUDA is not available here; use --device cpu")
     grad = getattr(args, "grad", False)
     q = torch.randn(B, Hq, Mq, D, dtype=dtype, device=device, requires_grad=grad)
     k = torch.randn(B, Hkv, Mk, D, dtype=dtype, device=device, requires_grad=grad)
     v = torch.randn(B, Hkv, Mk, D, dtype=dtype, device=device, requires_grad=grad)
-    bias = parse_bias(args.bias, B, Hq, Mq, Mk, device, dtype)
-    return q, k, v, bias
+    bias, parts = _parse(args.bias, Hq, Mq, Mk, device, dtype)
+    return q, k, v, bias, parts
 
 
 def cmd_info(args) -> int:
@@ -90,7 +201,8 @@ def cmd_info(args) -> int:
 
         print(f"triton {triton.__version__}")
     except ImportError:
-        print("triton: not installed")
+        print("triton: not installed; the Triton kernels (GPU) need it: CUDA builds of torch bring it, "
+              "or install the extra with pip install -e \".[triton]\"")
     if torch.cuda.is_available():
         for n in range(torch.cuda.device_count()):
             cap = torch.cuda.get_device_capability(n)
@@ -114,8 +226,11 @@ def cmd_info(args) -> int:
 
 def cmd_explain(args) -> int:
     """Print which operator runs the described inputs, and why the others refuse."""
-    q, k, v, bias = _inputs(args)
-    print(ba.explain(q, k, v, bias, dropout_p=args.dropout, requires_grad=args.grad))
+    q, k, v, bias, parts = _inputs(args)
+    inp = ba.inputs.make_inputs(q, k, v, bias, dropout_p=args.dropout, requires_grad=args.grad)
+    print(ba.dispatch.explanation(inp, fold_unavailable=True))
+    for note in bias_notes(parts, inp.Mq, inp.Mk):
+        print(note)
     return 0
 
 
@@ -162,45 +277,58 @@ def _time_ms(fn, device: torch.device, reps: int) -> float:
     return statistics.median(times)
 
 
+def verdict(ours_ms: float, theirs_ms: float, theirs: str) -> str:
+    """``"biasattn 2.10× faster than <theirs>"`` or ``"... slower ..."`` from two median times."""
+    if math.isclose(ours_ms, theirs_ms, rel_tol=0.02):
+        return f"biasattn and {theirs} take the same time (within 2%)"
+    if ours_ms < theirs_ms:
+        return f"biasattn {theirs_ms / ours_ms:.2f}× faster than {theirs}"
+    return f"biasattn {ours_ms / theirs_ms:.2f}× slower than {theirs}"
+
+
 def cmd_bench(args) -> int:
     """Time biasattn against torch SDPA with the dense mask on one input (median)."""
-    q, k, v, bias = _inputs(args)
+    q, k, v, bias, _ = _inputs(args)
+    op = ba.dispatch.choose(ba.inputs.make_inputs(q, k, v, bias))[0].NAME  # the library's checks, its messages
     device = q.device
     B, Hq, Mq, D = q.shape
     Mk = k.shape[2]
-    rows = []
-    rows.append(("biasattn (" + ba.dispatch.choose(ba.inputs.make_inputs(q, k, v, bias))[0].NAME + ")",
-                 _time_ms(lambda: ba.attention(q, k, v, bias), device, args.reps)))
+    ours = _time_ms(lambda: ba.attention(q, k, v, bias), device, args.reps)
     dense = None if bias is None else bias.materialize((B, Hq, Mq, Mk), dtype=q.dtype, device=device)
     kk, vv = k, v
     if Hq != k.shape[1]:
         kk, vv = k.repeat_interleave(Hq // k.shape[1], 1), v.repeat_interleave(Hq // k.shape[1], 1)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    rows.append(("torch SDPA, dense mask", _time_ms(lambda: sdpa(q, kk, vv, attn_mask=dense), device, args.reps)))
-    base = rows[0][1]
-    print(f"q {list(q.shape)}, k {list(k.shape)}, {args.dtype} on {device}, bias: {args.bias or 'none'}")
-    for name, ms in rows:
-        print(f"  {name:<28} {ms:9.3f} ms   ({ms / base:.2f}x biasattn's time)")
+    theirs = _time_ms(lambda: sdpa(q, kk, vv, attn_mask=dense), device, args.reps)
+    peer = "torch SDPA with a dense mask" if bias is not None else "torch SDPA without a mask"
+    print(f"q {list(q.shape)}, k {list(k.shape)}, {args.dtype} on {device}, bias: {args.bias or 'none'}, "
+          f"median of {args.reps} runs")
+    print(f"  {'biasattn (' + op + ')':<30} {ours:9.3f} ms")
+    print(f"  {peer:<30} {theirs:9.3f} ms")
+    print(verdict(ours, theirs, peer))
+    if device.type == "cpu":
+        print(f"(on the CPU biasattn runs {op}, plain PyTorch; its fused kernels need a CUDA GPU)")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m biasattn``."""
+    """Entry point of ``python -m biasattn`` and of the ``biasattn`` command."""
     parser = argparse.ArgumentParser(prog="python -m biasattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, devices and operator availability")
     sub.add_parser("demo", help="composed biases on the CPU, checked against the reference")
     for name, helptext in (("explain", "which operator runs these inputs and why"), ("bench", "time against torch SDPA")):
-        p = sub.add_parser(name, help=helptext)
-        p.add_argument("--shape", required=True, help="B,Hq,Mq,D of q")
+        p = sub.add_parser(name, help=helptext, description=helptext, epilog=BIAS_GRAMMAR,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("--shape", required=True, help="B,Hq,Mq,D of q, e.g. 1,8,1024,64")
         p.add_argument("--kv-heads", type=int, default=None, help="Hkv (default Hq)")
         p.add_argument("--mk", type=int, default=None, help="number of keys Mk (default Mq)")
-        p.add_argument("--bias", default=None, help=parse_bias.__doc__.split("\n")[0])
+        p.add_argument("--bias", default=None, help='e.g. "causal & padded:100,200"; terms listed below')
         p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
         p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
         p.add_argument("--dropout", type=float, default=0.0)
         p.add_argument("--grad", action="store_true", help="gradients are needed")
-        p.add_argument("--reps", type=int, default=10)
+        p.add_argument("--reps", type=int, default=10, help="timed runs on the CPU (bench)")
     args = parser.parse_args(argv)
     handler = {"info": cmd_info, "explain": cmd_explain, "demo": cmd_demo, "bench": cmd_bench}[args.command]
     try:

@@ -251,8 +251,12 @@ def _choose(inp: AttentionInputs, need_lse: bool, op) -> tuple[Operator, Operato
     return fwd, bwd
 
 
-def explanation(inp: AttentionInputs, *, need_lse: bool = False) -> str:
-    """Human-readable report: every registered operator with 'chosen' or its reasons, in priority order."""
+def explanation(inp: AttentionInputs, *, need_lse: bool = False, fold_unavailable: bool = False) -> str:
+    """Human-readable report: every registered operator with 'chosen' or its reasons, in priority order.
+
+    With ``fold_unavailable``, operators that cannot run on this device at all (GPU-only ones on a
+    CPU machine) share one line per pass instead of one line each.
+    """
     lines = [f"inputs: {inp.describe()}"]
     try:
         fwd, bwd = choose(inp, need_lse=need_lse)
@@ -269,7 +273,10 @@ def explanation(inp: AttentionInputs, *, need_lse: bool = False) -> str:
             if name not in reasons:
                 why = ops.get(name).not_supported_reasons(inp, need_lse=need_lse, backward=backward or same_op)
                 reasons[name] = why or [_not_tried(name)]
+        folded = _unavailable_here(inp.device) if fold_unavailable else {}
         for name, why in reasons.items():
+            if name in folded:
+                continue
             if chosen is not None and name == chosen.NAME:
                 launch = chosen.describe_launch(inp) if not backward else None
                 lines.append(f"  {name:<14} chosen" + (f": {launch}" if launch else ""))
@@ -277,9 +284,27 @@ def explanation(inp: AttentionInputs, *, need_lse: bool = False) -> str:
                 lines.append(f"  {name:<14} available (lower priority)")
             else:
                 lines.append(f"  {name:<14} " + "; ".join(why))
+        if folded:
+            groups: dict[str, list[str]] = {}
+            for name, why in folded.items():
+                groups.setdefault(why, []).append(name)
+            text = "; ".join(f"{', '.join(names)} ({why})" for why, names in groups.items())
+            lines.append(f"  {'not on ' + inp.device.type:<14} {text}")
         if chosen is None:
             lines.append("  -> no operator can run these inputs")
     return "\n".join(lines)
+
+
+def _unavailable_here(device: torch.device) -> dict[str, str]:
+    """Registered operators that cannot run on ``device`` whatever the inputs, with the reason in a few words."""
+    out = {}
+    for name in ops.available():
+        op = ops.get(name)
+        if device.type not in op.DEVICES:
+            out[name] = f"{'/'.join(sorted(op.DEVICES))} only"
+        elif why := op.environment_reasons(device):
+            out[name] = "; ".join(why)
+    return out
 
 
 def _not_tried(name: str) -> str:
