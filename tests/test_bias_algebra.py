@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import biasattn as ba
+from biasattn.testing import assert_close_to_reference, reference_attention
 from biasattn.testing import strategies as bst
 
 PAIRS = list(itertools.combinations_with_replacement(bst.FAMILIES, 2))
@@ -141,3 +142,30 @@ def test_composed_family_names_read_as_the_expression():
     assert masks._family() == "ComposedBias(LowerTriangularMask & PaddedKeysMask)"
     assert (masks + ba.ALiBi(torch.ones(2)))._family() == "ComposedBias((LowerTriangularMask & PaddedKeysMask) + ALiBi)"
     assert (ba.PaddedKeysMask([2]) + ba.ALiBi(torch.ones(2)))._family() == "ComposedBias(PaddedKeysMask + ALiBi)"
+
+
+@pytest.mark.parametrize("left", [True, False], ids=["mask&tensor", "tensor&mask"])
+@pytest.mark.parametrize("dims", [2, 3, 4])
+def test_and_with_a_bool_tensor_intersects_as_attn_bias_reads_it(left, dims):
+    """bias & bool_tensor failed inside torch with "bitwise_and_cpu" not implemented for 'Float'."""
+    visible = torch.rand((2, 1, 5, 6)[4 - dims :], generator=torch.Generator().manual_seed(0)) < 0.7
+    mask = ba.LowerTriangularFromBottomRightMask()
+    both = (mask & visible) if left else (visible & mask)
+    assert isinstance(both, ba.ComposedBias) and both.is_mask
+    shape = (2, 3, 5, 6)
+    want = mask.materialize(shape, dtype=torch.float64) + ba.AdditiveBias(visible).materialize(shape, dtype=torch.float64)
+    assert torch.equal(both.materialize(shape, dtype=torch.float64), want)
+    q = torch.randn(2, 3, 5, 4, dtype=torch.float64)
+    k, v = torch.randn(2, 3, 6, 4, dtype=torch.float64), torch.randn(2, 3, 6, 4, dtype=torch.float64)
+    ref, _ = reference_attention(q, k, v, both)
+    assert_close_to_reference(ba.attention(q, k, v, both, op="reference"), ref, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_and_with_a_tensor_that_is_not_bool_says_what_to_write(dtype):
+    t = torch.zeros(5, 6, dtype=dtype)
+    for expr in (lambda: ba.LowerTriangularMask() & t, lambda: t & ba.LowerTriangularMask()):
+        with pytest.raises(ba.BiasCompositionError, match=r"cannot compose LowerTriangularMask & a \w+ tensor: .*bool tensor"):
+            expr()
+    with pytest.raises(ba.BiasCompositionError, match=r"AdditiveBias\(t\)"):
+        ba.LowerTriangularMask() & torch.zeros(5, 6)

@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import biasattn as ba
+from biasattn.testing import assert_close_to_reference, reference_attention
 from biasattn.testing import strategies as bst
 
 NEG = float("-inf")
@@ -206,3 +207,21 @@ def test_show_draws_the_pattern():
     assert ax.get_images()[0].get_array().shape == (4, 6)
     with pytest.raises(ba.InputError, match="unsized: pass Mq and Mk"):
         ba.LowerTriangularMask().show()
+
+
+@pytest.mark.parametrize("op", ["chunked", "reference"])
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_additive_tensor_marked_requires_grad_after_construction_gets_its_gradient(op, ndim):
+    """A 1-3-D tensor was stored as a view made at construction, so a later requires_grad_() never got t.grad."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    t = torch.randn((2, 5, 5)[3 - ndim :], generator=gen, dtype=torch.float64)
+    bias = ba.AdditiveBias(t)
+    t.requires_grad_()
+    ba.attention(q, k, v, bias, op=op).sum().backward()
+    leaf = t.detach().clone().requires_grad_()
+    out, _ = reference_attention(q, k, v, ba.AdditiveBias(leaf))
+    (want,) = torch.autograd.grad(out.sum(), leaf)
+    assert t.grad is not None
+    assert_close_to_reference(t.grad, want, name="dbias", atol=1e-10)
+    assert bias.atoms[0].tensor is t and bias.tensor.shape == (1,) * (4 - ndim) + t.shape

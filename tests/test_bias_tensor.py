@@ -105,3 +105,11 @@ def test_direct_construction_is_refused():
         ba.AttentionBias()
     with pytest.raises(ba.InputTypeError, match="compose biases with '\\+'"):
         ba.AdditiveBias(ba.LowerTriangularMask())
+
+
+def test_block_sparse_repr_on_meta_reads_no_values():
+    """repr of a BlockSparseMask with its layout on the meta device raised (it read the density with .item())."""
+    layout = torch.ones(1, 2, 3, 3, dtype=torch.bool)
+    assert "density=1.00" in repr(ba.BlockSparseMask(layout, 4))
+    text = repr(ba.BlockSparseMask(layout.to("meta"), 4) & ba.PaddedKeysMask([5]).to("meta"))
+    assert "layout=[1, 2, 3, 3], block=(4, 4)" in text and "density" not in text
