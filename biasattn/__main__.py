@@ -15,6 +15,7 @@ import torch
 import biasattn as ba
 
 from .errors import InputError
+from .ops.triton import environment
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
@@ -196,13 +197,13 @@ def _inputs(args):
 def cmd_info(args) -> int:
     """Versions, devices, and every operator: available or why not."""
     print(f"biasattn {ba.__version__}  python {platform.python_version()}  torch {torch.__version__}")
-    try:
+    if environment.triton_installed():
         import triton
 
         print(f"triton {triton.__version__}")
-    except ImportError:
-        print("triton: not installed; the Triton kernels (GPU) need it: CUDA builds of torch bring it, "
-              "or install the extra with pip install -e \".[triton]\"")
+    else:
+        print("triton: not installed; the CPU operators do not need it, the Triton kernels (GPU) do: "
+              "CUDA builds of torch bring it, or add it with pip install -e \".[triton]\"")
     if torch.cuda.is_available():
         for n in range(torch.cuda.device_count()):
             cap = torch.cuda.get_device_capability(n)
@@ -264,15 +265,19 @@ def cmd_demo(args) -> int:
 
 
 def _time_ms(fn, device: torch.device, reps: int) -> float:
-    if device.type == "cuda":
+    if device.type == "cuda" and environment.triton_installed():
         import triton.testing
 
         return triton.testing.do_bench(fn, return_mode="median")
     fn()
     times = []
     for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 

@@ -89,3 +89,31 @@ def test_use_ops_does_not_reach_a_thread_started_inside_the_block():
         copied = _chosen_in_thread(lambda fn: functools.partial(contextvars.copy_context().run, fn))
     assert plain == ba.dispatch.candidates("cpu")[0].NAME != "reference"
     assert copied == "reference"
+
+
+def test_package_runs_without_triton():
+    """triton was a core dependency; without it the package imports, ``info`` and ``demo`` run, and the
+    CPU operators compute attention and gradients (triton is blocked in a fresh interpreter)."""
+    out = _python(
+        "import sys\n"
+        "sys.modules['triton'] = None  # import triton now fails as if it were not installed\n"
+        "import torch, biasattn as ba\n"
+        "from biasattn.__main__ import main\n"
+        "assert main(['info']) == 0 and main(['demo']) == 0\n"
+        "q = torch.randn(1, 2, 7, 8, requires_grad=True)\n"
+        "out = ba.attention(q, q, q, ba.LowerTriangularMask() & ba.PaddedKeysMask([5]))\n"
+        "out.sum().backward()\n"
+        "bias = ba.LowerTriangularMask() & ba.PaddedKeysMask([5])\n"
+        "ref, _ = ba.testing.reference_attention(q, q, q, bias)\n"
+        "low, _ = ba.testing.reference_attention(q, q, q, bias, compute_dtype=torch.float32)\n"
+        "ba.testing.assert_close_to_reference(out, ref, low)\n"
+        "print('close to the reference')\n"
+        "try:\n"
+        "    ba.attention(q, q, q, op='triton')\n"
+        "except ba.NotSupportedError as e:\n"
+        "    print('refused:', e.reasons['triton'])\n"
+    )
+    assert "triton: not installed" in out and 'pip install -e ".[triton]"' in out
+    assert "all within float32 rounding: yes" in out
+    assert "close to the reference" in out
+    assert "refused: ['needs the triton package, which is not installed']" in out
