@@ -6,8 +6,10 @@ entirely (band, segments, padded keys, block layout) are skipped using host meta
 layout or the padded lengths differ between heads or batch rows, each of them is its own
 sub-problem, so that it skips exactly its own blocks. Unmasked blocks are gathered into wide
 tiles, masks are evaluated only on boundary tiles, and queries or keys that a boundary tile hides
-entirely are zeroed there (NaN padding stays out). GQA reads each K/V block once per group (no
-repeat in memory). Backward recomputes the scores tile by tile.
+entirely are zeroed there (NaN padding stays out). On tiles where the bias hides some scores (masked
+tiles, additive terms that may hold -inf) hidden scores are masked with ``where`` and ``p @ v`` skips
+hidden values (:func:`~biasattn.ops.tiles.visible_matmul`): a hidden position never affects a row.
+GQA reads each K/V block once per group (no repeat in memory). Backward recomputes the scores tile by tile.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ..bias.spec import FEATURES
 from ..inputs import AttentionInputs
 from .base import Operator
 from .common import compute_dtype, dropout_keep, group_heads, new_seed, reduce_to
-from .tiles import key_range, layout_allows, tile_bias, tile_fully_visible
+from .tiles import key_range, layout_allows, tile_bias, tile_fully_visible, visible_matmul
 
 TILE_ELEMENTS = 2**19  # 2 MiB of float32 scores per [B, H, rows, block_k] tile
 
@@ -158,32 +160,44 @@ class ChunkedOperator(Operator):
                 parts.append((bs, hs, hk, _sub_inputs(inp, bs, hs, hk)))
         return parts
 
-    def _tile(self, inp, qs, i0, i1, kt: KeyTile, dtype):
-        """``(s, qs, k, v)`` of one tile: scores ``[B, Hkv, G·bq, bk]`` plus bias, and the operands used.
+    def _tile(self, inp, qs, i0, i1, kt: KeyTile, dtype, nonfinite: bool = False):
+        """``(s, qs, k, v, visible)`` of one tile: scores ``[B, Hkv, G·bq, bk]`` plus bias, the operands used,
+        and, when ``nonfinite`` (k or v holds NaN or inf), which scores the bias leaves visible (bool,
+        broadcastable to ``s``; None when all are or when k and v are finite).
 
         ``qs``: scaled queries ``[B, Hkv, G·bq, D]``. On masked tiles, queries that see no key of the
         tile and keys that no query of it sees are zeroed, so that garbage (NaN in an uninitialized
-        KV cache or packed padding) reaches neither the output nor the gradients.
+        KV cache or packed padding) reaches neither the output nor the gradients; hidden scores are
+        set to -inf with a mask, not by adding -inf, when k or v holds a non-finite value, so a NaN
+        key hidden from only some rows of the tile (a causal diagonal) stays out of theirs.
         """
         if len(kt.ranges) > 1:  # gathered unmasked blocks: no bias
             k = torch.cat([inp.k[:, :, a:b] for a, b in kt.ranges], 2).to(dtype)
             v = torch.cat([inp.v[:, :, a:b] for a, b in kt.ranges], 2).to(dtype)
-            return qs @ k.transpose(-1, -2), qs, k, v
+            return qs @ k.transpose(-1, -2), qs, k, v, None
         (j0, j1), full = kt.ranges[0], kt.full
         k = inp.k[:, :, j0:j1].to(dtype)
         v = inp.v[:, :, j0:j1].to(dtype)
         tb = tile_bias(inp.spec, i0, i1, j0, j1, dtype, inp.device, masks=not full)
+        seen = None
         if tb is not None:
             tb = group_heads(tb, inp.Hkv)  # [B|1, Hkv|1, G|1, bq, bk]
-            if not full:
+            if not full or (nonfinite and inp.spec.additive is not None):  # an additive -inf hides as a mask does
                 seen = ~torch.isneginf(tb)
+            if not full:
                 keys = seen.any(-2).any(2)[..., None]  # [B|1, Hkv|1, bk, 1]
                 rows = seen.any(-1).expand(-1, -1, inp.groups, -1).reshape(*seen.shape[:2], inp.groups * (i1 - i0), 1)
                 k, v, qs = torch.where(keys, k, 0.0), torch.where(keys, v, 0.0), torch.where(rows, qs, 0.0)
         s = qs @ k.transpose(-1, -2)
-        if tb is not None:
-            s.view(inp.B, inp.Hkv, inp.groups, i1 - i0, j1 - j0).add_(tb)
-        return s, qs, k, v
+        if tb is None:
+            return s, qs, k, v, None
+        s5 = s.view(inp.B, inp.Hkv, inp.groups, i1 - i0, j1 - j0)
+        s5.add_(tb)
+        if seen is None or not nonfinite:
+            return s, qs, k, v, None
+        s5.masked_fill_(~seen, float("-inf"))
+        seen = seen.expand(*seen.shape[:2], inp.groups, -1, -1).reshape(*seen.shape[:2], inp.groups * (i1 - i0), j1 - j0)
+        return s, qs, k, v, seen
 
     def _queries(self, q5, i0, i1, scale, dtype):
         """Scaled queries of rows ``[i0, i1)``: contiguous ``[B, Hkv, G·bq, D]`` in ``dtype``."""
@@ -221,6 +235,7 @@ class ChunkedOperator(Operator):
         # Low-precision outputs: keep the unrounded output for the backward's rowsum(dout * out).
         exact = inp.requires_grad and dtype != inp.dtype
         out_acc = torch.zeros((B, Hkv, G, inp.Mq, Dv), dtype=dtype, device=inp.device) if exact else None
+        nonfinite = _nonfinite(inp.k) or _nonfinite(inp.v)
         for i0, i1, keys in self._tiles(inp):
             if not keys:
                 continue
@@ -230,7 +245,7 @@ class ChunkedOperator(Operator):
             l = torch.zeros_like(m)  # running sum of exp
             acc = torch.zeros((B, Hkv, G * bq, Dv), dtype=dtype, device=inp.device)
             for kt in keys:
-                s, _, _, v = self._tile(inp, qs, i0, i1, kt, dtype)  # s: [B, Hkv, G·bq, bk]
+                s, _, _, v, seen = self._tile(inp, qs, i0, i1, kt, dtype, nonfinite)  # s: [B, Hkv, G·bq, bk]
                 m_new = torch.maximum(m, s.amax(-1))
                 m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
                 p = s.sub_(m_safe[..., None]).exp_()
@@ -239,7 +254,7 @@ class ChunkedOperator(Operator):
                 if inp.dropout_p > 0:
                     keep = dropout_keep(seed, (i0, kt.j0), (B, Hkv, G, bq, kt.width), inp.dropout_p, inp.device)
                     p.mul_(keep.to(dtype).view(p.shape))
-                acc.mul_(alpha[..., None]).add_(p @ v)
+                acc.mul_(alpha[..., None]).add_(p @ v if seen is None else visible_matmul(p, seen, v))
                 m = m_new
             pos = l > 0
             safe_l = torch.where(pos, l, 1.0)
@@ -296,6 +311,7 @@ class ChunkedOperator(Operator):
         dv = torch.zeros(inp.v.shape, dtype=dtype, device=inp.device)
         add = inp.additive
         dadd = torch.zeros(add.shape, dtype=dtype, device=inp.device) if need_dadd else None
+        nonfinite = _nonfinite(inp.k) or _nonfinite(inp.v)
         for i0, i1, keys in self._tiles(inp):
             if not keys:
                 continue
@@ -306,7 +322,9 @@ class ChunkedOperator(Operator):
             delta_t = delta[:, :, :, i0:i1].reshape(B, Hkv, G * bq, 1)
             dq_t = torch.zeros_like(qs)
             for kt in keys:
-                s, qt, k, v = self._tile(inp, qs, i0, i1, kt, dtype)
+                s, qt, k, v, seen = self._tile(inp, qs, i0, i1, kt, dtype, nonfinite)
+                if seen is not None:  # a non-finite key or value hidden from some rows: 0 · NaN stays out of dq
+                    k, v = torch.where(torch.isfinite(k), k, 0.0), torch.where(torch.isfinite(v), v, 0.0)
                 p = s.sub_(lse_t).exp_()  # [B, Hkv, G·bq, bk]
                 dp = dot @ v.transpose(-1, -2)
                 if inp.dropout_p > 0:
@@ -327,6 +345,16 @@ class ChunkedOperator(Operator):
                     dadd[:, :, rows, cols] += reduce_to(ds_h, add.shape)
             dq[:, :, :, i0:i1] = (dq_t * inp.scale).view(B, Hkv, G, bq, inp.D)
         return dq.reshape(inp.q.shape), dk, dv, dadd
+
+
+def _nonfinite(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds NaN or inf: one reduction per call, so finite inputs skip the hidden-value masking.
+
+    True while a CUDA graph is being captured (no host sync is allowed there; masking is then always on).
+    """
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        return True
+    return t.numel() > 0 and not bool(torch.isfinite(t).all())
 
 
 def _add_to_keys(dst: torch.Tensor, kt: KeyTile, grad: torch.Tensor) -> None:

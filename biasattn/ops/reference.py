@@ -11,10 +11,14 @@ from ..bias.atoms import Geometry
 from ..inputs import AttentionInputs
 from .base import Operator
 from .common import compute_dtype, dropout_keep, new_seed
+from .tiles import visible_matmul
 
 
 def dense_bias(inp: AttentionInputs, dtype: torch.dtype, additive: torch.Tensor | None) -> torch.Tensor | None:
-    """``[B|1, H|1, Mq, Mk]``: the bias' masks and ALiBi materialized, plus ``additive`` (the spec's)."""
+    """``[B|1, H|1, Mq, Mk]``: the bias' masks and ALiBi materialized, plus ``additive`` (the spec's).
+
+    Positions that a mask hides are -inf whatever ``additive`` holds there (NaN and +inf included).
+    """
     if inp.bias is None:
         return None
     g: Geometry = inp.bias.geometry(inp.B, inp.Hq, inp.Mq, inp.Mk)
@@ -23,26 +27,40 @@ def dense_bias(inp: AttentionInputs, dtype: torch.dtype, additive: torch.Tensor 
         if atom.kind != "additive":
             out = out + atom.dense(g, dtype, inp.device)
     if additive is not None:
-        out = out + additive.to(dtype)
+        out = torch.where(torch.isneginf(out), float("-inf"), out + additive.to(dtype))
     return out
+
+
+def visible_scores(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """``q @ kᵀ`` whose gradients stay finite when a hidden row or key holds NaN or inf.
+
+    Rows and keys hidden everywhere are zeroed; a key with a non-finite entry gives its scores as
+    constants (a row that sees it is NaN or inf anyway), so ``0 · NaN`` never enters ``dq``.
+    """
+    rows, keys = visible.any(-1)[..., None], visible.any(-2)[..., None]
+    q, k = torch.where(rows, q, 0.0), torch.where(keys, k, 0.0)
+    bad = ~torch.isfinite(k).all(-1)  # [B, H, Mk]
+    s = q @ torch.where(bad[..., None], 0.0, k).transpose(-1, -2)
+    return torch.where(bad[..., None, :], (q @ k.transpose(-1, -2)).detach(), s)
 
 
 def softmax_attention(q, k, v, bias, scale: float, dtype: torch.dtype, dropout_keep_mask=None):
     """Plain attention in ``dtype`` with GQA by repetition; fully masked rows give 0 and lse -inf.
 
-    Differentiable (no NaN gradients on fully masked rows). Returns ``(out, lse)`` in ``dtype``.
+    A position that ``bias`` hides (-inf) takes no part in its row, whatever q, k, v hold there: the
+    mask is applied with ``where`` to the scores and to ``p @ v``. Differentiable (no NaN gradients
+    on fully masked rows). Returns ``(out, lse)`` in ``dtype``.
     """
     g = q.shape[1] // k.shape[1]
     q = q.to(dtype)
     k = k.to(dtype).repeat_interleave(g, dim=1)
     v = v.to(dtype).repeat_interleave(g, dim=1)
-    if bias is not None:  # hidden queries and keys may hold garbage (NaN padding): keep it out
-        seen = ~torch.isneginf(bias)
-        rows, keys = seen.any(-1)[..., None], seen.any(-2)[..., None]
-        q, k, v = torch.where(rows, q, 0.0), torch.where(keys, k, 0.0), torch.where(keys, v, 0.0)
-    s = (q @ k.transpose(-1, -2)) * scale
-    if bias is not None:
-        s = s + bias
+    visible = None
+    if bias is None:
+        s = (q @ k.transpose(-1, -2)) * scale
+    else:  # hidden positions may hold garbage (NaN padding, a NaN key a causal mask hides): keep it out
+        visible = ~torch.isneginf(bias)
+        s = torch.where(visible, visible_scores(q, k, visible) * scale + bias, float("-inf"))
     if s.shape[-1] == 0:  # no keys at all: every row sees nothing
         m = s.new_full((*s.shape[:-1], 1), float("-inf"))
     else:
@@ -55,7 +73,9 @@ def softmax_attention(q, k, v, bias, scale: float, dtype: torch.dtype, dropout_k
     p = p / torch.where(pos, l, torch.ones_like(l))
     if dropout_keep_mask is not None:
         p = p * dropout_keep_mask
-    return p @ v, lse.squeeze(-1)
+    if visible is None:
+        return p @ v, lse.squeeze(-1)
+    return visible_matmul(p, visible, v), lse.squeeze(-1)
 
 
 class ReferenceOperator(Operator):

@@ -2,7 +2,8 @@
 
 ``tile_bias`` evaluates a :class:`~biasattn.bias.spec.BiasSpec` on rows ``[i0, i1)`` and columns
 ``[j0, j1)``; ``key_range`` bounds the keys a block of query rows can see, from host metadata only
-(no device sync), so that operators skip hidden key blocks.
+(no device sync), so that operators skip hidden key blocks. ``visible_matmul`` is ``p @ v`` in which
+the keys hidden from a row take no part in that row, whatever their values hold (no ``0 · NaN``).
 """
 
 from __future__ import annotations
@@ -147,16 +148,40 @@ def tile_bias(
         layout = spec.layout.to(device)
         visible = both(visible, layout[:, :, rows][:, :, :, cols])
     out = None
-    if visible is not None:
-        out = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
     if spec.additive is not None:
         a = spec.additive
         a = a[:, :, i0:i1] if a.shape[2] != 1 else a
         a = a[:, :, :, j0:j1] if a.shape[3] != 1 else a
-        a = a.to(dtype)
-        out = a if out is None else out + a
+        out = a.to(dtype)
+    if visible is not None:  # where, not + -inf: an additive NaN or +inf at a hidden position stays hidden
+        out = torch.where(visible, 0.0 if out is None else out, float("-inf")).to(dtype)
     if spec.alibi_slopes is not None:
         dist = (j - i - spec.alibi_shift).abs().to(dtype)
         al = -spec.alibi_slopes.to(device=device, dtype=dtype)[:, :, None, None] * dist
         out = al if out is None else out + al
     return out
+
+
+def visible_matmul(p: torch.Tensor, visible: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``Σ_j p[..., i, j] · v[..., j, :]`` over the keys ``j`` that ``visible`` (bool, broadcastable to ``p``) shows row ``i``.
+
+    ``p: [..., M, N]`` non-negative weights, zero wherever ``visible`` is False; ``v: [..., N, Dv]``.
+    A plain ``p @ v`` turns a NaN or ±inf in a hidden key's value into NaN (``0 · NaN``); here hidden
+    keys take no part, and the visible ones give what IEEE arithmetic gives (``p · inf = inf`` for
+    ``p > 0``, NaN for ``p = 0`` or opposite infinities). Finite values go through one matmul (and
+    carry the gradient); non-finite ones are located by four matmuls of 0/1 flags, with no device sync.
+    """
+    finite = torch.isfinite(v)
+    out = p @ torch.where(finite, v, 0.0)
+    flags = p.dtype if p.dtype in (torch.float32, torch.float64) else torch.float32
+    seen = visible.expand(p.shape).to(flags)
+    pos = (visible & (p.detach() > 0)).to(flags)
+
+    def any_of(a: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
+        return (a @ hit.to(flags)) > 0
+
+    up, down = any_of(pos, torch.isposinf(v)), any_of(pos, torch.isneginf(v))
+    nan = any_of(seen, torch.isnan(v)) | any_of(seen - pos, torch.isinf(v)) | (up & down)
+    out = torch.where(up, float("inf"), out)
+    out = torch.where(down, float("-inf"), out)
+    return torch.where(nan, float("nan"), out)

@@ -13,6 +13,8 @@ import math
 import torch
 
 from ..bias import AdditiveBias, AttentionBias
+from ..ops.reference import visible_scores
+from ..ops.tiles import visible_matmul
 
 
 def dense_bias(attn_bias, shape, dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor | None:
@@ -23,7 +25,13 @@ def dense_bias(attn_bias, shape, dtype: torch.dtype = torch.float64, device=None
     if attn_bias is None:
         return None
     if isinstance(attn_bias, AttentionBias):
-        return attn_bias.materialize(shape, dtype=dtype, device=device)
+        dense = attn_bias.materialize(shape, dtype=dtype, device=device)
+        g = attn_bias.geometry(*shape)
+        masks = [a.dense(g, dtype, dense.device) for a in attn_bias.atoms if a.kind != "additive"]
+        if not masks or len(masks) == len(attn_bias.atoms):
+            return dense
+        hidden = torch.stack([torch.isneginf(m).expand(shape) for m in masks]).any(0)
+        return dense.masked_fill(hidden, float("-inf"))  # a mask hides whatever an additive term holds there
     if isinstance(attn_bias, torch.Tensor):
         return AdditiveBias(attn_bias.detach()).materialize(shape, dtype=dtype, device=device)
     raise TypeError(f"attn_bias must be a bias, a tensor or None, got {type(attn_bias).__name__}")
@@ -51,7 +59,8 @@ def reference_attention(
             materializing ``attn_bias`` (pass one that requires grad to get the bias gradient).
 
     Both outputs are in ``compute_dtype`` and differentiable. A row that sees no key gives 0 in
-    ``out``, ``-inf`` in ``lse`` and 0 gradients (never NaN).
+    ``out``, ``-inf`` in ``lse`` and 0 gradients (never NaN). A position that the bias hides takes
+    no part in its row, whatever the key, the value or an additive term holds there (NaN, inf).
     """
     B, Hq, Mq, D = q.shape
     Hkv, Mk = k.shape[1], k.shape[2]
@@ -62,19 +71,18 @@ def reference_attention(
     q = q.to(compute_dtype)
     k = k.to(compute_dtype).repeat_interleave(groups, dim=1)
     v = v.to(compute_dtype).repeat_interleave(groups, dim=1)
-    if bias_dense is not None:  # queries and keys that are hidden everywhere do not take part (NaN padding)
-        seen = ~torch.isneginf(bias_dense.detach())
-        rows, keys = seen.any(-1)[..., None], seen.any(-2)[..., None]
-        q, k, v = torch.where(rows, q, 0.0), torch.where(keys, k, 0.0), torch.where(keys, v, 0.0)
-    s = (q @ k.transpose(-1, -2)) * scale
-    if bias_dense is not None:
-        s = s + bias_dense.to(compute_dtype)
+    if bias_dense is None:
+        s = (q @ k.transpose(-1, -2)) * scale
+    else:  # a hidden position takes no part in its row, whatever q, k, v or the bias hold there
+        visible = ~torch.isneginf(bias_dense.detach())
+        s = torch.where(visible, visible_scores(q, k, visible) * scale + bias_dense.to(compute_dtype), float("-inf"))
     m = s.detach().amax(-1, keepdim=True) if Mk > 0 else s.new_full((B, Hq, Mq, 1), float("-inf"))
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m)
     denom = p.sum(-1, keepdim=True)
     seen = denom > 0
     safe = torch.where(seen, denom, torch.ones_like(denom))
-    out = (p / safe) @ v
+    p = p / safe
+    out = p @ v if bias_dense is None else visible_matmul(p, visible, v)
     lse = torch.where(seen, m + torch.log(safe), torch.full_like(m, float("-inf")))
     return out, lse.squeeze(-1)
