@@ -239,6 +239,8 @@ def fuse_attention(
             kinds = tuple(kind for kind, _ in site.terms)
             fused = graph.call_function(fused_attention, tuple(args), {"kinds": kinds, "scale": scale, "dropout": dropout})
         out.replace_all_uses_with(fused)
+        for read, args in site.resized:
+            read.args = args
         _erase(graph, [out, *site.chain, *site.meta])
         labels = [_mask_label(kind) for kind, _ in site.terms]
         report.sites.append(FusedSite(fused.name, site.scale_text, labels, site.dropout_text, site.notes))

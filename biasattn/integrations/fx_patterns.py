@@ -138,6 +138,7 @@ class Site:
     chain: list
     notes: list[str] = field(default_factory=list)
     meta: list = field(default_factory=list)
+    resized: list = field(default_factory=list)  # (``scores.size(d)`` node, the same size read from q or kᵀ)
     k_transposed: bool = True
 
 
@@ -265,6 +266,8 @@ class Matcher:
 
     def fill_value(self, value) -> float | None:
         """A masking fill value (a number, a 0-d buffer, ``torch.tensor(c)``, ``torch.full((), c)``) if <= -1e4, else None."""
+        while method(value, *CASTS):
+            value = value.args[0]
         c = const(value)
         buf = self._buffer(value)
         if buf is not None and buf.numel() == 1 and buf.is_floating_point():
@@ -399,15 +402,24 @@ class Matcher:
         return site
 
     def _private(self, site: Site, out) -> str | None:
-        """A reason if a node of the site is used outside it; records the metadata reads (``scores.dtype``) to erase."""
+        """A reason if a node of the site is used outside it.
+
+        Records the metadata reads (``scores.dtype``) erased with the site and the ``scores.size(-1)``
+        reads used elsewhere, which then read q's or kᵀ's size.
+        """
         inside = {*site.chain, out}
         for n in site.chain:
             for u in n.users:
                 if u in inside:
                     continue
                 meta = (is_call(u, {getattr}) and u.args[1] in ("dtype", "device", "shape")) or method(u, "size", "dim")
-                if meta and all(w in inside for w in u.users):
-                    site.meta.append(u)
+                # a cast of something else to the scores' dtype, used only inside (GPT-2's fill value)
+                casts = [w for w in u.users if w not in inside and method(w, *CASTS) and all(x in inside for x in w.users)]
+                if meta and all(w in inside or w in casts for w in u.users):
+                    site.meta.extend([u, *casts])
+                    continue
+                if method(u, "size") and len(u.args) == 2 and u.args[1] in (-2, -1):  # GPT-2's ``w.size(-1)``
+                    site.resized.append((u, (site.q, -2) if u.args[1] == -2 else (site.k, -1)))
                     continue
                 return f"{n.name} is used outside the attention (e.g. the weights are returned)"
         return None
