@@ -1,4 +1,4 @@
-"""Test configuration: the ``gpu`` marker, hypothesis profiles, and the Triton interpreter on CPU."""
+"""Test configuration: the ``gpu`` and ``slow`` markers, hypothesis profiles, and the Triton interpreter on CPU."""
 
 import os
 
@@ -23,7 +23,15 @@ settings.register_profile("dev", max_examples=20, deadline=None, print_blob=True
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gpu" if torch.cuda.is_available() else "ci"))
 
 
+# Whole modules marked ``slow``: their tests run the Triton interpreter or torch.compile (minutes on a
+# CPU). ``python -m pytest -q`` runs them; ``-m "not slow"`` is the quick run.
+SLOW_MODULES = frozenset({"test_triton.py", "test_splitk.py", "test_plans.py", "test_compile.py"})
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
