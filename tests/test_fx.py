@@ -193,3 +193,121 @@ def test_masked_fill_values_and_bool_masks(fill):
     gm, report = bfx.fuse_attention(Plain())
     assert report.fused == 1 and report.sites[0].masks == ["hidden"]
     torch.testing.assert_close(gm(q, k, v, hidden), Plain()(q, k, v, hidden), atol=1e-5, rtol=1e-5)
+
+
+class ScaledThenMasked(nn.Module):
+    """``softmax(q @ kᵀ * scale + mask) @ v`` or, with ``divide``, ``/ math.sqrt(d) + mask``."""
+
+    def __init__(self, divide: bool):
+        super().__init__()
+        self.divide = divide
+
+    def forward(self, q, k, v, mask):
+        s = q @ k.transpose(-2, -1) / math.sqrt(Dh) if self.divide else q @ k.transpose(-2, -1) * Dh**-0.5
+        return torch.softmax(s + mask, dim=-1) @ v
+
+
+def _qkv_mask(dtype=torch.float64):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, H, 5, Dh, generator=g, dtype=dtype) for _ in range(3))
+    return q, k, v, torch.randn(2, 1, 5, 5, generator=g, dtype=dtype)
+
+
+@pytest.mark.parametrize("divide", [False, True])
+def test_float_mask_added_after_the_scale_fuses(divide):
+    """Regression: an additive mask added after the scale was refused as "an additive mask scaled with the scores"."""
+    module = ScaledThenMasked(divide)
+    gm, report = bfx.fuse_attention(module)
+    assert report.fused == 1 and not report.skipped, str(report)
+    assert report.sites[0].masks == ["additive"] and report.sites[0].scale == f"{Dh**-0.5:.6g}"
+    inputs = _qkv_mask()
+    torch.testing.assert_close(gm(*inputs), module(*inputs), rtol=1e-12, atol=1e-12)
+
+
+def test_additive_mask_inside_the_scale_is_refused_with_the_reason():
+    """``(q kᵀ + mask) * scale`` scales the mask too: left alone, and the report says why."""
+
+    class MaskThenScale(nn.Module):
+        def forward(self, q, k, v, mask):
+            return torch.softmax((q @ k.transpose(-2, -1) + mask) * 0.5, dim=-1) @ v
+
+    gm, report = bfx.fuse_attention(MaskThenScale())
+    assert report.fused == 0 and len(report.skipped) == 1
+    assert "added before the scale" in report.skipped[0]
+    inputs = _qkv_mask()
+    torch.testing.assert_close(gm(*inputs), MaskThenScale()(*inputs))
+
+
+def test_minus_inf_fill_inside_the_scale_fuses():
+    """A -inf fill stays -inf when scaled, so ``masked_fill`` before the scale fuses."""
+
+    class FillThenScale(nn.Module):
+        def forward(self, q, k, v, hidden):
+            return torch.softmax((q @ k.transpose(-2, -1)).masked_fill(hidden, float("-inf")) * 0.5, dim=-1) @ v
+
+    q, k, v, _ = _qkv_mask()
+    hidden = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    gm, report = bfx.fuse_attention(FillThenScale())
+    assert report.fused == 1, str(report)
+    torch.testing.assert_close(gm(q, k, v, hidden), FillThenScale()(q, k, v, hidden), rtol=1e-12, atol=1e-12)
+
+
+def test_unfused_spellings_are_reported_with_their_reason():
+    """Every softmax-weighted product left alone appears in the report with a reason."""
+
+    class BartStyle(nn.Module):  # scores viewed to [B, H, T, S] for the mask and back to [B·H, T, S]
+        def forward(self, q, k, v, mask):
+            w = torch.bmm(q, k.transpose(1, 2))
+            w = (w.view(2, H, 5, 5) + mask).view(2 * H, 5, 5)
+            return torch.bmm(w.softmax(dim=-1), v)
+
+    class OtherDim(nn.Module):
+        def forward(self, q, k, v):
+            return torch.softmax(q @ k.transpose(-2, -1), dim=3) @ v
+
+    _, report = bfx.fuse_attention(BartStyle())
+    assert report.fused == 0 and "unrecognised op call_method view" in report.skipped[0], str(report)
+    _, report = bfx.fuse_attention(OtherDim())
+    assert report.fused == 0 and "softmax over dim 3" in report.skipped[0], str(report)
+
+
+@pytest.mark.parametrize("mq, mk", [(5, 5), (3, 7), (7, 3), (1, 4)])
+@pytest.mark.parametrize("lo, hi", [(None, 0), (-2, 0), (-1, 2), (None, 1), (1, 3), (-3, None)])
+@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
+def test_band_bias_is_the_band_it_names(mq, mk, lo, hi, align):
+    rel = torch.arange(mk)[None, :] - torch.arange(mq)[:, None] - (mk - mq if align == "bottom_right" else 0)
+    visible = (rel >= (-mq - mk if lo is None else lo)) & (rel <= (mq + mk if hi is None else hi))
+    expected = torch.zeros(1, 1, mq, mk, dtype=torch.float64).masked_fill(~visible, float("-inf"))
+    got = bfx.band_bias(lo, hi, align, mq, mk).materialize((1, 1, mq, mk), dtype=torch.float64)
+    torch.testing.assert_close(got, expected)
+
+
+class BufferBand(nn.Module):
+    """A 0/1 band buffer (window 2) sliced top-left or bottom-right (a query block after cached keys)."""
+
+    def __init__(self, bottom_right: bool):
+        super().__init__()
+        self.bottom_right = bottom_right
+        self.register_buffer("band", torch.ones(16, 16, dtype=torch.bool).tril().triu(-2)[None, None])
+
+    def forward(self, q, k, v):
+        mq, mk = q.size(-2), k.size(-2)
+        band = self.band[:, :, mk - mq : mk, :mk] if self.bottom_right else self.band[:, :, :mq, :mk]
+        s = torch.where(band, q @ k.transpose(-2, -1), float("-inf"))
+        return s.softmax(dim=-1) @ v
+
+
+@pytest.mark.parametrize("bottom_right", [False, True])
+@pytest.mark.parametrize("mq, mk", [(6, 6), (3, 6)])
+def test_band_buffers_fuse_in_both_alignments(bottom_right, mq, mk):
+    """Sliced band buffers become band terms; shapes with no lazy equivalent use the buffer as written."""
+    if not bottom_right and mq != mk:
+        mk = mq + 1  # top-left, wider than tall: every row still sees a key
+    module = BufferBand(bottom_right)
+    gm, report = bfx.fuse_attention(module)
+    align = "bottom-right" if bottom_right else "top-left"
+    assert report.fused == 1 and report.sites[0].masks == [f"band -2 <= j - i <= 0 ({align})"], str(report)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, H, mq, Dh, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, H, mk, Dh, generator=g, dtype=torch.float64) for _ in range(2))
+    torch.testing.assert_close(gm(q, k, v), module(q, k, v), rtol=1e-12, atol=1e-12)
