@@ -153,3 +153,39 @@ def test_a_shared_bias_follows_the_call_sizes(attention_spy):
     _layer(q, torch.randn(2, 2, 9, 8), mask)  # 9 slots, 6 in the mask: keys cut to 6
     assert seen[0] is not seen[1] and seen[2] is not seen[0]
     assert seen[2].atoms[0].host == (5, 6)
+
+
+def _docs_example() -> str:
+    """The transformers example of docs/integrations.md (the block after its ``run if=transformers`` marker)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "integrations.md").read_text()
+    block = text.split("<!-- run if=transformers -->", 1)[1].split("```python\n", 1)[1]
+    return block.split("```", 1)[0]
+
+
+def test_docs_example_runs_offline_and_matches_sdpa(capsys):
+    """The documented example (LlamaConfig, from_config, register()) runs on the CPU without a download."""
+    ns: dict = {}
+    exec(compile(_docs_example(), "docs/integrations.md", "exec"), ns)
+    out = capsys.readouterr().out
+    assert "attention: biasattn" in out and "largest difference from sdpa on real tokens" in out
+    model, real = ns["model"].double(), ns["mask"].bool()
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        ref = model(input_ids=ns["ids"], attention_mask=ns["mask"]).logits  # float64
+    ours_err = (ns["ours"].double() - ref)[real].abs().max()
+    sdpa_err = (ns["theirs"].double() - ref)[real].abs().max()  # the same model in float32 through sdpa
+    assert ours_err <= 2 * sdpa_err + 1e-6
+
+
+def test_forgotten_register_names_the_implementation():
+    """The error a model raises for a name register() never added (what docs/integrations.md shows)."""
+    name = "biasattn_not_registered"
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ValueError, match=f'attn_implementation="{name}"` is not supported'):
+        transformers.AutoModelForCausalLM.from_config(config, attn_implementation=name)
+    assert bt.register(name) == name
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=name)
+    assert model.config._attn_implementation == name
