@@ -121,7 +121,7 @@ def _band_term(kind: tuple, tensors: list, q, k) -> AttentionBias:
     _, lo, hi, align, fallback = kind
     mq, mk = q.shape[-2], k.shape[-2]
     if fallback == "size":
-        rows, cols = (int(x) for x in tensors)
+        rows, cols = tensors
         if (rows, cols) != (mq, mk):  # the code's mask broadcasts over a size-1 dim: rebuild it as it was
             return AdditiveBias(band_bias(lo, hi, "top_left", rows, cols, q.device).tensor.expand(mq, mk))
         return band_bias(lo, hi, align, mq, mk, q.device)
