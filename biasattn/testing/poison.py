@@ -60,6 +60,29 @@ def poison_hidden_lines(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_
         return q.masked_fill(~rows, nan), k.masked_fill(~keys, nan), v.masked_fill(~keys, nan)
 
 
+def visibility(attn_bias, shape, device=None) -> torch.Tensor:
+    """Bool ``[B, H, Mq, Mk]`` (``shape``): True where ``attn_bias`` shows key ``j`` to query row ``i``.
+
+    A position is hidden where a mask hides it or an additive term is -inf; an additive NaN at a
+    position no mask hides counts as visible.
+    """
+    from .reference import dense_bias
+
+    if attn_bias is None:
+        return torch.ones(tuple(shape), dtype=torch.bool, device=device)
+    return ~torch.isneginf(dense_bias(attn_bias, tuple(shape), torch.float32, device))
+
+
+def poison_key_(x: torch.Tensor, b: int, h: int, j: int, value: float = float("nan")) -> torch.Tensor:
+    """Set every entry of ``x[b, h, j]`` (a key or value row, ``x: [B, H, Mk, D]``) to ``value``, in place; returns ``x``.
+
+    Pair it with :func:`visibility`: the rows that do not see key ``j`` must come out as without it.
+    """
+    with torch.no_grad():
+        x[b, h, j] = value
+    return x
+
+
 @contextlib.contextmanager
 def poisoned_allocations() -> Iterator[None]:
     """Inside the block, ``torch.empty`` and ``torch.empty_like`` return NaN-filled floating tensors.

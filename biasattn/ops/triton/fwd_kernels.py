@@ -45,7 +45,10 @@ def _fwd_tile(
     ``[B, Hkv, Mk, D]`` K and V: the copy engine fetches it and fills keys past ``Mk`` and dims past
     ``D`` with zeros. Otherwise it comes through the pointers ``KP_base``/``VP_base``, and a masked
     tile reads only the keys of the program's span ``[key_lo, key_hi)``: keys no row sees (past a cache
-    length, outside every packed segment) may hold anything, NaN included."""
+    length, outside every packed segment) may hold anything, NaN included. On masked tiles, the values
+    of keys outside the span are zeros (a masked load, or a ``where`` after a TMA load), and hidden
+    scores are masked with ``where``, so a hidden key's NaN or inf reaches no row of the program
+    through its score and no row that no row of the program sees through its value."""
     cols = n0 + tl.arange(0, BLOCK_N)
     if INDEX_64:
         cols64 = cols.to(tl.int64)
@@ -86,9 +89,13 @@ def _fwd_tile(
     if HAS_DROPOUT:  # the normalizer sums every probability; only the kept ones reach the output
         keep = _dropout_keep_tile(seed, drop_base, rows, n0, row_blocks, drop_thresh, rows.shape[0], BLOCK_N)
         p = tl.where(keep, p, 0.0)
+    # a masked tile takes only the values of its span's keys: a NaN or inf in a value that no row of
+    # the program sees (past the causal diagonal, outside the band) would reach every row as 0 * NaN
     if not TMA_KV:
         v = _load_tile(VP_base + cols64[:, None] * stride_vn + dv[None, :] * stride_vd, cols, key_lo, key_hi, Mk,
-                       dv, Dv, MASKED, HIDDEN_LINES, EVEN_D)
+                       dv, Dv, MASKED, True, EVEN_D)
+    elif MASKED:
+        v = tl.where(((cols >= key_lo) & (cols < key_hi))[:, None], v, 0.0).to(v.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 

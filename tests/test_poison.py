@@ -1,0 +1,267 @@
+"""A position that a bias hides from a row never affects that row, whatever it holds (NaN, ±inf).
+
+For every family's hidden positions (causal in both alignments, a window, padded keys, packed
+segments, a block layout, an additive -inf and compositions), one key, one value row or the
+additive terms at hidden positions are poisoned. `reference` and `chunked` (default and small tiles)
+return exactly the clean result in every row that does not see the poisoned key. `triton` (CPU
+interpreter) follows the rule stated in docs/numerics.md: scores are exact; a non-finite value
+reaches the rows of a query program (16 rows under the interpreter) in which some row sees it, and a
+position that only an additive -inf hides is hidden by arithmetic. The vendor operators run on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import biasattn as ba
+from biasattn.bias import lower
+from biasattn.ops.chunked import ChunkedOperator
+from biasattn.ops.triton.schedule import query_schedule
+from biasattn.testing import assert_close_to_reference, reference_attention
+from biasattn.testing.poison import poison_key_, visibility
+
+CHUNKED_SMALL = ChunkedOperator(block_q=4, block_k=4)
+EXACT_OPS = [pytest.param("reference", id="reference"), pytest.param("chunked", id="chunked"),
+             pytest.param(CHUNKED_SMALL, id="chunked_small")]
+D = 16
+INTERPRETER_BLOCK_M = 16
+
+
+def _layout():
+    layout = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)[None, None]
+    return layout.expand(2, 2, 2, 2).clone()
+
+
+# name: (B, Hq, Hkv, Mq, Mk, bias factory)
+FAMILIES = {
+    "causal": (1, 2, 1, 24, 24, lambda: ba.LowerTriangularMask()),
+    "causal_bottom_right": (1, 2, 2, 9, 24, lambda: ba.LowerTriangularFromBottomRightMask()),
+    "window": (1, 2, 1, 24, 24, lambda: ba.LocalAttentionMask(3, 2)),
+    "padded": (2, 2, 1, 5, 24, lambda: ba.PaddedKeysMask([24, 11])),
+    "segments": (1, 2, 1, 24, 24, lambda: ba.BlockDiagonalMask.from_seqlens([5, 9, 10], [7, 3, 14])),
+    "segments_causal": (1, 2, 1, 24, 24, lambda: ba.BlockDiagonalMask.from_seqlens([5, 9, 10]).make_causal()),
+    "block_sparse": (2, 2, 2, 32, 32, lambda: ba.BlockSparseMask(_layout(), 16)),
+    "causal_and_padded": (2, 2, 1, 24, 24, lambda: ba.LowerTriangularMask() & ba.PaddedKeysMask([24, 13])),
+    "causal_plus_alibi": (1, 2, 1, 24, 24, lambda: ba.LowerTriangularMask() + ba.ALiBi(torch.tensor([0.5, 0.25]))),
+    "window_plus_additive": (1, 2, 1, 24, 24, lambda: ba.LocalAttentionMask(4) + ba.AdditiveBias(_finite_additive(24, 24))),
+    "additive_neg_inf": (1, 2, 1, 24, 24, lambda: ba.AdditiveBias(_hiding_additive(24, 24))),
+}
+MASKED = [n for n in FAMILIES if n != "additive_neg_inf"]
+
+
+def _finite_additive(Mq, Mk):
+    return torch.randn(Mq, Mk, generator=torch.Generator().manual_seed(5))
+
+
+def _hiding_additive(Mq, Mk):
+    """An additive bias that hides key j from rows i < j - 2 with -inf (a causal-like band)."""
+    i, j = torch.arange(Mq)[:, None], torch.arange(Mk)[None, :]
+    return torch.where(j > i + 2, float("-inf"), _finite_additive(Mq, Mk))
+
+
+def _inputs(name, dtype=torch.float64, device="cpu"):
+    B, Hq, Hkv, Mq, Mk, make = FAMILIES[name]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, h, m, D, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
+               for h, m in ((Hq, Mq), (Hkv, Mk), (Hkv, Mk)))
+    bias = make()
+    return q, k, v, bias, visibility(bias, (B, Hq, Mq, Mk), device)
+
+
+def _partly_hidden_key(seen, Hkv):
+    """``(b, hkv, j)``: a key that some query row sharing KV head ``hkv`` sees and some other does not
+    (one that every row of a batch row misses when there is none, as for padded keys)."""
+    B, Hq = seen.shape[:2]
+    per_kv = seen.unflatten(1, (Hkv, Hq // Hkv))  # [B, Hkv, G, Mq, Mk]
+    hidden = ~per_kv.all(3).all(2)  # [B, Hkv, Mk]
+    partly = per_kv.any(3).any(2) & hidden
+    found = (partly if partly.any() else hidden).nonzero()
+    b, h, j = found[len(found) // 2].tolist()
+    return b, h, j
+
+
+def _sees(seen, Hkv, b, hkv, j):
+    """Bool ``[Hq, Mq]``: the query rows of batch row ``b`` whose head shares KV head ``hkv`` and that see key ``j``."""
+    Hq = seen.shape[1]
+    g = Hq // Hkv
+    out = torch.zeros(seen.shape[1:3], dtype=torch.bool, device=seen.device)
+    out[hkv * g : (hkv + 1) * g] = seen[b, hkv * g : (hkv + 1) * g, :, j]
+    return out
+
+
+def _assert_rows(out, clean, affected, b, name):
+    """Rows not ``affected`` ([Hq, Mq] of batch row ``b``) and other batch rows equal ``clean``; the others are not finite."""
+    rows_ok = ~affected[None, :, :, None].expand(out.shape[0], -1, -1, out.shape[-1]).clone()
+    rows_ok[:b] = True
+    rows_ok[b + 1 :] = True
+    assert_close_to_reference(torch.where(rows_ok, out, 0.0), torch.where(rows_ok, clean, 0.0), name=name)
+    assert not torch.isfinite(out[b][affected]).any(), f"{name}: rows that see the poisoned position are finite"
+
+
+@pytest.mark.parametrize("op", EXACT_OPS)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("which", ["key", "value"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_hidden_key_or_value_never_reaches_the_rows_that_cannot_see_it(name, which, value, op):
+    """Regression: a NaN in key 6 of 8 under a causal mask turned every row NaN in `reference` and `chunked`."""
+    q, k, v, bias, seen = _inputs(name)
+    b, hkv, j = _partly_hidden_key(seen, k.shape[1])
+    want, want_lse = reference_attention(q, k, v, bias)
+    pk, pv = k.clone(), v.clone()
+    poison_key_(pk if which == "key" else pv, b, hkv, j, value)
+    out, lse = ba.attention_with_lse(q, pk, pv, bias, op=op)
+    sees = _sees(seen, k.shape[1], b, hkv, j)
+    _assert_rows(out, want, sees, b, f"{name} out")
+    if which == "key":
+        _assert_rows(lse[..., None], want_lse[..., None], sees, b, f"{name} lse")
+    else:
+        assert_close_to_reference(lse, want_lse, name=f"{name} lse")
+    ref_out, ref_lse = reference_attention(q, pk, pv, bias)  # the oracle is the same function
+    assert_close_to_reference(out, ref_out, name=f"{name} out vs the poisoned reference")
+    assert_close_to_reference(lse, ref_lse, name=f"{name} lse vs the poisoned reference")
+
+
+@pytest.mark.parametrize("op", EXACT_OPS)
+@pytest.mark.parametrize("name", MASKED)
+def test_gradients_of_rows_that_cannot_see_a_poisoned_key_stay_clean(name, op):
+    """dq of the rows that do not see a NaN key or value, and dk/dv of the other keys, equal the clean ones."""
+    q, k, v, bias, seen = _inputs(name)
+    b, hkv, j = _partly_hidden_key(seen, k.shape[1])
+    dout = torch.randn(q.shape[:3] + (v.shape[-1],), generator=torch.Generator().manual_seed(3), dtype=q.dtype)
+
+    def grads(kk, vv):
+        leaves = [t.clone().requires_grad_() for t in (q, kk, vv)]
+        out = ba.attention(*leaves, bias, op=op)
+        return torch.autograd.grad((torch.where(torch.isfinite(out), out, 0.0) * dout).sum(), leaves)
+
+    clean = grads(k, v)
+    sees = _sees(seen, k.shape[1], b, hkv, j)
+    other_keys = torch.ones(k.shape[:3], dtype=torch.bool)
+    other_keys[b, hkv, j] = False
+    for which in ("key", "value"):
+        pk, pv = k.clone(), v.clone()
+        poison_key_(pk if which == "key" else pv, b, hkv, j)
+        dq, dk, dv = grads(pk, pv)
+        rows = torch.ones(q.shape[:3], dtype=torch.bool)
+        rows[b] = ~sees
+        assert_close_to_reference(dq[rows], clean[0][rows], name=f"{name} {which}: dq of rows that cannot see it")
+        # keys' gradients gather every row: only the keys that no row seeing the poison shares a tile with
+        if not sees.any():
+            assert_close_to_reference(dk[other_keys], clean[1][other_keys], name=f"{name} {which}: dk")
+            assert_close_to_reference(dv[other_keys], clean[2][other_keys], name=f"{name} {which}: dv")
+
+
+@pytest.mark.parametrize("op", EXACT_OPS)
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("name", ["causal", "padded", "segments_causal", "block_sparse", "window"])
+def test_an_additive_nan_or_inf_at_a_masked_position_is_hidden(name, value, op):
+    """Regression: mask + additive materialized as -inf + NaN = NaN, and the NaN reached the row."""
+    q, k, v, bias, seen = _inputs(name)
+    B, Hq, Mq, Mk = seen.shape
+    add = _finite_additive(Mq, Mk).to(q.dtype)
+    poisoned = torch.where(seen[0, 0], add, value)
+    want, want_lse = reference_attention(q, k, v, bias + ba.AdditiveBias(add))
+    out, lse = ba.attention_with_lse(q, k, v, bias + ba.AdditiveBias(poisoned), op=op)
+    assert_close_to_reference(out, want, name=f"{name} out")
+    assert_close_to_reference(lse, want_lse, name=f"{name} lse")
+
+
+def test_the_reference_reads_a_mask_over_an_additive_nan_as_hidden():
+    """The testing oracle: a mask's -inf wins over an additive NaN or +inf at the same position."""
+    from biasattn.testing.reference import dense_bias
+
+    add = torch.zeros(3, 3)
+    add[0, 2], add[1, 2] = float("nan"), float("inf")
+    dense = dense_bias(ba.LowerTriangularMask() + ba.AdditiveBias(add), (1, 1, 3, 3))
+    assert torch.isneginf(dense[0, 0, 0, 2]) and torch.isneginf(dense[0, 0, 1, 2])
+    assert not torch.isnan(dense).any()
+
+
+# ------------------------------------------------------------------------- triton (interpreter)
+def _program_rows(name, seen, q, k, bias):
+    """Bool ``[Mq, Mq]``: ``[i, i2]`` when rows i and i2 belong to the same query program of the interpreter's tiles."""
+    Mq, Mk = seen.shape[2], seen.shape[3]
+    spec = lower(bias, q.shape[0], q.shape[1], Mq, Mk, q.device)
+    sched = query_schedule(spec, INTERPRETER_BLOCK_M, q.device)
+    prog = torch.empty(Mq, dtype=torch.long)
+    for n, (a, e) in enumerate(zip(sched.starts, sched.ends)):
+        prog[a:e] = n
+    return prog[:, None] == prog[None, :]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("which", ["key", "value"])
+@pytest.mark.parametrize("name", MASKED)
+def test_triton_hidden_keys_are_exact_and_values_reach_only_their_program(name, which, value, dtype):
+    """Scores: exact (masks applied with where). Values: a non-finite value row reaches the rows of the
+    query programs in which some row sees it, and no other row (keys past the programs' span are not loaded)."""
+    q, k, v, bias, seen = _inputs(name, dtype)
+    b, hkv, j = _partly_hidden_key(seen, k.shape[1])
+    want, _ = reference_attention(q, k, v, bias, compute_dtype=torch.float64)
+    pk, pv = k.clone(), v.clone()
+    poison_key_(pk if which == "key" else pv, b, hkv, j, value)
+    out = ba.attention(q, pk, pv, bias, op="triton")
+    sees = _sees(seen, k.shape[1], b, hkv, j)
+    if which == "value":
+        same_program = _program_rows(name, seen, q, k, bias).to(torch.float32)
+        sees = (sees.to(torch.float32) @ same_program) > 0  # [Hq, Mq]: a row of its program sees j
+    ok = ~sees[None, :, :, None].expand(out.shape[0], -1, -1, out.shape[-1]).clone()
+    ok[:b], ok[b + 1 :] = True, True
+    low, _ = reference_attention(q, k, v, bias, compute_dtype=dtype)
+    err = (torch.where(ok, low.double(), 0.0) - torch.where(ok, want, 0.0)).abs().max().item()
+    got = (torch.where(ok, out.double(), 0.0) - torch.where(ok, want, 0.0)).abs().max().item()
+    assert got <= 2 * err + 1e-3 and torch.isfinite(out[ok]).all(), f"{name}: rows outside the rule changed ({got})"
+    assert not torch.isfinite(out[b][sees]).any(), f"{name}: rows the rule names are finite"
+
+
+@pytest.mark.parametrize("which", ["key", "value"])
+def test_triton_a_position_hidden_only_by_an_additive_neg_inf_is_hidden_by_arithmetic(which):
+    """Documented rule: unmasked tiles add the additive term, so a NaN key or value under an additive -inf reaches every row."""
+    q, k, v, bias, seen = _inputs("additive_neg_inf", torch.float32)
+    b, hkv, j = _partly_hidden_key(seen, k.shape[1])
+    pk, pv = k.clone(), v.clone()
+    poison_key_(pk if which == "key" else pv, b, hkv, j)
+    out = ba.attention(q, pk, pv, bias, op="triton")
+    assert torch.isnan(out[b]).any(-1).all()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("name", ["causal", "padded", "segments_causal", "block_sparse"])
+def test_triton_an_additive_nan_or_inf_at_a_masked_position_is_hidden(name, value):
+    """Masked tiles apply the mask with where after adding the additive tile."""
+    q, k, v, bias, seen = _inputs(name, torch.float32)
+    add = _finite_additive(*seen.shape[2:])
+    want, _ = reference_attention(q, k, v, bias + ba.AdditiveBias(add))
+    low, _ = reference_attention(q, k, v, bias + ba.AdditiveBias(add), compute_dtype=torch.float32)
+    out = ba.attention(q, k, v, bias + ba.AdditiveBias(torch.where(seen[0, 0], add, value)), op="triton")
+    assert_close_to_reference(out, want, low)
+
+
+# ------------------------------------------------------------------------------- vendor (GPU)
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["cutlass", "flash2", "cudnn", "triton", "chunked", "reference"])
+@pytest.mark.parametrize("name", ["causal", "causal_bottom_right", "window", "padded", "segments_causal"])
+def test_vendor_hidden_keys_never_reach_the_rows_that_cannot_see_them_gpu(name, op):
+    """On a GPU, every operator that runs these inputs keeps a NaN key out of the rows that do not see it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    q, k, v, bias, seen = _inputs(name, torch.bfloat16, "cuda")
+    if ba.ops.get(op).not_supported_reasons(_make(q, k, v, bias)):
+        pytest.skip(f"{op} does not run {name}")
+    b, hkv, j = _partly_hidden_key(seen, k.shape[1])
+    want, _ = reference_attention(q, k, v, bias)
+    pk = poison_key_(k.clone(), b, hkv, j)
+    out = ba.attention(q, pk, v, bias, op=op)
+    sees = _sees(seen, k.shape[1], b, hkv, j)
+    ok = ~sees[None, :, :, None].expand(out.shape[0], -1, -1, out.shape[-1]).clone()
+    ok[:b], ok[b + 1 :] = True, True
+    low, _ = reference_attention(q, k, v, bias, compute_dtype=torch.bfloat16)
+    assert_close_to_reference(torch.where(ok, out, 0).double(), torch.where(ok, want, 0.0), torch.where(ok, low, 0).double())
+
+
+def _make(q, k, v, bias):
+    from biasattn.inputs import make_inputs
+
+    return make_inputs(q, k, v, bias)
