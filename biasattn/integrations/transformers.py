@@ -48,7 +48,7 @@ def register(name: str = NAME) -> str:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as e:  # pragma: no cover - exercised only without transformers
-        raise ImportError("biasattn.integrations.transformers needs transformers: pip install 'biasattn[hf]'") from e
+        raise ImportError("biasattn.integrations.transformers needs transformers: pip install -e \".[hf]\"") from e
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, padding_mask)
     return name
