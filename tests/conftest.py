@@ -23,14 +23,22 @@ settings.register_profile("dev", max_examples=20, deadline=None, print_blob=True
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gpu" if torch.cuda.is_available() else "ci"))
 
 
-# Whole modules marked ``slow``: their tests run the Triton interpreter or torch.compile (minutes on a
-# CPU). ``python -m pytest -q`` runs them; ``-m "not slow"`` is the quick run.
+# Marked ``slow``: whole modules whose tests run the Triton interpreter or torch.compile (minutes on a
+# CPU), and elsewhere the tests of the Triton operators (``test_triton_*``, or an ``op`` parameter
+# naming one). ``python -m pytest -q`` runs them; ``-m "not slow"`` is the quick run.
 SLOW_MODULES = frozenset({"test_triton.py", "test_splitk.py", "test_plans.py", "test_compile.py"})
+
+
+def _is_slow(item) -> bool:
+    if item.path.name in SLOW_MODULES or getattr(item, "originalname", item.name).startswith("test_triton"):
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return any(isinstance(p, str) and p.startswith("triton") for p in params.values())
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in SLOW_MODULES:
+        if _is_slow(item):
             item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
