@@ -77,6 +77,69 @@ def test_cudnn_refuses_bias_backward_at_the_nan_lengths():
     assert not any("196678" in r for r in op.not_supported_reasons(inp, backward=False))
 
 
+def test_cudnn_refuses_the_backward_of_one_query_and_one_key():
+    """cuDNN rejects the backward graph of Mq = Mk = 1, and a second such call crashed the process: refused up front."""
+    q = k = v = torch.randn(2, 4, 1, 128, dtype=torch.bfloat16)
+    op = ba.ops.get("cudnn")
+    for bias in (None, ba.LocalAttentionMask(31, 0), ba.LowerTriangularFromBottomRightMask()):
+        inp = make_inputs(q, k, v, bias)
+        assert any("Mq = Mk = 1" in r for r in op.not_supported_reasons(inp, backward=True))
+        assert not any("Mq = Mk = 1" in r for r in op.not_supported_reasons(inp, backward=False))
+    longer = make_inputs(q, torch.randn(2, 4, 7, 128, dtype=torch.bfloat16), torch.randn(2, 4, 7, 128, dtype=torch.bfloat16))
+    assert not any("Mq = Mk = 1" in r for r in op.not_supported_reasons(longer, backward=True))
+
+
+@pytest.mark.parametrize("name", VENDOR)
+def test_an_additive_bias_that_would_be_rounded_is_refused(name):
+    """A float32 additive bias with bfloat16 q would be rounded to bfloat16 by the kernels (gradients then missed the
+    criterion): refused; the same bias in q's dtype, and a bool mask (0 / -inf, exact), are not."""
+    q = k = v = torch.randn(1, 2, 9, 16, dtype=torch.bfloat16)
+    op = ba.ops.get(name)
+
+    def rounds(bias):
+        return any("would round" in r for r in op.not_supported_reasons(make_inputs(q, k, v, bias)))
+
+    assert rounds(torch.randn(9, 9))
+    assert rounds(ba.LowerTriangularMask() + ba.AdditiveBias(torch.randn(9, 9)))
+    assert not rounds(torch.randn(9, 9, dtype=torch.bfloat16))
+    assert not rounds(torch.rand(9, 9) < 0.5)
+    assert not rounds(ba.AdditiveBias(torch.rand(9, 9) < 0.5) + ba.AdditiveBias(torch.rand(1, 9) < 0.5))
+    q32 = k32 = v32 = q.float()
+    if name == "cutlass":  # float32 inputs: a bfloat16 bias widens exactly
+        why = op.not_supported_reasons(make_inputs(q32, k32, v32, torch.randn(9, 9, dtype=torch.bfloat16)))
+        assert not any("would round" in r for r in why)
+
+
+def test_plans_know_sequences_without_keys():
+    """Packed or padded sequences with queries but no keys: the kernels leave their rows undefined (CUTLASS wrote NaN),
+    and a call where no sequence has keys made FlashAttention-2 fail with 'invalid argument'."""
+    spec, plan = _plan(ba.BlockDiagonalMask.from_seqlens([1, 0, 1], [0, 0, 1]), 1, 2, 2, 1)
+    assert plan.has_work and plan.keyless == ((0, 0, 1),)
+    spec, plan = _plan(ba.PaddedKeysMask([0, 0, 0]), 3, 2, 5, 1)
+    assert not plan.has_work and plan.keyless == ((0, 0, 5), (1, 0, 5), (2, 0, 5))
+    spec, plan = _plan(ba.PaddedKeysMask([3, 0]), 2, 2, 5, 4)
+    assert plan.has_work and plan.keyless == ((1, 0, 5),)
+    q = torch.randn(1, 8, 2, 16, dtype=torch.bfloat16)
+    k = v = torch.randn(1, 2, 1, 16, dtype=torch.bfloat16)
+    packed = ba.BlockDiagonalMask.from_seqlens([1, 0, 1], [0, 0, 1])
+    why = ba.ops.get("cutlass").not_supported_reasons(make_inputs(q, k, v, packed))
+    assert any("no keys" in r for r in why)
+
+
+def test_flash2_keeps_one_query_sequences_off_its_swapped_path():
+    """With at most one query per sequence, FlashAttention-2 reshapes packed GQA queries as [sequences, Hkv, groups, D],
+    which fails when a sequence is empty; a right window of 0 (equal for one query) keeps it off that path."""
+    q = torch.randn(1, 4, 2, 16, dtype=torch.bfloat16)
+    k = v = torch.randn(1, 2, 700, 16, dtype=torch.bfloat16)
+    flash2 = ba.ops.get("flash2")
+    for bias in (ba.BlockDiagonalMask.from_seqlens([1, 0, 1], [300, 200, 200]).make_causal_from_bottom_right(),
+                 ba.BlockDiagonalMask.from_seqlens([1, 0, 1], [300, 200, 200])):
+        inp = make_inputs(q, k, v, bias)
+        assert flash2._window(inp, flash2.plan(inp))[1] == 0
+    inp = make_inputs(q, k, v, ba.BlockDiagonalMask.from_seqlens([2, 0], [300, 400]))
+    assert flash2._window(inp, flash2.plan(inp)) == vm.flash_window(flash2.plan(inp))
+
+
 def test_missing_entry_point_is_a_reason(monkeypatch):
     """A torch without the kernel's entry point gives a reason naming it."""
     monkeypatch.setattr(vm, "aten_entry", lambda name: None)

@@ -49,7 +49,7 @@ class AdditiveAtom(Atom):
         return t
 
     def lower(self, builder) -> None:
-        builder.add_additive(self.tensor4d.to(builder.device))
+        builder.add_additive(self.tensor4d.to(builder.device), self.is_mask)
 
     def __repr__(self) -> str:
         kind = "mask" if self.is_mask else str(self.tensor.dtype).replace("torch.", "")

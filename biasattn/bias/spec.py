@@ -93,6 +93,7 @@ class BiasSpec:
     additive: torch.Tensor | None = None
     alibi_slopes: torch.Tensor | None = None
     alibi_shift: int = 0
+    additive_is_mask: bool = False  # the additive tensor holds only 0 and -inf (bool masks): exact in every dtype
     host: SpecHost = field(default_factory=SpecHost)
     # What an operator derives from this spec for its launches (filled on first use, never copied by
     # dataclasses.replace): the backward of a call reuses what its forward built.
@@ -183,6 +184,7 @@ class SpecBuilder:
         self.kv_tensor: torch.Tensor | None = None
         self.layout = None
         self.additive: torch.Tensor | None = None
+        self.additive_is_mask = True
         self.alibi: torch.Tensor | None = None
         self.alibi_shift = 0
 
@@ -227,8 +229,9 @@ class SpecBuilder:
         else:
             self.layout = (self.layout[0] & layout, bq, bk)
 
-    def add_additive(self, tensor: torch.Tensor) -> None:
+    def add_additive(self, tensor: torch.Tensor, is_mask: bool = False) -> None:
         self.additive = tensor if self.additive is None else self.additive + tensor
+        self.additive_is_mask = self.additive_is_mask and is_mask
 
     def add_alibi(self, slopes: torch.Tensor, shift: int) -> None:
         self.alibi = slopes if self.alibi is None else self.alibi + slopes
@@ -312,6 +315,7 @@ class SpecBuilder:
                     f"[B, H, Mq, Mk] = {[g.B, g.H, g.Mq, g.Mk]}"
                 )
             kw["additive"] = a
+            kw["additive_is_mask"] = self.additive_is_mask
 
         if self.alibi is not None:
             kw["alibi_slopes"] = self.alibi

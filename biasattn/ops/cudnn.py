@@ -5,7 +5,10 @@ whichever the installed torch has. cuDNN's causal mask is top-left, so it is use
 ``Mq == Mk`` (where top-left and bottom-right agree). An additive bias must not require grad (cuDNN
 computes no bias gradient), and with a bias the backward is refused at sequence lengths
 ``% 128 == 64``, where cuDNN's ``grad_q`` has returned NaN (PyTorch issue 196678). Grouped-query
-attention is native: K/V keep their ``Hkv`` heads and so do their gradients.
+attention is native: K/V keep their ``Hkv`` heads and so do their gradients. Head dims go to 256 on
+Hopper and 128 elsewhere, as cuDNN's own checks allow. The backward is refused for ``Mq = Mk = 1``:
+cuDNN rejects that graph, and a later call in the same process could find the rejected graph in
+PyTorch's cache and crash, so the operator never asks for it.
 
 Packed segments and padded keys are not declared: through the ragged (``cum_seq``) entry point of
 torch 2.11 the forward took 45-60 ms where FlashAttention-2 takes 0.3-0.9 ms, and ``grad_q`` was
@@ -20,6 +23,7 @@ import functools
 import torch
 
 from ..inputs import AttentionInputs
+from .common import cuda_capability
 from .vendor_mapping import (
     VendorCtx,
     VendorOperator,
@@ -42,6 +46,11 @@ def _entry_points() -> tuple[str, str] | None:
     return None
 
 
+@functools.cache
+def _cudnn_version() -> int | None:
+    return torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+
+
 class CudnnOperator(VendorOperator):
     """cuDNN attention through PyTorch: causal (Mq == Mk), additive bias (no gradient), GQA, dropout."""
 
@@ -50,7 +59,7 @@ class CudnnOperator(VendorOperator):
     MIN_CAPABILITY = (8, 0)
     DTYPES = frozenset({torch.float16, torch.bfloat16})
     MIN_HEAD_DIM = 8
-    MAX_HEAD_DIM = 128
+    MAX_HEAD_DIM = 256  # on Hopper; 128 elsewhere (see extra_reasons)
     REQUIRES_EQUAL_V_DIM = True
     FEATURES = frozenset({"band", "additive"})
     SUPPORTS_DROPOUT = True
@@ -62,7 +71,7 @@ class CudnnOperator(VendorOperator):
         if _entry_points() is None:
             names = ", ".join(f"torch.ops.aten.{n}" for n in RAGGED + DENSE)
             return [f"needs cuDNN attention entry points ({names}), which torch {torch.__version__} lacks"]
-        version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        version = _cudnn_version()
         if torch.cuda.is_available() and (version is None or version < 90000):
             return [f"needs cuDNN 9 or newer, torch {torch.__version__} has {version or 'no cuDNN'}"]
         return []
@@ -78,11 +87,18 @@ class CudnnOperator(VendorOperator):
             )
         if inp.D % 8:
             reasons.append(f"needs a head dim that is a multiple of 8, got D={inp.D}")
+        if inp.D > 128 and cuda_capability(inp.device)[0] != 9:
+            reasons.append(f"runs head dims above 128 only on Hopper (compute capability 9.x), got D={inp.D}")
         causal = cudnn_causal(plan)
         if causal is None:
             reasons.append("supports only a top-left causal band, not this band")
         elif causal and inp.Mq != inp.Mk:
             reasons.append(f"uses its top-left causal mask only for Mq == Mk, got Mq={inp.Mq}, Mk={inp.Mk}")
+        if backward and inp.Mq == 1 and inp.Mk == 1:
+            # cuDNN refuses this graph, and a later call can find the failed graph cached and crash
+            reasons.append("has no backward for Mq = Mk = 1")
+        if backward and _cudnn_version() in (91000, 91001):
+            reasons.append("has a known-bad backward in cuDNN 9.10.0 and 9.10.1; 9.10.2 or newer works")
         if backward and inp.additive is not None and (inp.Mq % 128 == 64 or inp.Mk % 128 == 64):
             reasons.append(
                 f"gives NaN grad_q with a bias when a sequence length % 128 == 64 "
@@ -97,8 +113,7 @@ class CudnnOperator(VendorOperator):
         return aligned_bias(inp.additive.detach(), (inp.B, inp.Hq, inp.Mq, inp.Mk), inp.dtype)
 
     # ----------------------------------------------------------------------------- compute
-    def fwd(self, inp: AttentionInputs):
-        plan = self.plan(inp)
+    def kernel_fwd(self, inp: AttentionInputs, plan):
         q, k, v, bias = inp.q, inp.k, inp.v, self._bias(inp)
         causal = bool(cudnn_causal(plan))
         if _entry_points() == RAGGED:
@@ -113,8 +128,7 @@ class CudnnOperator(VendorOperator):
         out = self.fix_empty_rows(inp, plan, out, lse)
         return out, lse, VendorCtx(self.NAME, lse_raw, layout, (seed, offset))
 
-    def bwd(self, inp, out, lse, ctx, dout, dlse):
-        plan = self.plan(inp)
+    def kernel_bwd(self, inp, plan, out, lse, ctx, dout):
         q, k, v, bias = inp.q, inp.k, inp.v, self._bias(inp)
         if isinstance(ctx, VendorCtx) and ctx.op == self.NAME:
             lse_raw, (seed, offset) = ctx.lse_raw, ctx.rng

@@ -64,6 +64,8 @@ class CutlassOperator(VendorOperator):
             reasons.append("supports only causal bands (top-left or bottom-right in every sequence), not this band")
         elif mask_type == CAUSAL_BOTTOM_RIGHT and any(s.Lq > s.Lk for s in plan.seqs):
             reasons.append("gives wrong rows with a bottom-right causal mask when a sequence has more queries than keys")
+        if plan.varlen and plan.keyless:
+            reasons.append("gives wrong query gradients in other sequences when a sequence has queries but no keys")
         if inp.additive is not None and plan.varlen:
             reasons.append("takes an additive bias only without segments or padded keys")
         if inp.dropout_p > 0 and plan.varlen:
@@ -101,8 +103,7 @@ class CutlassOperator(VendorOperator):
         return torch.where(hidden, float("-inf"), lse)
 
     # ----------------------------------------------------------------------------- compute
-    def fwd(self, inp: AttentionInputs):
-        plan = self.plan(inp)
+    def kernel_fwd(self, inp: AttentionInputs, plan):
         q, k, v, bias, cu_q, cu_k, max_q, max_k = self._args(inp, plan)
         out, lse_raw, seed, offset, *_ = aten_entry("_efficient_attention_forward")(
             q, k, v, bias, cu_q, cu_k, max_q, max_k, inp.dropout_p, cutlass_mask_type(plan), True, scale=inp.scale,
@@ -112,8 +113,7 @@ class CutlassOperator(VendorOperator):
         out = self.fix_empty_rows(inp, plan, self._unpack_out(out, plan, inp.B, inp.Dv), lse)
         return out, lse, VendorCtx(self.NAME, lse_raw, layout, (seed, offset))
 
-    def bwd(self, inp, out, lse, ctx, dout, dlse):
-        plan = self.plan(inp)
+    def kernel_bwd(self, inp, plan, out, lse, ctx, dout):
         add = inp.additive
         bias_grad = add is not None and add.requires_grad
         q, k, v, bias, cu_q, cu_k, max_q, max_k = self._args(inp, plan, bias_grad)
@@ -121,7 +121,7 @@ class CutlassOperator(VendorOperator):
             # another operator ran the forward: replay ours for the kernel's own lse (rebuilding it
             # from ours gave wrong gradients with cu_seqlens)
             with torch.no_grad():
-                out, _, ctx = self.fwd(inp)
+                out, _, ctx = self.kernel_fwd(inp, plan)
         lse_raw, (seed, offset) = ctx.lse_raw, ctx.rng
         o, do = pad_head_dim(pack_queries(out, plan)), pad_head_dim(pack_queries(dout, plan))
         if plan.varlen:

@@ -61,7 +61,12 @@ class Flash2Operator(VendorOperator):
 
     # ----------------------------------------------------------------------------- helpers
     def _window(self, inp: AttentionInputs, plan) -> tuple[int, int]:
-        return flash_window(plan)
+        left, right = flash_window(plan)
+        if plan.max_q <= 1 and right < 0:
+            # Equal for single-query sequences, and keeps FlashAttention off its one-query GQA path,
+            # which reshapes the packed queries as if no sequence were empty.
+            right = 0
+        return left, right
 
     def _args(self, inp: AttentionInputs, plan):
         q = pad_head_dim(pack_queries(inp.q, plan))
@@ -73,8 +78,7 @@ class Flash2Operator(VendorOperator):
         return q, k, v, None, None, inp.Mq, inp.Mk
 
     # ----------------------------------------------------------------------------- compute
-    def fwd(self, inp: AttentionInputs):
-        plan = self.plan(inp)
+    def kernel_fwd(self, inp: AttentionInputs, plan):
         left, right = self._window(inp, plan)
         q, k, v, cu_q, cu_k, max_q, max_k = self._args(inp, plan)
         out, lse_raw, rng, unused, _ = aten_entry("_flash_attention_forward")(
@@ -89,8 +93,7 @@ class Flash2Operator(VendorOperator):
         out = self.fix_empty_rows(inp, plan, out, lse)
         return out, lse, VendorCtx(self.NAME, lse_raw, layout, (rng, unused))
 
-    def bwd(self, inp, out, lse, ctx, dout, dlse):
-        plan = self.plan(inp)
+    def kernel_bwd(self, inp, plan, out, lse, ctx, dout):
         left, right = self._window(inp, plan)
         q, k, v, cu_q, cu_k, max_q, max_k = self._args(inp, plan)
         own = isinstance(ctx, VendorCtx) and ctx.op == self.NAME

@@ -27,7 +27,7 @@ import torch
 
 from ..bias.spec import BAND_UNBOUNDED, BiasSpec
 from ..inputs import AttentionInputs
-from .base import Operator
+from .base import Operator, _dtype_name
 
 NO_MASK, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2  # aten._efficient_attention_forward custom_mask_type
 
@@ -104,6 +104,17 @@ class SeqPlan:
     @property
     def varlen(self) -> bool:
         return self.layout != "batched"
+
+    @property
+    def has_work(self) -> bool:
+        """True when some sequence has both queries and keys (the kernels fail on a launch without any)."""
+        return any(s.Lq > 0 and s.Lk > 0 for s in self.seqs)
+
+    @property
+    def keyless(self) -> tuple[tuple[int, int, int], ...]:
+        """``(b, first row, end row)`` of the sequences that have queries but no key: their rows see nothing,
+        and the kernels leave them undefined (NaN seen from CUTLASS with ``cu_seqlens``)."""
+        return tuple((s.b, s.q_start, s.q_start + s.Lq) for s in self.seqs if s.Lq > 0 and s.Lk == 0)
 
     def cached(self, key, make):
         """``make()``, computed once per plan and ``key`` (the plan is immutable and reused within a call)."""
@@ -397,6 +408,11 @@ def to_device(values, device, dtype=torch.int64) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------- operators
+def exact_cast(src: torch.dtype, dst: torch.dtype) -> bool:
+    """True when every ``src`` value converts to ``dst`` unchanged (the same dtype, or a wider float32/float64)."""
+    return src == dst or (dst in (torch.float32, torch.float64) and src.itemsize < dst.itemsize)
+
+
 def aten_entry(name: str):
     """``torch.ops.aten.<name>`` or None when the installed torch lacks it."""
     return getattr(torch.ops.aten, name) if hasattr(torch.ops.aten, name) else None
@@ -413,7 +429,13 @@ class VendorCtx:
 
 
 class VendorOperator(Operator):
-    """Shared declarations and checks of the operators that call PyTorch's fused CUDA kernels."""
+    """Shared declarations and checks of the operators that call PyTorch's fused CUDA kernels.
+
+    Shared rules: an additive bias is handed over in q's dtype, so one that would be rounded (a
+    float32 bias with bfloat16 q) is refused, bool masks excepted (0 and -inf are exact); a call in
+    which no sequence has both queries and keys launches nothing; rows of sequences without keys
+    get 0 and lse ``-inf`` whatever the kernel wrote, and 0 query gradients.
+    """
 
     DEVICES = frozenset({"cuda"})
     DETERMINISTIC = False
@@ -440,6 +462,10 @@ class VendorOperator(Operator):
         yield from super()._reasons(inp, need_lse, backward)
         if need_lse and backward:
             yield "its backward kernel cannot take a gradient through the log-sum-exp"
+        add = inp.additive
+        if add is not None and not inp.spec.additive_is_mask and not exact_cast(add.dtype, inp.dtype):
+            yield (f"takes the additive bias in q's dtype and would round the {_dtype_name(add.dtype)} bias given to "
+                   f"{_dtype_name(inp.dtype)}")
 
     def plan(self, inp: AttentionInputs) -> SeqPlan:
         """The :class:`SeqPlan` of ``inp.spec`` (cached on the spec)."""
@@ -457,7 +483,51 @@ class VendorOperator(Operator):
     def kernel_lse(self, raw: torch.Tensor, inp: AttentionInputs, plan: SeqPlan, layout: str) -> torch.Tensor:
         """:func:`lse_from_kernel` of the call, rows without keys fixed only where some may exist."""
         hidden = self.rows_may_be_hidden(inp, plan)
-        return lse_from_kernel(raw, plan, inp.B, inp.Hq, inp.Mq, layout, rows_may_be_hidden=hidden)
+        lse = lse_from_kernel(raw, plan, inp.B, inp.Hq, inp.Mq, layout, rows_may_be_hidden=hidden)
+        keyless = self.keyless_rows(inp, plan)
+        return lse if keyless is None else lse.masked_fill(keyless, float("-inf"))
+
+    def keyless_rows(self, inp: AttentionInputs, plan: SeqPlan) -> torch.Tensor | None:
+        """Bool ``[B, 1, Mq]`` on the device: rows of sequences with no key (:attr:`SeqPlan.keyless`), or None."""
+        if not plan.keyless:
+            return None
+
+        def make():
+            mask = torch.zeros((inp.B, 1, inp.Mq), dtype=torch.bool)
+            for b, a, e in plan.keyless:
+                mask[b, :, a:e] = True
+            return mask.to(inp.device, non_blocking=True)
+
+        return plan.cached(("keyless", str(inp.device)), make)
+
+    def zero_keyless_rows(self, inp: AttentionInputs, plan: SeqPlan, t: torch.Tensor) -> torch.Tensor:
+        """``t [B, H, Mq, *]`` with 0 on :meth:`keyless_rows` (a query gradient, say)."""
+        keyless = self.keyless_rows(inp, plan)
+        return t if keyless is None else t.masked_fill(keyless[..., None], 0)
+
+    def fwd(self, inp: AttentionInputs):
+        plan = self.plan(inp)
+        if not plan.has_work:  # every row sees nothing: no launch
+            out = inp.q.new_zeros((inp.B, inp.Hq, inp.Mq, inp.Dv))
+            return out, torch.full((inp.B, inp.Hq, inp.Mq), float("-inf"), device=inp.device), None
+        return self.kernel_fwd(inp, plan)
+
+    def bwd(self, inp, out, lse, ctx, dout, dlse):
+        plan = self.plan(inp)
+        add = inp.additive
+        dadd = torch.zeros_like(add) if add is not None and add.requires_grad else None
+        if not plan.has_work:
+            return torch.zeros_like(inp.q), torch.zeros_like(inp.k), torch.zeros_like(inp.v), dadd
+        dq, dk, dv, dadd = self.kernel_bwd(inp, plan, out, lse, ctx, dout)
+        return self.zero_keyless_rows(inp, plan, dq), dk, dv, dadd
+
+    def kernel_fwd(self, inp: AttentionInputs, plan: SeqPlan):
+        """:meth:`fwd` for a plan with work: ``(out, lse, ctx)``."""
+        raise NotImplementedError
+
+    def kernel_bwd(self, inp: AttentionInputs, plan: SeqPlan, out, lse, ctx, dout):
+        """:meth:`bwd` for a plan with work: ``(dq, dk, dv, dadditive)``."""
+        raise NotImplementedError
 
     def fix_empty_rows(self, inp: AttentionInputs, plan: SeqPlan, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """``out`` with 0 on rows that see no key, when host metadata says such rows may exist."""
