@@ -15,6 +15,7 @@ import torch
 from . import ops
 from .errors import NotSupportedError
 from .inputs import AttentionInputs
+from .memo import BoundedCache
 from .ops.base import Operator
 from .ops.triton import environment
 
@@ -195,8 +196,6 @@ def choose(inp: AttentionInputs, *, need_lse: bool = False, op=None) -> tuple[Op
     store = inp.spec.derived
     if inp.spec.key_lengths_only:
         store = _length_mask_choices
-        if len(store) >= _LENGTH_MASK_CHOICES_MAX:
-            store.clear()
     try:
         decision = store.get(key)
     except TypeError:  # symbolic sizes (tracing) are unhashable: no caching
@@ -206,8 +205,7 @@ def choose(inp: AttentionInputs, *, need_lse: bool = False, op=None) -> tuple[Op
     return decision
 
 
-_LENGTH_MASK_CHOICES_MAX = 1024
-_length_mask_choices: dict = {}
+_length_mask_choices = BoundedCache(1024)
 
 
 def _decision_key(inp: AttentionInputs, need_lse: bool, op) -> tuple:
@@ -218,12 +216,21 @@ def _decision_key(inp: AttentionInputs, need_lse: bool, op) -> tuple:
     add = inp.spec.additive
     cuda = dev.type == "cuda"
     return (
-        q.shape, k.shape, v.shape[3], q.dtype, dev, op, need_lse, inp.requires_grad, inp.dropout_p, inp.scale > 0,
+        q.shape, k.shape, v.shape[3], q.dtype, dev, _op_key(op), need_lse, inp.requires_grad, inp.dropout_p > 0,
+        inp.scale > 0,
         add is not None and add.requires_grad, torch.are_deterministic_algorithms_enabled(), _allowed.get(),
         PRIORITY.get(dev.type), SPLITK_MAX_MQ, CUDNN_DECODE_MAX_GROUPS, CUDNN_DECODE_UNGROUPED_MAX_MQ,
         CUDNN_DECODE_UNGROUPED_MIN_PAIRS, CUDNN_DECODE_UNGROUPED_MAX_MK, cuda and graph_capturing(),
         not cuda and environment.interpreted(), ops.generation(), "dispatch",
     )
+
+
+def _op_key(op):
+    """A forced operator as a key: a registered operator object by its name, so the object and the name
+    share one entry."""
+    if isinstance(op, Operator) and op.NAME in ops.available() and ops.get(op.NAME) is op:
+        return op.NAME
+    return op
 
 
 def _choose(inp: AttentionInputs, need_lse: bool, op) -> tuple[Operator, Operator | None]:

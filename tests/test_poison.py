@@ -65,7 +65,7 @@ def _inputs(name, dtype=torch.float64, device="cpu"):
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, h, m, D, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
                for h, m in ((Hq, Mq), (Hkv, Mk), (Hkv, Mk)))
-    bias = make()
+    bias = make().to(device)
     return q, k, v, bias, visibility(bias, (B, Hq, Mq, Mk), device)
 
 

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..errors import InputError
+from ..memo import BoundedCache
 
 BAND_UNBOUNDED = 2**30
-_INT_TENSORS: dict = {}
+_INT_TENSORS = BoundedCache(256)
 
 
 def _int_tensor(values, device) -> torch.Tensor:
@@ -36,8 +37,6 @@ def _int_tensor(values, device) -> torch.Tensor:
     key = (tuple(values), str(device))
     t = _INT_TENSORS.get(key)
     if t is None:
-        if len(_INT_TENSORS) > 256:
-            _INT_TENSORS.clear()
         t = _INT_TENSORS[key] = torch.tensor(values, dtype=torch.int32, device=device)
     return t
 
@@ -97,7 +96,7 @@ class BiasSpec:
     host: SpecHost = field(default_factory=SpecHost)
     # What an operator derives from this spec for its launches (filled on first use, never copied by
     # dataclasses.replace): the backward of a call reuses what its forward built.
-    derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    derived: BoundedCache = field(default_factory=lambda: BoundedCache(64), init=False, repr=False, compare=False)
 
     @property
     def features(self) -> frozenset[str]:
@@ -324,7 +323,7 @@ class SpecBuilder:
         return BiasSpec(B=g.B, H=g.H, Mq=g.Mq, Mk=g.Mk, host=SpecHost(**host), **kw)
 
 
-_PLAIN_SPECS: dict = {}
+_PLAIN_SPECS = BoundedCache(64)
 
 
 def _plain_spec(B, H, Mq, Mk) -> BiasSpec:
@@ -335,13 +334,11 @@ def _plain_spec(B, H, Mq, Mk) -> BiasSpec:
         return BiasSpec(B=B, H=H, Mq=Mq, Mk=Mk)
     spec = _PLAIN_SPECS.get(key)
     if spec is None:
-        if len(_PLAIN_SPECS) >= 64:
-            _PLAIN_SPECS.clear()
         spec = _PLAIN_SPECS[key] = BiasSpec(B=B, H=H, Mq=Mq, Mk=Mk)
     return spec
 
 
-_STRUCTURAL_SPECS: dict = {}
+_STRUCTURAL_SPECS = BoundedCache(64)
 
 
 def lower(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasSpec:
@@ -355,7 +352,7 @@ def lower(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasSpec:
         return _plain_spec(B, H, Mq, Mk)
     key = (B, H, Mq, Mk, str(device))
     cacheable = not any(t.requires_grad for a in bias.atoms for t in a.tensors().values())
-    cache = bias.__dict__.setdefault("_spec_cache", {}) if cacheable else {}
+    cache = bias.__dict__.setdefault("_spec_cache", BoundedCache(16)) if cacheable else {}
     spec = cache.get(key)
     if spec is None:
         g = bias.geometry(B, H, Mq, Mk)
@@ -370,11 +367,7 @@ def lower(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasSpec:
             if not spec.features and all(type(n) is int for n in (B, H, Mq, Mk)):
                 spec = _plain_spec(B, H, Mq, Mk)
             if shared is not None:
-                if len(_STRUCTURAL_SPECS) >= 64:
-                    _STRUCTURAL_SPECS.clear()
                 _STRUCTURAL_SPECS[shared] = spec
-        if len(cache) > 16:
-            cache.clear()
         cache[key] = spec
     return spec
 

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from ..api import attention
 from ..bias import AdditiveBias, AttentionBias, LowerTriangularMask, PaddedKeysMask
 from ..errors import InputError, InputTypeError
+from ..memo import BoundedCache
 
 
 def right_padding_lengths(keep: Tensor) -> Tensor | None:
@@ -55,7 +56,7 @@ class BiasMemo:
 
     def __init__(self, size: int = 8) -> None:
         self.size = size  # biases kept at once (models alternate sliding-window and full layers)
-        self.held: dict = {}  # key -> (weak references to the source tensors, value)
+        self.held = BoundedCache(size)  # key -> (weak references to the source tensors, value)
 
     def get(self, sources: tuple, key: tuple, build):
         """``build()``, or what it returned for the same ``sources`` (tensors or None) and hashable ``key``."""
@@ -67,8 +68,6 @@ class BiasMemo:
         if hit is not None and all(ref() is t for ref, t in zip(hit[0], held)):
             return hit[1]
         value = build()
-        if len(self.held) >= self.size:
-            self.held.clear()
         drop = functools.partial(_drop, weakref.ref(self), full)  # a bias lives no longer than its masks
         self.held[full] = (tuple(weakref.ref(t, drop) for t in held), value)
         return value

@@ -26,11 +26,12 @@ import operator
 
 import torch
 
+from ...memo import BoundedCache
 from . import plans
 
 DIRECT = True  # tests and A/B runs turn the direct path off
 SPECIALIZATIONS = True  # tests and A/B runs turn the second table (by specialization) off
-_MAX_ENTRIES = 512  # signatures kept per kernel and table; past that the table starts over
+_MAX_ENTRIES = 512  # signatures kept per kernel and table (the least recently used go first)
 
 
 @functools.cache
@@ -73,8 +74,8 @@ class _Direct:
 
     def __init__(self, kernel, unkeyed: tuple[str, ...] = ()):
         self.kernel = kernel
-        self.table: dict = {}  # exact signature -> (compiled kernel, constexpr tail)
-        self.specialized: dict = {}  # specialization -> the same
+        self.table = BoundedCache(_MAX_ENTRIES)  # exact signature -> (compiled kernel, constexpr tail)
+        self.specialized = BoundedCache(_MAX_ENTRIES)  # specialization -> the same
         self.hits = 0
         names = list(getattr(kernel, "arg_names", ()))
         self.unkeyed = frozenset(names.index(n) for n in unkeyed)
@@ -144,11 +145,11 @@ class _Direct:
                 if compiled is None or len(names) < len(args) or any(n not in meta for n in names[len(args):]):
                     return None
                 entry = (compiled, tuple(meta[n] for n in names[len(args):]))
-                _keep(self.table, key, entry)
+                self.table[key] = entry
                 if spec_key is not None:
-                    _keep(self.specialized, spec_key, entry)
+                    self.specialized[spec_key] = entry
                 return entry
-            _keep(self.table, key, entry)
+            self.table[key] = entry
         self.hits += 1
         self._run(entry, grid, args)
         return entry
@@ -172,12 +173,6 @@ class _Direct:
         else:
             self.hits += 1
             self._run(entry, grid, args)
-
-
-def _keep(table: dict, key, entry) -> None:
-    if len(table) >= _MAX_ENTRIES:
-        table.clear()
-    table[key] = entry
 
 
 def direct(kernel, unkeyed: tuple[str, ...] = ()) -> _Direct:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ...bias.spec import BiasSpec
+from ...memo import BoundedCache
 
 
 def cdiv(a: int, b: int) -> int:
@@ -68,7 +69,7 @@ def _segment_programs(starts: tuple[int, ...], ends: tuple[int, ...], total: int
     return tuple(progs[n] for n in idx)
 
 
-_SEGMENTED: dict = {}
+_SEGMENTED = BoundedCache(64)
 
 
 def _segmented(key, progs, device) -> Schedule:
@@ -76,8 +77,6 @@ def _segmented(key, progs, device) -> Schedule:
     k = (key, str(device))
     sched = _SEGMENTED.get(k)
     if sched is None:
-        if len(_SEGMENTED) > 64:
-            _SEGMENTED.clear()
         table = torch.tensor(progs, dtype=torch.int32).reshape(-1, 3).to(device)
         sched = Schedule(len(progs), table, tuple(p[0] for p in progs), tuple(p[1] for p in progs))
         _SEGMENTED[k] = sched
@@ -152,7 +151,7 @@ def _layout_exact(bq, bk, qo, ko, Mq, Mk, sched: Schedule, block_other: int, alo
     return True
 
 
-_LIST_CACHE: dict = {}
+_LIST_CACHE = BoundedCache(32)
 
 
 def layout_tile_lists(spec: BiasSpec, sched: Schedule, block_other: int, along_keys: bool, device):
@@ -198,7 +197,5 @@ def layout_tile_lists(spec: BiasSpec, sched: Schedule, block_other: int, along_k
     count = visible.sum(-1, dtype=torch.int32)
     index = torch.argsort((~visible).to(torch.int8), dim=-1, stable=True).to(torch.int32)
     result = (count.contiguous(), index.contiguous())
-    if len(_LIST_CACHE) > 32:
-        _LIST_CACHE.clear()
     _LIST_CACHE[key] = (layout, result)
     return result

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ...inputs import AttentionInputs
+from ...memo import BoundedCache
 from ..common import cdiv, cuda_capability, next_power_of_2, num_sms, slice_span, tile_size
 from . import configs, launch, plans, splitk_kernels
 from .launch import direct
@@ -275,8 +276,6 @@ def splitk_attention_fwd(
     else:
         plans.settle(spec.derived, key, rec, (q, k, v, out, lse, o_buf, l_buf), num_splits)
         if shared_key is not None:
-            if len(_shared_plans) >= _SHARED_PLANS_MAX:
-                _shared_plans.clear()
             plans.settle(_shared_plans, shared_key, rec, (q, k, v, out, lse, o_buf, l_buf, spec.kv_seqlens), num_splits)
     return out, lse
 
@@ -286,8 +285,7 @@ def splitk_attention_fwd(
 # spec every step, so a plan kept in the spec would never be replayed. Here the lengths tensor is a
 # role of the plan, like q, k and v, and the key holds the launch shape the call's host lengths give
 # (tiles, row blocks, split count): a plan is replayed only by calls that would launch the same.
-_SHARED_PLANS_MAX = 256
-_shared_plans: dict = {}
+_shared_plans = BoundedCache(256)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,56 @@
+"""The one bounded cache of the library: a mapping that forgets its least recently used entries.
+
+Every cache on the attention path is keyed by shapes, dtypes, devices and a bias's structure, never
+by per-call values (a scale, a dropout probability, an operator object), and is one of these: a
+cache that meets a new key every step (fresh masks, a learned temperature) then stays the same size.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class BoundedCache(OrderedDict):
+    """A dict of at most ``maxsize`` entries; storing one more drops the least recently used.
+
+    ``cache.get(key)`` and ``cache[key]`` count as uses. Keys must be hashable, as for a dict.
+    """
+
+    def __init__(self, maxsize: int) -> None:
+        if maxsize < 1:
+            raise ValueError(f"maxsize must be at least 1, got {maxsize}")
+        super().__init__()
+        self.maxsize = maxsize
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        self.move_to_end(key)
+        return value
+
+    def get(self, key, default=None):
+        """The value kept for ``key`` (marked as just used), or ``default``."""
+        try:
+            value = OrderedDict.__getitem__(self, key)
+        except KeyError:
+            return default
+        self.move_to_end(key)
+        return value
+
+    def __setitem__(self, key, value) -> None:
+        if key in self:
+            self.move_to_end(key)
+        super().__setitem__(key, value)
+        while len(self) > self.maxsize:
+            self.popitem(last=False)
+
+    def setdefault(self, key, default=None):
+        """The value kept for ``key``, storing ``default`` first when there is none."""
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def __reduce__(self):
+        return (type(self), (self.maxsize,), None, None, iter(self.items()))
+
+    def __repr__(self) -> str:
+        return f"BoundedCache(maxsize={self.maxsize}, size={len(self)})"

@@ -1,0 +1,60 @@
+"""Caches on the attention path are keyed by shapes and structure and bounded: per-call values and masks
+built anew every step never grow them."""
+
+import gc
+
+import pytest
+import torch
+
+import biasattn as ba
+from biasattn import dispatch
+from biasattn.bias import spec as spec_module
+from biasattn.memo import BoundedCache
+
+
+def test_bounded_cache_drops_the_least_recently_used():
+    """A full cache forgets the entry used longest ago; reads count as uses."""
+    c = BoundedCache(2)
+    c["a"], c["b"] = 1, 2
+    assert c.get("a") == 1
+    c["c"] = 3
+    assert list(c) == ["a", "c"] and c.get("b") is None
+    assert c.setdefault("d", 4) == 4 and list(c) == ["c", "d"]
+    with pytest.raises(ValueError, match="maxsize"):
+        BoundedCache(0)
+
+
+def _store_sizes(spec) -> tuple[int, ...]:
+    return (len(spec.derived), len(dispatch._length_mask_choices), len(spec_module._PLAIN_SPECS),
+            len(spec_module._STRUCTURAL_SPECS))
+
+
+def test_distinct_scales_dropout_values_and_operator_objects_do_not_grow_the_choice_store():
+    """2,000 calls with distinct dropout_p and scale (a schedule, a learned temperature) once kept 2,000 choices."""
+    q = k = v = torch.randn(1, 2, 3, 8)
+    spec = spec_module.lower(None, 1, 2, 3, 3)
+    ba.attention(q, k, v, scale=0.5, dropout_p=0.1)
+    ba.attention(q, k, v, scale=0.5, dropout_p=0.1, op=ba.ops.get("chunked"))
+    before = len(spec.derived)
+    for n in range(2000):
+        ba.attention(q, k, v, scale=0.1 + n * 1e-4, dropout_p=0.05 + n * 1e-4)
+        ba.attention(q, k, v, scale=0.1 + n * 1e-4, dropout_p=0.05 + n * 1e-4, op="chunked")
+    assert len(spec.derived) == before
+
+
+def test_ten_thousand_fresh_masks_leave_the_stores_as_they_were():
+    """Masks built anew every step (lengths of each batch) keep no entry per mask once they are gone."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 1, 8)
+    k = v = torch.randn(2, 2, 16, 8)
+    plain = spec_module.lower(None, 2, 2, 1, 16)
+    for _ in range(2):  # warm: the first calls of a kind fill the stores once
+        ba.attention(q, k, v, ba.PaddedKeysMask(torch.randint(1, 17, (2,), generator=gen)))
+    sizes = _store_sizes(plain)
+    for n in range(10_000):
+        lengths = torch.randint(1, 17, (2,), generator=gen)
+        bias = ba.PaddedKeysMask(lengths)
+        if n % 20 == 0:
+            ba.attention(q, k, v, bias, scale=0.3 + n * 1e-5)
+    gc.collect()
+    assert _store_sizes(plain) == sizes
