@@ -1,4 +1,4 @@
-"""The one bounded cache of the library: a mapping that forgets its least recently used entries.
+"""The one bounded cache of the library: a mapping that forgets its oldest entries.
 
 Every cache on the attention path is keyed by shapes, dtypes, devices and a bias's structure, never
 by per-call values (a scale, a dropout probability, an operator object), and is one of these: a
@@ -11,9 +11,10 @@ from collections import OrderedDict
 
 
 class BoundedCache(OrderedDict):
-    """A dict of at most ``maxsize`` entries; storing one more drops the least recently used.
+    """A dict of at most ``maxsize`` entries; storing one more drops the oldest.
 
-    ``cache.get(key)`` and ``cache[key]`` count as uses. Keys must be hashable, as for a dict.
+    Reads cost what a dict's do (the launch path reads these caches on every call); keys must be
+    hashable, as for a dict.
     """
 
     def __init__(self, maxsize: int) -> None:
@@ -22,25 +23,9 @@ class BoundedCache(OrderedDict):
         super().__init__()
         self.maxsize = maxsize
 
-    def __getitem__(self, key):
-        value = super().__getitem__(key)
-        self.move_to_end(key)
-        return value
-
-    def get(self, key, default=None):
-        """The value kept for ``key`` (marked as just used), or ``default``."""
-        try:
-            value = OrderedDict.__getitem__(self, key)
-        except KeyError:
-            return default
-        self.move_to_end(key)
-        return value
-
     def __setitem__(self, key, value) -> None:
-        if key in self:
-            self.move_to_end(key)
         super().__setitem__(key, value)
-        while len(self) > self.maxsize:
+        if len(self) > self.maxsize:
             self.popitem(last=False)
 
     def setdefault(self, key, default=None):

@@ -12,13 +12,13 @@ from biasattn.bias import spec as spec_module
 from biasattn.memo import BoundedCache
 
 
-def test_bounded_cache_drops_the_least_recently_used():
-    """A full cache forgets the entry used longest ago; reads count as uses."""
+def test_bounded_cache_drops_the_oldest_entry():
+    """A full cache forgets the entry stored first."""
     c = BoundedCache(2)
     c["a"], c["b"] = 1, 2
     assert c.get("a") == 1
     c["c"] = 3
-    assert list(c) == ["a", "c"] and c.get("b") is None
+    assert list(c) == ["b", "c"] and c.get("a") is None
     assert c.setdefault("d", 4) == 4 and list(c) == ["c", "d"]
     with pytest.raises(ValueError, match="maxsize"):
         BoundedCache(0)

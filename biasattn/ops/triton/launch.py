@@ -31,7 +31,7 @@ from . import plans
 
 DIRECT = True  # tests and A/B runs turn the direct path off
 SPECIALIZATIONS = True  # tests and A/B runs turn the second table (by specialization) off
-_MAX_ENTRIES = 512  # signatures kept per kernel and table (the least recently used go first)
+_MAX_ENTRIES = 512  # signatures kept per kernel and table (the oldest go first)
 
 
 @functools.cache
