@@ -39,7 +39,7 @@ SPLITK_MAX_MQ = 16  # triton_splitk is a decode kernel: only tried first for seq
 # (H200, eager calls back to back, caches 1k and 8k: 1.13-1.64x triton_splitk's GB/s where host-bound);
 # a loop repeating one size replays triton_splitk's plan and favours it (0.71-0.93x), and is better
 # captured in a CUDA graph. While a graph is being captured only GPU time counts, and there
-# triton_splitk streams as fast or faster (0.82-1.016x for cudnn; notes 57 and 62). With 32 query
+# triton_splitk streams as fast or faster (cudnn at 0.82-1.016x its GB/s, CUDA-graph timed). With 32 query
 # heads per KV head, or several queries per sequence, triton_splitk is faster either way (cuDNN does
 # not share a K/V tile between the heads of a group).
 CUDNN_DECODE_MAX_GROUPS = 16
@@ -47,7 +47,7 @@ CUDNN_DECODE_MAX_GROUPS = 16
 # and a cache of at most 8k keys: the cudnn operator streams faster too (H200, CUDA-graph timed, 32/32
 # heads, 2 and 4 queries, B = 16 and 64, caches 1k and 8k: 1.008-1.032x triton_splitk's GB/s); at B = 4
 # it loses at 1k (0.96-0.97x), from 16k keys the two tie within 2.5% either way, and at B = 1
-# triton_splitk is 1.3-2.7x faster (results/h200/decode.md; notes 47).
+# triton_splitk is 1.3-2.7x faster (``bench_decode.py --operators --heads 32/32 --mq 2 4``).
 CUDNN_DECODE_UNGROUPED_MAX_MQ = 4
 CUDNN_DECODE_UNGROUPED_MIN_PAIRS = 512
 CUDNN_DECODE_UNGROUPED_MAX_MK = 8192
