@@ -191,7 +191,7 @@ def program_chunk(pairs: int, tiles: int, sms: int, bytes_per_pair: int, banded:
     (``_chunked_ids`` in the kernels). Enough pairs to fill
     ``ORDER_TAIL_WAVES`` waves of one program per multiprocessor, at most as many as keep the K/V
     their programs share within ``L2_CHUNK_BYTES``. The backward kernels keep the plain order: the
-    mapping cost them more than the shorter tail gave (notes 48).
+    mapping cost them more than the shorter tail gave (causal forward+backward 2.4-2.6% slower on an H200).
     """
     if not banded or ORDER_TAIL_WAVES <= 0 or pairs <= 1 or tiles <= 1:
         return 1
@@ -237,7 +237,7 @@ def _span_features(spec: BiasSpec, Mq: int, Mk: int) -> tuple[str, ...]:
     finish sooner: on an H200 the forward's 64x64 tiles gain 25% on packed documents and 4-10% on a 1k
     window or 1k-key rows, and lose 2-7% once rows see 2k keys or more; the dK/dV kernel's 32x64 tiles
     gain 17% on packed documents but lose 1.7% on a 1k window at 8k (961 keys per row on average) and
-    tie at 2k (769) (benchmarks/NOTES.md, 36 and 46). Lengths enter only through these buckets, so a
+    tie at 2k (769). Lengths enter only through these buckets, so a
     new sequence length changes the config key at most twice. Block layouts keep their tiles. Traced
     calls (``torch.compile``) carry only the segments' host lengths, so there a band or padded lengths
     do not count: the tiles may differ from an eager call's, the results do not."""
@@ -356,7 +356,7 @@ def _long_backward(spec: BiasSpec, B: int, H: int, Mq: int, Mk: int, D: int) -> 
     """Whether a backward runs long enough on the GPU for the side stream to pay: the fork and join
     cost host time, which calls of about a millisecond cannot spare (measured on an H200: dQ beside
     dK/dV gains 1.4-2.9% from B·H·Mq·Mk·D = 2**36 without segments, and loses on packed varlen and
-    on block-sparse at that size; benchmarks/NOTES.md)."""
+    on block-sparse at that size)."""
     if spec.q_seqstart is not None:  # packed documents: the nominal size overstates the work
         return False
     work = B * H * Mq * Mk * D
