@@ -32,7 +32,7 @@ class TileConfig:
 
 INTERPRETER_CONFIG = TileConfig(16, 16, 4, 1)
 
-# (kernel, largest padded head dim) -> candidates, best first (measured on an H200, see benchmarks/NOTES.md).
+# (kernel, largest padded head dim) -> candidates, best first (tile sweeps on an H200: bench_attention.py --tune).
 _CANDIDATES: dict[tuple[str, int], tuple[TileConfig, ...]] = {
     ("fwd", 64): (TileConfig(128, 64, 4, 3), TileConfig(64, 64, 4, 4), TileConfig(128, 128, 4, 3), TileConfig(128, 128, 8, 3),
                   TileConfig(128, 64, 8, 3)),
@@ -90,7 +90,7 @@ def _candidates_for(kernel: str, head_dim: int, dtype: torch.dtype, features: tu
     cands = candidates(kernel, head_dim)
     span = {"fwd": "short_span", "dkdv": "short_span_dkdv"}.get(kernel)
     short = span in features and head_dim == 128 and not {"additive", "dropout"} & set(features)
-    if short:  # rows see few keys: shorter tiles, more programs (H200, notes 36 and 46)
+    if short:  # rows see few keys: shorter tiles, more programs finish sooner (H200: +17-25% on packed documents)
         first = TileConfig(64, 64, 4, 3) if kernel == "fwd" else TileConfig(32, 64, 4, 4)
         cands = (first, *(c for c in cands if c != first))
     if kernel == "fwd" and "additive" in features:  # the bias tile adds registers: narrower key tiles first,
