@@ -30,7 +30,7 @@ FORCE_INDEX_64 = False  # tests set this: 64-bit key offsets even when every K/V
 PDL = True  # the merge as a programmatic dependent launch where the device has it (A/B runs turn it off)
 MERGE_BLOCK_S = 128  # splits one merge program loads at once (MAX_SPLITS: always one round of loads) ...
 MERGE_TILE = 8192  # ... within a tile of this many partial elements (fewer columns per program as S grows)
-MERGE_OVERHEAD_TILES = 4.0  # the merge launch, in one program's tile loads (fitted on an H200, benchmarks/NOTES.md)
+MERGE_OVERHEAD_TILES = 4.0  # the merge launch, in one program's tile loads (fitted on an H200: bench_decode.py --splits)
 
 
 def pdl_available(device: torch.device) -> bool:
@@ -53,7 +53,7 @@ def choose_num_splits(
     working (a sequence of ``t`` tiles fills ``ceil(t / p)`` pieces; the rest exit at once), and
     ``num_sms · programs_per_sm`` programs stream at full rate at a time (a wave; one per SM by
     default: on an H200 a second streaming program on an SM shares its bandwidth, so a split that
-    needs two waves gains nothing there, notes 57). When ``batch_heads`` alone fills
+    needs two waves gains nothing there, 10-20% slower on 1k caches). When ``batch_heads`` alone fills
     a wave the grid is already full: no split. Otherwise the modelled time is
     ``ceil(busy(S) / wave) · (p + split_overhead_tiles) + merge_overhead_tiles``, the two overheads
     counted in one program's tile loads: a program's own fixed cost (its start, writing its partial
@@ -93,7 +93,7 @@ class SplitKConfig:
     num_stages: int
 
 
-LONG_CACHE_KEYS = 8192  # key bounds from which 128-key tiles stream faster than 64 (H200, notes 49) ...
+LONG_CACHE_KEYS = 8192  # key bounds from which 128-key tiles stream faster than 64 (H200: +1-32%) ...
 MID_CACHE_KEYS = 2048  # ... and from which they do on grids of fewer than FULL_GRID_PROGRAMS programs
 FULL_GRID_PROGRAMS = 512
 
@@ -101,10 +101,10 @@ FULL_GRID_PROGRAMS = 512
 WARPGROUP_ROWS = 64  # rows of a warp-group MMA tile (sm90): smaller row groups are padded to it ...
 PAD_TO_WARPGROUP = True  # ... where this is on (A/B runs turn it off) ...
 WARPGROUP_MIN_KEYS = 8192  # ... and the call's (sequence, KV head) pairs hold this many keys together
-WARPGROUP_MERGE_ROW_TILES = 0.4  # a warp-group block's merge: tile loads more per wave of merged rows (notes 66)
-MANY_ROWS_WARPGROUP = True  # sm90: groups of 65-128 packed rows on long caches in two 64-row blocks (notes 66)
-SHORT_ROW_BLOCKS = True  # sm90, short caches: 17-32 rows in two 16-row blocks filling 2/3 to all of a wave (notes 67)
-SHORT_PIECE_TILES = 1  # programs of at most this many key tiles run no more stages than tiles, at least 2 (notes 67)
+WARPGROUP_MERGE_ROW_TILES = 0.4  # a warp-group block's merge: tile loads more per wave of merged rows (fitted on an H100)
+MANY_ROWS_WARPGROUP = True  # sm90: groups of 65-128 packed rows on long caches in two 64-row blocks (+2-20% up to B=16)
+SHORT_ROW_BLOCKS = True  # sm90, short caches: 17-32 rows in two 16-row blocks filling 2/3 to all of a wave (+0-10%)
+SHORT_PIECE_TILES = 1  # programs of at most this many key tiles run no more stages than tiles, at least 2 (+4-10%)
 
 
 def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.device, keys: int = 0,
@@ -123,27 +123,27 @@ def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.devi
             and sms < 3 * pairs and 2 * pairs <= sms):
         # Hopper, short caches: two 16-row blocks per pair (the second reads K/V from L2) fill more than
         # two thirds of a wave with no merge, where the padded 64-row block would leave a third of the
-        # SMs idle or split the keys (notes 67)
+        # SMs idle or split the keys (H100: 1.00-1.10x on 20 shapes)
         return SplitKConfig(16, 128, 4, 3)
     if PAD_TO_WARPGROUP and 16 < rows <= WARPGROUP_ROWS and capability[0] == 9 and pairs * keys >= WARPGROUP_MIN_KEYS:
         # Hopper: a 64-row block runs warp-group MMAs fed from shared memory, a shorter per-tile
         # chain than the 32-row block's mma.sync, though half its rows are padding; on smaller
-        # calls, whose programs stream a tile or two, the 32-row block's shorter start wins (notes 64)
+        # calls, whose programs stream a tile or two, the 32-row block's shorter start wins (by 2-3%)
         return SplitKConfig(WARPGROUP_ROWS, 64, 4, 3)
     if (MANY_ROWS_WARPGROUP and WARPGROUP_ROWS < rows <= 2 * WARPGROUP_ROWS and capability[0] == 9
             and keys >= LONG_CACHE_KEYS and 0 < 4 * pairs <= sms):
         # Hopper, 65-128 rows: two 64-row warp-group blocks per pair; the second reads the pair's
         # K/V tiles from L2. Only while the call still splits each pair in one wave: on grids that
-        # the row blocks fill alone, the two blocks read K/V apart (6-11% slower, notes 66)
+        # the row blocks fill alone, the two blocks read K/V apart (6-11% slower)
         return SplitKConfig(WARPGROUP_ROWS, 128, 4, 3)
-    if keys < MID_CACHE_KEYS:  # short caches: 64-row blocks, more programs (128 packed rows: +19-32%, notes 59)
+    if keys < MID_CACHE_KEYS:  # short caches: 64-row blocks, more programs (128 packed rows: +19-32%)
         block_m = min(block_m, 64)
     programs = pairs * cdiv(rows, block_m)  # before any split
     if keys >= LONG_CACHE_KEYS or (keys >= MID_CACHE_KEYS and programs < FULL_GRID_PROGRAMS):  # fewer, larger loads
         return SplitKConfig(block_m, 128, 4 if block_m <= 64 else 8, 3)
     if block_m > 64:
         return SplitKConfig(block_m, 64, 8, 4)
-    # short caches: more key tiles to split, and a shallower pipeline (notes 57): three stages stream
+    # short caches: more key tiles to split, and a shallower pipeline: three stages stream
     # a split piece fastest; on a grid that is full without splitting, single queries go fastest
     # with two (more programs share an SM), several queries per sequence with four
     if programs < FULL_GRID_PROGRAMS:
@@ -363,7 +363,7 @@ def _launch_shape(inp: AttentionInputs, Z: int, mq_stride: int, num_splits: int 
 def piece_stages(stages: int, tiles: int, short_piece: int | None = None) -> int:
     """Pipeline stages for a program of ``tiles`` key tiles under a config of ``stages``: a short piece
     (at most ``short_piece`` tiles, :data:`SHORT_PIECE_TILES` by default) runs no more stages than it
-    has tiles, and at least two; the stages it cannot fill only delay its first tile (notes 67)."""
+    has tiles, and at least two; the stages it cannot fill only delay its first tile."""
     short_piece = SHORT_PIECE_TILES if short_piece is None else short_piece
     if tiles > short_piece or stages <= 2:
         return stages
