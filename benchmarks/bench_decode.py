@@ -5,7 +5,7 @@ Each point times one decoding step (q ``[B, Hq, Mq, 128]`` against a cache of Mk
 distinct buffers when one set of K/V would fit in L2, so that launch overhead and cache hits stay
 out of the numbers. The device-copy bandwidth is measured in the same process; the target is 90%
 of it. With ``--floor`` every point also gets the GB/s of the fastest one-launch kernel that only
-reads its K and V (``read_floor.py``): what launch latency and size leave reachable at that point.
+reads its K and V (``tools/read_floor.py``): what launch latency and size leave reachable at that point.
 Writes ``decode.csv`` (long format), ``decode.md`` and ``decode.png`` into ``--out``.
 
     PYTHONPATH=. python benchmarks/bench_decode.py --floor    # into benchmarks/results/<device>, e.g. h100
@@ -36,7 +36,7 @@ from biasattn.ops.triton.splitk import SplitKConfig, splitk_attention_fwd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cases import results_dir  # noqa: E402
-from read_floor import VARIANTS, read_floor_fn  # noqa: E402
+from tools.read_floor import VARIANTS, read_floor_fn  # noqa: E402
 
 D = 128
 DTYPE = torch.bfloat16
@@ -269,7 +269,7 @@ def write_markdown(rows, path, copy_gbps):
     if floors:
         head += " read floor | % of floor |"
         lines[2] += (" Read floor: the fastest one-launch kernel that only reads the point's K and V"
-                     " (`read_floor.py`), in the same process.")
+                     " (`tools/read_floor.py`), in the same process.")
     lines += [head, "|---" * (head.count("|") - 1) + "|"]
     keyed = {}
     for r in rows:
@@ -434,7 +434,7 @@ def main(argv=None):
     ap.add_argument("--ab", choices=list(AB_SWITCHES), help="only A/B a triton_splitk setting: " + ", ".join(
         f"{k} (splitk.{a} {on} against {off})" for k, (a, on, off, _) in AB_SWITCHES.items()))
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of --ab (medians reported)")
-    ap.add_argument("--floor", action="store_true", help="also time the read floor of every point (read_floor.py)")
+    ap.add_argument("--floor", action="store_true", help="also time the read floor of every point (tools/read_floor.py)")
     args = ap.parse_args(argv)
     if args.growing and not args.eager:
         ap.error("--growing needs --eager (a CUDA graph replays fixed sizes)")

@@ -34,7 +34,7 @@ import biasattn as ba
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cases import CASE_NAMES, make_case  # noqa: E402
-from profile_kernels import host_profile  # noqa: E402
+from tools.profile_kernels import host_profile  # noqa: E402
 
 
 def per_call_us(call, iters: int) -> float:

@@ -1,13 +1,15 @@
 """Registers, spill stack and shared memory of the ``triton`` kernels, compiled for a GPU target on any machine.
 
-Runs the launchers on small CPU tensors with every kernel launch intercepted, compiles each launch
-for the target (default sm_90) with the installed Triton, and reads the resource usage of the cubin
-with ``cuobjdump``. No GPU is needed; the numbers are those of the installed Triton, which may
-differ from the Triton on the GPU machine.
+Use it before timing a tile config or a kernel change on a GPU: a config that spills registers or
+does not fit in shared memory shows here in seconds, with no device. It runs the launchers on small
+CPU tensors with every kernel launch intercepted, compiles each launch for the target (default
+sm_90) with the installed Triton, and reads the resource usage of the cubin with the ``cuobjdump`` that Triton
+ships. The numbers are those of the installed Triton, which
+may differ from the Triton on the GPU machine: treat them as leads, and confirm with a timing.
 
-    python benchmarks/kernel_resources.py --case none --D 128
-    python benchmarks/kernel_resources.py --case causal --kernel dkdv --config 64,128,8,2 --config 32,128,4,3
-    python benchmarks/kernel_resources.py --case none varlen --dropout 0.1 --config 64,128,8,2
+    python benchmarks/tools/kernel_resources.py --case none --D 128
+    python benchmarks/tools/kernel_resources.py --case causal --kernel dkdv --config 64,128,8,2 --config 32,128,4,3
+    python benchmarks/tools/kernel_resources.py --case none varlen --dropout 0.1 --config 64,128,8,2
 """
 
 from __future__ import annotations

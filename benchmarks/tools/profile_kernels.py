@@ -1,10 +1,13 @@
 """Where the time of one call goes: GPU time per kernel for ``triton`` and its peers, from the profiler.
 
-For each case and provider, runs the call (forward, or forward+backward) ``--iters`` times under
-``torch.profiler`` and prints every GPU kernel's time per call, largest first, with the call's total
-GPU time and its wall time (the difference is host time the GPU waited for).
+Use it when a benchmark row is slower than expected and you need to know whether the kernels or the
+host are the cause. For each case and provider it runs the call (forward, or forward+backward)
+``--iters`` times under ``torch.profiler`` and prints every GPU kernel's time per call, largest first,
+with the call's total GPU time and its wall time (the difference is host time the GPU waited for).
+``--host-profile`` adds cProfile's top host functions, ``--sync-check`` the operations that wait for
+the GPU. Needs a CUDA device to measure; ``--help`` works anywhere.
 
-    PYTHONPATH=. python benchmarks/profile_kernels.py --cases none varlen --M 2048 --mode fwd+bwd
+    PYTHONPATH=. python benchmarks/tools/profile_kernels.py --cases none varlen --M 2048 --modes fwd+bwd
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from bench_attention import HEADS, TOKENS, Flex, provider_fn  # noqa: E402
 from cases import CASE_NAMES, make_case  # noqa: E402
 
