@@ -20,7 +20,7 @@ GPU's clocks (this H200 runs at its power cap on dense work) does not favour who
     PYTHONPATH=. python benchmarks/bench_attention.py                  # into benchmarks/results/<device>, e.g. h100
     PYTHONPATH=. python benchmarks/bench_attention.py --quick          # a few rows, to check the harness
     PYTHONPATH=. python benchmarks/bench_attention.py --timing graph --point-rounds 3 --cases causal window \
-        --seqlens 2048 8192 --head-dims 128 --out benchmarks/results/h100/masks_graph   # GPU time only
+        --seqlens 2048 8192 --head-dims 128 --out /tmp/masks_graph   # GPU time only, kept apart
     PYTHONPATH=. python benchmarks/bench_attention.py --tune           # time the tile configs of each kernel
 """
 

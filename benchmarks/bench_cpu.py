@@ -10,7 +10,7 @@ that allocator caches of earlier calls cannot hide allocations (after a tiny war
 thread pools and one-time set-up are not counted). The SDPA column adds the dense
 mask itself, which a user has to build and keep (it is listed separately too).
 
-    python benchmarks/bench_cpu.py                    # writes benchmarks/results/cpu.md
+    python benchmarks/bench_cpu.py                    # writes benchmarks/results/cpu/cpu.md
     python benchmarks/bench_cpu.py --reps 3 --out -   # quicker, prints the table
 """
 
@@ -154,7 +154,8 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--append", action="store_true", help="add the table to the markdown file instead of replacing it")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu.md"), help="markdown file, or - for stdout")
+    default_out = Path(__file__).parent / "results" / "cpu" / "cpu.md"
+    ap.add_argument("--out", default=str(default_out), help="markdown file, or - for stdout")
     ap.add_argument("--measure-memory", nargs=2, metavar=("CASE", "PROVIDER"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.threads:

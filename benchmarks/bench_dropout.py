@@ -8,7 +8,7 @@ cost of dropout for ``triton`` (time with dropout / time without) and each peer'
 dropout (> 1: we are faster). ``auto`` is ``ba.attention`` without ``op``: the operator the
 dispatcher picks for a dropout call.
 
-    PYTHONPATH=. python benchmarks/bench_dropout.py --out benchmarks/results/h200
+    PYTHONPATH=. python benchmarks/bench_dropout.py    # into benchmarks/results/<device>, e.g. h200
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import _git_commit  # noqa: E402
+from cases import results_dir  # noqa: E402
 
 import biasattn as ba  # noqa: E402
 
@@ -117,8 +118,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="2048,8192", help="sequence lengths, comma-separated")
     ap.add_argument("--p", type=float, default=0.1, help="dropout probability")
-    ap.add_argument("--out", default=None, help="folder for dropout.csv and dropout.md")
+    ap.add_argument("--out", default=None, help="folder for dropout.csv and dropout.md (default: benchmarks/results/<device>)")
     args = ap.parse_args(argv)
+    args.out = args.out or results_dir()
     rows = run([int(s) for s in args.sizes.split(",")], args.p)
     table = markdown(rows, args.p)
     print(table)
