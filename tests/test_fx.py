@@ -158,7 +158,7 @@ def test_lazy_biases_reach_attention(attention_spy):
     gm(*block_inputs())
     causal, cross, bert, rel = seen
     assert isinstance(causal, ba.LowerTriangularMask)
-    assert isinstance(cross, ba.PaddedKeysMask) and cross.atoms[0].host == (7, 3, 5)
+    assert isinstance(cross, ba.PaddedKeysMask) and cross.atoms[0].lengths() == (7, 3, 5)
     assert isinstance(bert, ba.AdditiveBias) and list(bert.tensor.shape) == [B, 1, 1, T]  # left padding: broadcast
     assert isinstance(rel, ba.AdditiveBias)
 

@@ -104,7 +104,7 @@ def test_padding_reaches_attention_as_lengths(attention_spy):
     with torch.no_grad():
         logits(model, "biasattn", input_ids=torch.randint(0, VOCAB, RIGHT.shape), attention_mask=RIGHT)
     assert {a.kind for a in seen[0].atoms} == {"padded_keys", "band"}
-    assert seen[0].atoms[0].host == (9, 12, 5)
+    assert seen[0].atoms[0].lengths() == (9, 12, 5)
 
 
 def test_layers_of_one_forward_share_one_bias(attention_spy):
@@ -133,10 +133,10 @@ def test_a_mask_changed_in_place_gets_a_new_bias(attention_spy):
     q, k = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 6, 8)
     mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
     first = _layer(q, k, mask)
-    assert seen[-1].atoms[0].host == (6, 4)
+    assert seen[-1].atoms[0].lengths() == (6, 4)
     mask[0, 3:] = False  # the same tensor object, edited: its version moves on
     second = _layer(q, k, mask)
-    assert seen[-1].atoms[0].host == (3, 4)
+    assert seen[-1].atoms[0].lengths() == (3, 4)
     expect = ba.attention(q, k[:, :, :3], k[:, :, :3])[:1].transpose(1, 2)
     torch.testing.assert_close(second[:1], expect)
     torch.testing.assert_close(second[1:], first[1:])
@@ -152,7 +152,7 @@ def test_a_shared_bias_follows_the_call_sizes(attention_spy):
     _layer(q[:, :, :1], torch.randn(2, 2, 6, 8), mask)
     _layer(q, torch.randn(2, 2, 9, 8), mask)  # 9 slots, 6 in the mask: keys cut to 6
     assert seen[0] is not seen[1] and seen[2] is not seen[0]
-    assert seen[2].atoms[0].host == (5, 6)
+    assert seen[2].atoms[0].lengths() == (5, 6)
 
 
 def _docs_example() -> str:

@@ -57,12 +57,48 @@ def visible_to_additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     return torch.where(visible, zero, torch.full((), float("-inf"), dtype=dtype, device=visible.device))
 
 
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s in-place write counter (-1 for inference tensors, which keep none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
+def readable(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values can be read on the host now (not meta, not a fake tensor of a trace)."""
+    if t.device.type == "meta" or torch.compiler.is_compiling():
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not is_fake(t)
+
+
 class Atom:
-    """One indivisible term of a bias. Subclasses are frozen dataclasses in the family modules."""
+    """One indivisible term of a bias. Subclasses are frozen dataclasses in the family modules.
+
+    ``HOST_FIELDS`` name fields that are host copies of the atom's tensors (sequence lengths): they
+    are optional, never part of what ``torch.compile`` guards on, and read back from the tensors
+    (:meth:`host_copy`) whenever the tensor was written in place since.
+    """
 
     family: ClassVar[str] = "AttentionBias"
     kind: ClassVar[str] = ""
     is_mask: ClassVar[bool] = True
+    HOST_FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    def host_copy(self, tensor: torch.Tensor, given: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """``tuple(tensor.tolist())``, read once per in-place version of ``tensor`` (a device sync on
+        CUDA); ``given`` is the copy the constructor already had for the tensor's first version."""
+        copies = self.__dict__.setdefault("_host_copies", {})
+        key = id(tensor)
+        held = copies.get(key)
+        version = tensor_version(tensor)
+        if held is None and given is not None:
+            held = copies[key] = (version, tuple(given))
+        if held is None or held[0] != version:
+            held = copies[key] = (version, tuple(int(n) for n in tensor.tolist()))
+        return held[1]
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -116,13 +152,20 @@ class Atom:
         return replace(self, **changes) if changes else self
 
 
+def check_length_tensor(name: str, values: torch.Tensor, *, allow_empty: bool = False) -> None:
+    """Validate what a tensor of lengths shows without reading it: an integer dtype and one dim."""
+    if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+        raise InputError(f"{name} must hold integers, got dtype {values.dtype}")
+    if values.dim() != 1:
+        raise InputError(f"{name} must be 1-D, got shape {list(values.shape)}")
+    if values.shape[0] == 0 and not allow_empty:
+        raise InputError(f"{name} must not be empty")
+
+
 def as_lengths(name: str, values, *, allow_empty: bool = False) -> list[int]:
     """Validate a 1-D sequence of non-negative integer lengths and return it as a Python list."""
     if isinstance(values, torch.Tensor):
-        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
-            raise InputError(f"{name} must hold integers, got dtype {values.dtype}")
-        if values.dim() != 1:
-            raise InputError(f"{name} must be 1-D, got shape {list(values.shape)}")
+        check_length_tensor(name, values, allow_empty=True)
         values = values.tolist()
     try:
         out = [v if isinstance(v, int) else int(v) if float(v).is_integer() else None for v in values]

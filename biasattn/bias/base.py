@@ -541,7 +541,8 @@ def _flatten_ctx(cls, device, dtype, atoms, offsets, lengths, full) -> tuple:
     atom_ctx = []
     for a in atoms:
         tensors = a.tensors()
-        fields = tuple((f.name, getattr(a, f.name)) for f in dataclasses.fields(a) if f.name not in tensors)
+        fields = tuple((f.name, getattr(a, f.name)) for f in dataclasses.fields(a)
+                       if f.name not in tensors and f.name not in a.HOST_FIELDS)
         atom_ctx.append((type(a), fields, tuple(tensors)))
     sized = tuple(n is not None for n in lengths)
     full = tuple("outer" if sized[d] and full[d] == offsets[d] + lengths[d] else full[d] for d in range(2))

@@ -10,13 +10,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 
 import torch
 
 from ..errors import InputError
-from .atoms import Atom, Geometry, as_lengths, visible_to_additive
+from .atoms import Atom, Geometry, as_lengths, readable, visible_to_additive
 from .band import BOTTOM_RIGHT, TOP_LEFT
 from .base import AttentionBias
 from .local import check_window
@@ -29,19 +29,36 @@ class SegmentsAtom(Atom):
     q_seqstart: torch.Tensor  # [S+1] int32
     k_seqstart: torch.Tensor  # [S+1] int32
     k_seqlen: torch.Tensor  # [S] int32
-    q_host: tuple[int, ...]
-    k_host: tuple[int, ...]
+    Mq: int  # total queries and keys: the bias' size
+    Mk: int
     band: tuple[str, int | None, int | None] | None = None  # (alignment, left, right) per segment
+    q_given: tuple[int, ...] | None = None  # host copies of q_seqstart / k_seqstart, as given
+    k_given: tuple[int, ...] | None = None
     family: str = "BlockDiagonalMask"
     kind = "segments"
+    HOST_FIELDS = ("q_given", "k_given")
+
+    @property
+    def q_host(self) -> tuple[int, ...]:
+        """``q_seqstart`` on the host (read from the tensor when it was written in place since)."""
+        return self.host_copy(self.q_seqstart, self.q_given)
+
+    @property
+    def k_host(self) -> tuple[int, ...]:
+        """``k_seqstart`` on the host."""
+        return self.host_copy(self.k_seqstart, self.k_given)
 
     def sizes(self):
-        return (None, None, self.q_host[-1], self.k_host[-1])
+        return (None, None, self.Mq, self.Mk)
 
     def tensors(self):
         return {"q_seqstart": self.q_seqstart, "k_seqstart": self.k_seqstart, "k_seqlen": self.k_seqlen}
 
     def combinable_with(self, other) -> bool:
+        if torch.compiler.is_compiling():  # checked when the compiled call runs the bias eagerly
+            return True
+        if (self.Mq, self.Mk, self.q_seqstart.shape) != (other.Mq, other.Mk, other.q_seqstart.shape):
+            return False
         return self.q_host == other.q_host and self.k_host == other.k_host
 
     def incompatibility(self, other) -> str:
@@ -93,6 +110,8 @@ class SegmentsAtom(Atom):
         )
 
     def __repr__(self) -> str:
+        if not readable(self.q_seqstart):
+            return f"{self.q_seqstart.shape[0] - 1} segments, Mq={self.Mq}, Mk={self.Mk}"
         q = [b - a for a, b in zip(self.q_host, self.q_host[1:])]
         k = [b - a for a, b in zip(self.k_host, self.k_host[1:])]
         band = "" if self.band is None else f", band={self.band}"
@@ -125,9 +144,13 @@ class BlockDiagonalMask(AttentionBias):
         qh = tuple([0] + list(accumulate(q)))
         kh = tuple([0] + list(accumulate(k)))
         i32 = dict(dtype=torch.int32, device=device)
-        atom = SegmentsAtom(
-            torch.tensor(qh, **i32), torch.tensor(kh, **i32), torch.tensor(k, **i32), qh, kh, band, family=cls.__name__
-        )
+        tensors = (torch.tensor(qh, **i32), torch.tensor(kh, **i32), torch.tensor(k, **i32))
+        if not torch.compiler.is_compiling():
+            # The number of documents is data: under torch.compile a new count must not be a new graph.
+            # (The first call imports torch.distributed.tensor, which torch.compile imports anyway.)
+            for t in tensors:
+                torch._dynamo.decorators.mark_unbacked(t, 0)
+        atom = SegmentsAtom(*tensors, qh[-1], kh[-1], band, qh, kh, family=cls.__name__)
         return cls._create([atom], device=device)
 
     @classmethod
@@ -166,7 +189,8 @@ class BlockDiagonalMask(AttentionBias):
         seg = self._segments
         if seg.band is not None:
             raise InputError(f"{type(self).__name__} already has a band {seg.band}; build it again from_seqlens")
-        return BlockDiagonalMask._from_host(self.q_seqlens, self.kv_seqlens, band, self.device)
+        atom = replace(seg, band=band, family=BlockDiagonalMask.__name__)
+        return BlockDiagonalMask._create([atom], device=self.device)
 
     def make_causal(self) -> BlockDiagonalMask:
         """Causal within each sequence, aligned top-left: ``j_local <= i_local``."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
-from .atoms import Atom, Geometry, as_lengths, visible_to_additive
+from .atoms import Atom, Geometry, as_lengths, check_length_tensor, readable, visible_to_additive
 from .base import AttentionBias
 
 
@@ -21,12 +21,18 @@ class PaddedKeysAtom(Atom):
     """Key ``j`` of batch row ``b`` is visible iff ``j < kv_seqlens[b]``."""
 
     kv_seqlens: torch.Tensor  # [B] int32
-    host: tuple[int, ...]
+    host: tuple[int, ...] | None = None  # the lengths as given, when given on the host
     family: str = "PaddedKeysMask"
     kind = "padded_keys"
+    HOST_FIELDS = ("host",)
+
+    def lengths(self) -> tuple[int, ...]:
+        """The lengths on the host (read from the tensor when it was built on a device or written since)."""
+        return self.host_copy(self.kv_seqlens, self.host)
 
     def sizes(self):
-        return (len(self.host) if len(self.host) > 1 else None, None, None, None)
+        n = self.kv_seqlens.shape[0]
+        return (n if n > 1 else None, None, None, None)
 
     def tensors(self):
         return {"kv_seqlens": self.kv_seqlens}
@@ -37,25 +43,35 @@ class PaddedKeysAtom(Atom):
 
     def lower(self, builder) -> None:
         g = builder.g
-        for b, n in enumerate(self.host):
+        host = self.lengths()
+        for b, n in enumerate(host):
+            if n < 0:
+                raise InputError(f"kv_seqlens[{b}] must be >= 0, got {n}")
             if n > g.Mk_full and g.full_known[1]:
                 raise InputError(f"kv_seqlens[{b}]={n} exceeds the key length Mk={g.Mk_full}")
-        builder.add_kv_seqlens(self.host, self.kv_seqlens.to(builder.device))
+        builder.add_kv_seqlens(host, self.kv_seqlens.to(builder.device))
 
     def __repr__(self) -> str:
-        return f"kv_seqlens={list(self.host)}"
+        if not readable(self.kv_seqlens):
+            return f"kv_seqlens=[{self.kv_seqlens.shape[0]} lengths]"
+        return f"kv_seqlens={list(self.lengths())}"
 
 
 class PaddedKeysMask(AttentionBias):
     """Per batch row ``b``, keys ``j >= kv_seqlens[b]`` are hidden (right-padded key batches).
 
-    ``kv_seqlens``: ``[B]`` ints (list or tensor). Lengths above Mk are an error at call time.
+    ``kv_seqlens``: ``[B]`` ints (list or tensor). A tensor is kept as the lengths (int32, on its
+    device) without being read, so building the mask costs no device sync and works inside
+    ``torch.compile``; an in-place write to :attr:`kv_seqlens` takes effect on the next call.
+    Negative lengths and lengths above Mk are an error at call time.
     """
 
     def __new__(cls, kv_seqlens, *, device=None):
+        if isinstance(kv_seqlens, torch.Tensor):
+            check_length_tensor("kv_seqlens", kv_seqlens)
+            t = kv_seqlens.to(device=device, dtype=torch.int32)
+            return cls._create([PaddedKeysAtom(t)], device=t.device)
         host = as_lengths("kv_seqlens", kv_seqlens)
-        if device is None and isinstance(kv_seqlens, torch.Tensor):
-            device = kv_seqlens.device
         t = torch.tensor(host, dtype=torch.int32, device=device)
         return cls._create([PaddedKeysAtom(t, tuple(host))], device=device)
 

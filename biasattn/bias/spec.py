@@ -23,6 +23,7 @@ import torch
 
 from ..errors import InputError
 from ..memo import BoundedCache
+from .atoms import tensor_version
 
 BAND_UNBOUNDED = 2**30
 _INT_TENSORS = BoundedCache(256)
@@ -350,8 +351,10 @@ def lower(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasSpec:
     """
     if bias is None:
         return _plain_spec(B, H, Mq, Mk)
-    key = (B, H, Mq, Mk, str(device))
-    cacheable = not any(t.requires_grad for a in bias.atoms for t in a.tensors().values())
+    tensors = [t for a in bias.atoms for t in a.tensors().values()]
+    # an in-place write to a length tensor makes a new spec (its host copies are read again)
+    key = (B, H, Mq, Mk, str(device), *(tensor_version(t) for t in tensors))
+    cacheable = not any(t.requires_grad for t in tensors)
     cache = bias.__dict__.setdefault("_spec_cache", BoundedCache(16)) if cacheable else {}
     spec = cache.get(key)
     if spec is None:

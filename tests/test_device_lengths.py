@@ -1,0 +1,128 @@
+"""Length-defined biases hold their lengths as tensors: new lengths never recompile a compiled function,
+masks build from tensors without reading them, and an in-place write to the lengths takes effect."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.testing
+
+import biasattn as ba
+from biasattn.testing import assert_close_to_reference, reference_attention
+
+STEPS = 50
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _compiled(fn):
+    cnt = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    return torch.compile(fn, fullgraph=True, dynamic=True, backend=cnt), cnt
+
+
+def _graphs(cnt) -> int:
+    """Graphs compiled with any node (with dynamic=True, Dynamo also hands the backend one empty graph
+    on the first call, with or without a bias)."""
+    return sum(len(g.graph.nodes) > 0 for g in cnt.graphs)
+
+
+def _qkv(B, M, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, 2, M, 8, generator=g, dtype=torch.float64) for _ in range(3)]
+
+
+def _check(out, q, k, v, bias):
+    ref, _ = reference_attention(q, k, v, bias)
+    assert_close_to_reference(out, ref)
+
+
+def _random_split(rng: random.Random, total: int) -> list[int]:
+    cuts = sorted(rng.randint(0, total) for _ in range(rng.randint(0, 5)))
+    return [b - a for a, b in zip([0, *cuts], [*cuts, total])]
+
+
+def test_padded_keys_passed_in_compile_once_for_fifty_sets_of_lengths():
+    """A PaddedKeysMask argument used to recompile for every new set of lengths (its lengths were guarded)."""
+    cfn, cnt = _compiled(lambda q, k, v, bias: ba.attention(q, k, v, bias & ba.LowerTriangularFromBottomRightMask()))
+    frames = None
+    rng = random.Random(0)
+    for step in range(STEPS):
+        q, k, v = _qkv(3, 13, step)
+        bias = ba.PaddedKeysMask(torch.tensor([rng.randint(0, 13) for _ in range(3)]))
+        _check(cfn(q, k, v, bias), q, k, v, bias & ba.LowerTriangularFromBottomRightMask())
+        if step == 0:
+            frames = cnt.frame_count
+    assert _graphs(cnt) == 1 and cnt.frame_count == frames
+
+
+def test_padded_keys_built_inside_from_a_tensor_compile_once():
+    """PaddedKeysMask(lengths) built inside the compiled function from a tensor traces (it used to fail) and
+    compiles once for fifty sets of lengths."""
+    cfn, cnt = _compiled(lambda q, k, v, lengths: ba.attention(q, k, v, ba.PaddedKeysMask(lengths)))
+    frames = None
+    rng = random.Random(1)
+    for step in range(STEPS):
+        q, k, v = _qkv(2, 11, step)
+        lengths = torch.tensor([rng.randint(0, 11) for _ in range(2)])
+        _check(cfn(q, k, v, lengths), q, k, v, ba.PaddedKeysMask(lengths))
+        if step == 0:
+            frames = cnt.frame_count
+    assert _graphs(cnt) == 1 and cnt.frame_count == frames
+
+
+def test_packed_documents_passed_in_compile_once_for_fifty_sets_of_documents():
+    """A BlockDiagonalMask argument (made causal inside) compiles once for fifty packings of the same tokens."""
+    cfn, cnt = _compiled(lambda q, k, v, bias: ba.attention(q, k, v, bias.make_causal()))
+    frames = None
+    rng = random.Random(2)
+    for step in range(STEPS):
+        q, k, v = _qkv(1, 29, step)
+        bias = ba.BlockDiagonalMask.from_seqlens(_random_split(rng, 29))
+        _check(cfn(q, k, v, bias), q, k, v, bias.make_causal())
+        if step == 0:
+            frames = cnt.frame_count
+    assert _graphs(cnt) == 1 and cnt.frame_count == frames
+
+
+@pytest.mark.parametrize("op", ["chunked", "reference"])
+def test_an_in_place_write_to_the_lengths_takes_effect_on_the_next_call(op):
+    """Writing new lengths into a mask's tensor changes the next call's result (chunked returned the stale one)."""
+    q, k, v = _qkv(2, 9, 0)
+    lengths = torch.tensor([9, 9], dtype=torch.int32)
+    bias = ba.PaddedKeysMask(lengths)
+    assert bias.kv_seqlens is lengths  # kept, not copied
+    ba.attention(q, k, v, bias, op=op)
+    lengths[1] = 3
+    _check(ba.attention(q, k, v, bias, op=op), q, k, v, ba.PaddedKeysMask([9, 3]))
+    packed = ba.BlockDiagonalMask.from_seqlens([4, 5])
+    q1, k1, v1 = (t[:1] for t in (q, k, v))
+    ba.attention(q1, k1, v1, packed, op=op)
+    starts = packed.atoms[0].q_seqstart
+    starts[1] = 2
+    packed.atoms[0].k_seqstart[1] = 2
+    packed.atoms[0].k_seqlen.copy_(torch.tensor([2, 7]))
+    _check(ba.attention(q1, k1, v1, packed, op=op), q1, k1, v1, ba.BlockDiagonalMask.from_seqlens([2, 7]))
+
+
+def test_lengths_from_a_tensor_are_not_read_when_the_mask_is_built():
+    """Building a PaddedKeysMask from a tensor reads no value: it works on lengths that live on the meta device."""
+    bias = ba.PaddedKeysMask(torch.empty(4, dtype=torch.int64, device="meta"))
+    assert bias.kv_seqlens.device.type == "meta" and tuple(bias.shape)[0] == 4
+    assert "4 lengths" in repr(bias)
+
+
+def test_negative_lengths_from_a_tensor_are_an_error_at_call_time():
+    """Values are checked when the mask is used, with the message a list gets at construction."""
+    q, k, v = _qkv(2, 5, 0)
+    with pytest.raises(ba.errors.InputError, match=r"kv_seqlens\[1\] must be >= 0"):
+        ba.attention(q, k, v, ba.PaddedKeysMask(torch.tensor([2, -1])))
+    with pytest.raises(ba.errors.InputError, match=r"kv_seqlens\[1\] must be >= 0"):
+        ba.PaddedKeysMask([2, -1])
