@@ -8,6 +8,7 @@ gradients of q, k, v and an additive bias' tensor).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import tempfile
 import traceback
@@ -171,14 +172,16 @@ def check_errors() -> None:
         ba.distributed.context_parallel_attention(q, q, q, bias)
 
 
-def _worker(rank: int, world: int, store: str, tasks, results) -> None:
+def _worker(rank: int, world: int, backend: str, store: str, tasks, results) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, store=dist.FileStore(store, world), rank=rank, world_size=world)
     try:
         while (task := tasks.get()) is not None:
-            name, args = task
+            module, name, args = task
             try:
-                results.put((rank, None, globals()[name](*args)))
+                results.put((rank, None, getattr(importlib.import_module(module), name)(*args)))
             except BaseException:  # noqa: BLE001 - the traceback goes back to the parent
                 results.put((rank, traceback.format_exc(), None))
     finally:
@@ -186,23 +189,23 @@ def _worker(rank: int, world: int, store: str, tasks, results) -> None:
 
 
 class Pool:
-    """``world`` spawned processes in one gloo group; ``run(name, *args)`` calls ``name`` on every rank."""
+    """``world`` spawned processes in one process group; ``run(name, *args)`` calls ``module.name`` on every rank."""
 
-    def __init__(self, world: int):
+    def __init__(self, world: int, backend: str = "gloo", module: str = __name__):
         ctx = mp.get_context("spawn")
-        self.world = world
+        self.world, self.module = world, module
         self.dir = tempfile.TemporaryDirectory()
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         store = os.path.join(self.dir.name, "store")
-        self.procs = [ctx.Process(target=_worker, args=(r, world, store, self.tasks[r], self.results), daemon=True)
+        self.procs = [ctx.Process(target=_worker, args=(r, world, backend, store, self.tasks[r], self.results), daemon=True)
                       for r in range(world)]
         for p in self.procs:
             p.start()
 
     def run(self, name: str, *args) -> list:
         for t in self.tasks:
-            t.put((name, args))
+            t.put((self.module, name, args))
         got = [self.results.get(timeout=CASE_TIMEOUT_S) for _ in range(self.world)]
         errors = [f"rank {r}:\n{err}" for r, err, _ in sorted(got, key=lambda g: g[0]) if err]
         if errors:
