@@ -112,11 +112,6 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
-def _has_tensors(bias: AttentionBias) -> bool:
-    """False for biases made of sizes only (``LowerTriangularMask()``): they follow q's device."""
-    return any(t is not None for atom in bias.atoms for t in atom.tensors().values())
-
-
 def _layout_hint(q: torch.Tensor, k: torch.Tensor) -> str:
     """A hint when q and k look like ``[B, M, H, D]`` (the xformers / flash-attn layout): with dims 1 and 2
     swapped, the head counts would divide. Empty otherwise."""
@@ -171,7 +166,7 @@ def make_inputs(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, requires_
 
     bias = as_bias(attn_bias)
     if bias is not None:
-        if _has_tensors(bias) and not _same_device(bias.device, q.device):  # sizes-only biases follow q
+        if not bias.follows_q and not _same_device(bias.device, q.device):
             raise InputTypeError(f"attn_bias is on {bias.device}, q is on {q.device}; move it with attn_bias.to(q.device)")
         bB, bH, bMq, bMk = bias.sizes
         expected = (("batch size", bB, B, "q"), ("heads", bH, Hq, "q"), ("Mq", bMq, Mq, "q"), ("Mk", bMk, k.shape[2], "k"))

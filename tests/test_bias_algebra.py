@@ -110,8 +110,11 @@ def test_sliced_biases_do_not_compose():
 
 
 def test_biases_on_different_devices_do_not_compose():
+    """Biases whose devices were given do not compose across devices; one built from lists follows the other."""
     with pytest.raises(ba.InputError, match="different devices: cpu and meta"):
-        ba.PaddedKeysMask([3]) & ba.PaddedKeysMask([2], device="meta")
+        ba.PaddedKeysMask([3], device="cpu") & ba.PaddedKeysMask([2], device="meta")
+    both = ba.PaddedKeysMask([3]) & ba.PaddedKeysMask([2], device="meta")
+    assert both.device.type == "meta" and all(t.device.type == "meta" for a in both.atoms for t in a.tensors().values())
 
 
 @pytest.mark.gpu

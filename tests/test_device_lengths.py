@@ -126,3 +126,22 @@ def test_negative_lengths_from_a_tensor_are_an_error_at_call_time():
         ba.attention(q, k, v, ba.PaddedKeysMask(torch.tensor([2, -1])))
     with pytest.raises(ba.errors.InputError, match=r"kv_seqlens\[1\] must be >= 0"):
         ba.PaddedKeysMask([2, -1])
+
+
+def test_a_bias_built_from_lists_follows_q():
+    """A mask built from Python lists with no device runs wherever q is (it raised 'attn_bias is on cpu, q is
+    on cuda'); one given a device, or moved with .to(), keeps it."""
+    q, k, v = _qkv(2, 7, 0)
+    meta = [t.to("meta") for t in (q, k, v)]
+    floating = ba.PaddedKeysMask([3, 7]) & ba.LowerTriangularMask()
+    packed = ba.BlockDiagonalMask.from_seqlens([2, 5]).make_causal()
+    assert floating.follows_q and packed.follows_q and ba.LowerTriangularMask().follows_q
+    from biasattn.inputs import make_inputs
+
+    spec = make_inputs(*meta, floating).spec
+    assert spec.kv_seqlens.device.type == "meta"
+    assert make_inputs(*(t[:1] for t in meta), packed).spec.q_seqstart.device.type == "meta"
+    pinned = ba.PaddedKeysMask([3, 7], device="cpu")
+    assert not pinned.follows_q and not floating.to("cpu").follows_q
+    with pytest.raises(ba.errors.InputTypeError, match="move it with"):
+        make_inputs(*meta, pinned)

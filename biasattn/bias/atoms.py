@@ -65,6 +65,14 @@ def tensor_version(t: torch.Tensor) -> int:
         return -1
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device``; from the CPU to a GPU through pinned memory, without waiting for the copy."""
+    device = torch.device(device) if device is not None else t.device
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def readable(t: torch.Tensor) -> bool:
     """Whether ``t``'s values can be read on the host now (not meta, not a fake tensor of a trace)."""
     if t.device.type == "meta" or torch.compiler.is_compiling():
@@ -133,12 +141,20 @@ class Atom:
         """One sentence saying why :meth:`combinable_with` is False."""
         return ""
 
+    @property
+    def follows_q(self) -> bool:
+        """True for an atom built from Python lists with no device given: its tensors go to q's device
+        on use (subclasses that can be built so store the flag)."""
+        return False
+
     def to(self, device=None, dtype=None) -> Atom:
-        """Same atom with its tensors moved (and floating tensors cast)."""
+        """Same atom with its tensors moved (and floating tensors cast); a device given is kept."""
         changes = {}
         for name, t in self.tensors().items():
             cast = dtype if (dtype is not None and t.is_floating_point()) else None
             changes[name] = t.to(device=device, dtype=cast)
+        if device is not None and self.follows_q:
+            changes["from_lists"] = False
         return replace(self, **changes) if changes else self
 
     def detach(self) -> Atom:

@@ -160,6 +160,12 @@ class AttentionBias(torch.Tensor):
         return self._atoms
 
     @property
+    def follows_q(self) -> bool:
+        """True when the bias holds no tensor, or only tensors built from Python lists with no device given:
+        it then runs on q's device (its small tensors are copied there once per device)."""
+        return all(a.follows_q for a in self._atoms if a.tensors())
+
+    @property
     def is_mask(self) -> bool:
         """True when the bias only hides keys (values are 0 or -inf)."""
         return all(a.is_mask for a in self._atoms)
@@ -607,16 +613,16 @@ def _compose(a: AttentionBias, b: AttentionBias) -> AttentionBias:
         raise BiasCompositionError(
             f"cannot compose sliced biases ({a._family()}, {b._family()}): compose first, then slice"
         )
-    def holds_tensors(x: AttentionBias) -> bool:
-        return any(atom.tensors() for atom in x._atoms)
-
-    if a.device == b.device or not holds_tensors(b):
+    atoms = a._atoms + b._atoms
+    if a.device == b.device or b.follows_q:
         device = a.device
-    elif not holds_tensors(a):  # a bias made of sizes only (LowerTriangularMask()) follows the other
+    elif a.follows_q:  # sizes only (LowerTriangularMask()) or lists with no device: follows the other
         device = b.device
     else:
         raise InputError(f"cannot compose biases on different devices: {a.device} and {b.device}")
-    return AttentionBias._create.__func__(ComposedBias, a._atoms + b._atoms, device=device)  # type: ignore[attr-defined]
+    if a.device != b.device:  # a list-built part moves to the other's device now
+        atoms = tuple(x.to(device) if x.follows_q and x.tensors() else x for x in atoms)
+    return AttentionBias._create.__func__(ComposedBias, atoms, device=device)  # type: ignore[attr-defined]
 
 
 def _flatten(obj, out: list):

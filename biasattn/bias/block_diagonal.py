@@ -16,7 +16,7 @@ from itertools import accumulate
 import torch
 
 from ..errors import InputError
-from .atoms import Atom, Geometry, as_lengths, readable, visible_to_additive
+from .atoms import Atom, Geometry, as_lengths, readable, to_device, visible_to_additive
 from .band import BOTTOM_RIGHT, TOP_LEFT
 from .base import AttentionBias
 from .local import check_window
@@ -34,6 +34,7 @@ class SegmentsAtom(Atom):
     band: tuple[str, int | None, int | None] | None = None  # (alignment, left, right) per segment
     q_given: tuple[int, ...] | None = None  # host copies of q_seqstart / k_seqstart, as given
     k_given: tuple[int, ...] | None = None
+    from_lists: bool = False  # built from lists with no device: follows q's device
     family: str = "BlockDiagonalMask"
     kind = "segments"
     HOST_FIELDS = ("q_given", "k_given")
@@ -47,6 +48,10 @@ class SegmentsAtom(Atom):
     def k_host(self) -> tuple[int, ...]:
         """``k_seqstart`` on the host."""
         return self.host_copy(self.k_seqstart, self.k_given)
+
+    @property
+    def follows_q(self) -> bool:
+        return self.from_lists
 
     def sizes(self):
         return (None, None, self.Mq, self.Mk)
@@ -105,7 +110,7 @@ class SegmentsAtom(Atom):
             )
         builder.add_segments(
             self.q_host, self.k_host, [b - a for a, b in zip(self.k_host, self.k_host[1:])],
-            (self.q_seqstart.to(builder.device), self.k_seqstart.to(builder.device), self.k_seqlen.to(builder.device)),
+            tuple(to_device(t, builder.device) for t in (self.q_seqstart, self.k_seqstart, self.k_seqlen)),
             band=self.segment_bounds(),
         )
 
@@ -150,7 +155,7 @@ class BlockDiagonalMask(AttentionBias):
             # (The first call imports torch.distributed.tensor, which torch.compile imports anyway.)
             for t in tensors:
                 torch._dynamo.decorators.mark_unbacked(t, 0)
-        atom = SegmentsAtom(*tensors, qh[-1], kh[-1], band, qh, kh, family=cls.__name__)
+        atom = SegmentsAtom(*tensors, qh[-1], kh[-1], band, qh, kh, from_lists=device is None, family=cls.__name__)
         return cls._create([atom], device=device)
 
     @classmethod

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
-from .atoms import Atom, Geometry, as_lengths, check_length_tensor, readable, visible_to_additive
+from .atoms import Atom, Geometry, as_lengths, check_length_tensor, readable, to_device, visible_to_additive
 from .base import AttentionBias
 
 
@@ -22,9 +22,14 @@ class PaddedKeysAtom(Atom):
 
     kv_seqlens: torch.Tensor  # [B] int32
     host: tuple[int, ...] | None = None  # the lengths as given, when given on the host
+    from_lists: bool = False  # built from a list with no device: follows q's device
     family: str = "PaddedKeysMask"
     kind = "padded_keys"
     HOST_FIELDS = ("host",)
+
+    @property
+    def follows_q(self) -> bool:
+        return self.from_lists
 
     def lengths(self) -> tuple[int, ...]:
         """The lengths on the host (read from the tensor when it was built on a device or written since)."""
@@ -49,7 +54,7 @@ class PaddedKeysAtom(Atom):
                 raise InputError(f"kv_seqlens[{b}] must be >= 0, got {n}")
             if n > g.Mk_full and g.full_known[1]:
                 raise InputError(f"kv_seqlens[{b}]={n} exceeds the key length Mk={g.Mk_full}")
-        builder.add_kv_seqlens(host, self.kv_seqlens.to(builder.device))
+        builder.add_kv_seqlens(host, to_device(self.kv_seqlens, builder.device))
 
     def __repr__(self) -> str:
         if not readable(self.kv_seqlens):
@@ -73,7 +78,7 @@ class PaddedKeysMask(AttentionBias):
             return cls._create([PaddedKeysAtom(t)], device=t.device)
         host = as_lengths("kv_seqlens", kv_seqlens)
         t = torch.tensor(host, dtype=torch.int32, device=device)
-        return cls._create([PaddedKeysAtom(t, tuple(host))], device=device)
+        return cls._create([PaddedKeysAtom(t, tuple(host), from_lists=device is None)], device=device)
 
     @classmethod
     def from_bool(cls, mask: torch.Tensor) -> PaddedKeysMask:

@@ -52,7 +52,8 @@ class Pair:
     def inputs(self, q, k, v, scale: float, requires_grad: bool) -> AttentionInputs:
         """The pair's attention inputs on the given q shard and K/V block."""
         qr, kr = self.q_rows, self.k_rows
-        return AttentionInputs(q[:, :, qr], k[:, :, kr], v[:, :, kr], self.bias, self.spec, scale, 0.0, requires_grad)
+        return AttentionInputs(q=q[:, :, qr], k=k[:, :, kr], v=v[:, :, kr], bias=self.bias, spec=self.spec, scale=scale,
+                               dropout_p=0.0, requires_grad=requires_grad)
 
 
 def hides_everything(spec: BiasSpec) -> bool:
