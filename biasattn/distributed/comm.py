@@ -33,11 +33,16 @@ class Exchange:
         return self.received
 
 
+# torch 2.13 renamed the flat collectives (the old names warn); older releases have only the old ones.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather_shards(x: torch.Tensor, group, world: int) -> list[torch.Tensor]:
     """Every rank's ``x`` (equal shapes), as a list indexed by rank."""
     x = x.contiguous()
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    _ALL_GATHER(out, x, group=group)
     return list(out.view(world, *x.shape).unbind(0))
 
 
@@ -45,7 +50,7 @@ def reduce_scatter_shards(shards: list[torch.Tensor], group) -> torch.Tensor:
     """``Σ over ranks of shards[r]`` arrives at rank ``r`` (each rank passes one tensor per rank)."""
     stacked = torch.stack(shards)
     out = torch.empty_like(shards[0])
-    dist.reduce_scatter_tensor(out, stacked.view(-1, *shards[0].shape[1:]), group=group)
+    _REDUCE_SCATTER(out, stacked.view(-1, *shards[0].shape[1:]), group=group)
     return out
 
 
