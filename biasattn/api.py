@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from . import dispatch
-from .bias import AttentionBias, LowerTriangularMask
+from .bias import AttentionBias, LowerTriangularMask, protocol
 from .errors import InputError
 from .inputs import as_bias, make_inputs
 from .ops import autograd, custom_ops
@@ -85,5 +86,7 @@ def _sdpa_from_torch(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     out = attention(query, key, value, bias, scale=scale, dropout_p=dropout_p)
     return out[0] if unbatched else out
 
+
+protocol.register_torch_function(F.scaled_dot_product_attention, _sdpa_from_torch)
 
 __all__ = ["AttentionBias", "attention", "attention_with_lse", "explain", "merge_attentions"]

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import biasattn as ba
-from biasattn.bias import base
+from biasattn.bias import base, protocol
 from biasattn.testing import strategies as bst
 
 M = 7  # Mq = Mk of the sized kinds below
@@ -171,7 +171,7 @@ def test_torch_load_map_location_moves_the_bias():
 
 
 def test_unknown_classes_in_a_pickle_are_refused():
-    state = (base._STATE_VERSION, "os:system", "cpu", (), (0, 0), (None, None), (None, None))
+    state = (protocol._STATE_VERSION, "os:system", "cpu", (), (0, 0), (None, None), (None, None))
     with pytest.raises(ba.InputError, match="bias class 'os:system'"):
         base._rebuild_bias(state)
     with pytest.raises(ba.InputError, match="state version 99"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import biasattn as ba
-from biasattn.bias import base
+from biasattn.bias import protocol
 
 
 def test_scores_plus_bias_materializes_against_the_scores():
@@ -46,8 +46,8 @@ def test_unsized_bias_alone_explains_how_to_size_it():
 
 
 def test_large_materialization_warns_once(monkeypatch):
-    monkeypatch.setattr(base, "MATERIALIZE_WARN_BYTES", 1000)
-    monkeypatch.setattr(base, "_warned_large_materialize", False)
+    monkeypatch.setattr(protocol, "MATERIALIZE_WARN_BYTES", 1000)
+    monkeypatch.setattr(protocol, "_warned_large_materialize", False)
     scores = torch.zeros(1, 1, 20, 20)  # 1600 bytes in float32
     bias = ba.LowerTriangularMask()
     with pytest.warns(UserWarning, match=r"add received a LowerTriangularMask .* \[1, 1, 20, 20\] .*keep it lazy"):
@@ -59,7 +59,7 @@ def test_large_materialization_warns_once(monkeypatch):
 
 
 def test_warning_threshold_is_256_mib():
-    assert base.MATERIALIZE_WARN_BYTES == 256 * 2**20
+    assert protocol.MATERIALIZE_WARN_BYTES == 256 * 2**20
 
 
 def test_to_clone_detach_cpu_stay_lazy():

@@ -4,36 +4,23 @@ An :class:`AttentionBias` is a ``torch.Tensor`` wrapper subclass: it has a shape
 but no storage of its own. Its meaning is a tuple of *atoms* (a band, segments, padded keys, a block
 layout, an additive tensor, ALiBi slopes), each of which knows how to materialize itself and how to
 lower itself into a :class:`~biasattn.bias.spec.BiasSpec`. Composition concatenates atoms; slicing
-records offsets. All ``__torch_function__`` handling lives here, so ``torch.compile`` support,
-``.to()``, copying, pickling and foreign-op materialization are solved once for every family.
+records offsets. Every family inherits the tensor protocol (``torch.compile`` flattening, pickling,
+``__torch_function__`` routing and foreign-op materialization) from here; its code lives in
+:mod:`.protocol`, and :meth:`AttentionBias.show` draws with :mod:`.drawing`.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
-import importlib
 import math
-import warnings
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import BiasCompositionError, InputError
-from .atoms import (  # noqa: F401  (as_lengths, visible_to_additive kept importable from here)
-    ATOM_CLASSES,
-    Atom,
-    Geometry,
-    as_lengths,
-    class_name,
-    visible_to_additive,
-)
-
-MATERIALIZE_WARN_BYTES = 256 * 2**20
-_warned_large_materialize = False
+from . import drawing, protocol
+from .atoms import Atom, Geometry, class_name
 
 
 def _merge_size(name: str, a: int | None, b: int | None, who: str) -> int | None:
@@ -88,7 +75,7 @@ class AttentionBias(torch.Tensor):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        BIAS_CLASSES[class_name(cls)] = cls
+        protocol.BIAS_CLASSES[class_name(cls)] = cls
 
     @staticmethod
     def __new__(cls, *args, **kwargs):  # families define their own constructors
@@ -129,9 +116,9 @@ class AttentionBias(torch.Tensor):
         if torch.compiler.is_dynamo_compiling():
             # Dynamo cannot trace _make_wrapper_subclass; a constructor call is placed in the graph instead.
             dev = torch.device(device if device is not None else "cpu")
-            ctx = _flatten_ctx(cls, dev, dtype, atoms, offsets, lengths, (Mq, Mk))
+            ctx = protocol.flatten_ctx(cls, dev, dtype, atoms, offsets, lengths, (Mq, Mk))
             tensors = [t for a in atoms for t in a.tensors().values()]
-            return _BiasConstructor(_ctx_by_name(ctx), shape, *tensors)
+            return _BiasConstructor(protocol.ctx_by_name(ctx), shape, *tensors)
         device = _resolved(device)
         self = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=dtype, device=device if device is not None else "cpu", requires_grad=False
@@ -241,12 +228,12 @@ class AttentionBias(torch.Tensor):
         if isinstance(other, AttentionBias):
             return _compose(self, other)
         if isinstance(other, (torch.Tensor, int, float)):
-            return _foreign(torch.Tensor.add, (self, other), {})
+            return protocol.foreign(AttentionBias, torch.Tensor.add, (self, other), {})
         return NotImplemented
 
     def __radd__(self, other):
         if isinstance(other, (torch.Tensor, int, float)):
-            return _foreign(torch.Tensor.add, (other, self), {})
+            return protocol.foreign(AttentionBias, torch.Tensor.add, (other, self), {})
         return NotImplemented
 
     def __or__(self, other):
@@ -344,17 +331,8 @@ class AttentionBias(torch.Tensor):
         memo[id(self)] = out
         return out
 
-    def __reduce_ex__(self, protocol):
-        atoms = tuple(
-            (
-                class_name(type(a)),
-                tuple((f.name, getattr(a, f.name)) for f in dataclasses.fields(a) if f.name not in a.tensors()),
-                tuple(a.tensors().items()),
-            )
-            for a in self._atoms
-        )
-        state = (_STATE_VERSION, class_name(type(self)), str(self.device), atoms, self._offsets, self._lengths, self._full)
-        return (_rebuild_bias, (state,))
+    def __reduce_ex__(self, proto):
+        return (_rebuild_bias, (protocol.pickled_state(self),))
 
     def __repr__(self, *args, **kwargs) -> str:
         parts = ", ".join(repr(a) for a in self._atoms)
@@ -365,141 +343,39 @@ class AttentionBias(torch.Tensor):
 
     def show(self, Mq: int | None = None, Mk: int | None = None, *, batch: int = 0, head: int = 0, ax=None):
         """Draw the visibility pattern (and additive values) with matplotlib; returns the Axes."""
-        try:
-            import matplotlib.pyplot as plt
-        except ImportError as e:  # pragma: no cover - optional dependency
-            raise ImportError("bias.show() needs matplotlib: pip install matplotlib") from e
-        Mq = Mq or self._lengths[0]
-        Mk = Mk or self._lengths[1]
-        if Mq is None or Mk is None:
-            raise InputError(f"{self._family()} is unsized: pass Mq and Mk to show()")
-        B, H = self._batch() or 1, self._heads() or 1
-        dense = self.materialize((B, H, Mq, Mk)).to("cpu", torch.float32)[batch, head]
-        if ax is None:
-            _, ax = plt.subplots(figsize=(4, 4 * Mq / max(Mk, 1) + 0.5))
-        shown = torch.where(torch.isinf(dense), torch.full_like(dense, float("nan")), dense)
-        if self.is_mask:
-            shown = torch.where(torch.isinf(dense), 0.0, 1.0)
-        ax.imshow(shown.numpy(), cmap="viridis" if not self.is_mask else "Blues", interpolation="nearest", vmin=None)
-        ax.set_title(type(self).__name__, fontsize=9)
-        ax.set_xlabel("key j")
-        ax.set_ylabel("query i")
-        return ax
+        return drawing.show(self, Mq, Mk, batch=batch, head=head, ax=ax)
 
-    # ----------------------------------------------------------------------------- torch.compile
-    # The flatten protocol of traceable wrapper subclasses: the atoms' small tensors are the inner
-    # tensors (attributes ``_t0``, ``_t1``, ...); everything else is hashable metadata that
-    # torch.compile guards on. Sizes that follow from the wrapper's shape are stored as "outer", so
-    # a bias whose Mq/Mk change (an AdditiveBias under ``dynamic=True``) keeps the same metadata.
+    # ----------------------------------------------------------------------------- tensor protocol
     def _set_inner_tensors(self) -> None:
-        n = 0
-        for a in self._atoms:
-            for t in a.tensors().values():
-                setattr(self, f"_t{n}", t)
-                n += 1
-        if n == 0:  # fake-tensor conversion needs at least one inner tensor: an empty anchor
-            with torch._C.DisableTorchFunctionSubclass():
-                self._t0 = torch.empty(0, dtype=torch.int32, device=self.device)
+        protocol.set_inner_tensors(self)
 
     def __tensor_flatten__(self):
-        with torch._C.DisableTorchFunctionSubclass():
-            device, dtype = self.device, self.dtype
-        ctx = _flatten_ctx(type(self), device, dtype, self._atoms, self._offsets, self._lengths, self._full)
-        n = sum(len(names) for _, _, names in ctx[3])
-        return [f"_t{i}" for i in range(max(n, 1))], ctx
+        return protocol.tensor_flatten(self)
 
     def _stable_hash_for_caching(self) -> str:
         """Deterministic key of the metadata and inner-tensor layout (torch.compile's graph caches)."""
-        names, ctx = self.__tensor_flatten__()
-        with torch._C.DisableTorchFunctionSubclass():
-            shape = tuple(self.shape)
-        inner = [(tuple(t.shape), tuple(t.stride()), str(t.dtype), str(t.device)) for t in (getattr(self, n) for n in names)]
-        return hashlib.blake2b(repr((_ctx_by_name(ctx), shape, inner)).encode(), digest_size=16).hexdigest()
+        return protocol.stable_hash(self)
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, ctx, outer_size, outer_stride) -> AttentionBias:
-        cls, device, dtype, atom_ctx, offsets, sized, full = ctx
-        inner_list = [inner[f"_t{n}"] for n in range(len(inner))]
-        anchor = inner_list[0] if not any(names for _, _, names in atom_ctx) else None
-        atoms = []
-        for atom_cls, fields, tensor_names in atom_ctx:
-            kwargs = dict(fields)
-            for name in tensor_names:
-                kwargs[name] = inner_list.pop(0)
-            atoms.append(atom_cls(**kwargs))
-        self = torch.Tensor._make_wrapper_subclass(
-            cls, outer_size, strides=outer_stride, dtype=dtype, device=device, requires_grad=False
-        )
-        lengths = tuple(outer_size[2 + d] if sized[d] else None for d in range(2))
-        self._atoms = tuple(atoms)
-        self._offsets = offsets
-        self._lengths = lengths
-        self._full = tuple(offsets[d] + lengths[d] if full[d] == "outer" else full[d] for d in range(2))
-        if anchor is not None:
-            self._t0 = anchor
-        else:
-            self._set_inner_tensors()
-        return self
+        return protocol.tensor_unflatten(inner, ctx, outer_size, outer_stride)
 
-    # ----------------------------------------------------------------------------- torch function
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            from ..api import _sdpa_from_torch
-
-            return _sdpa_from_torch(*args, **kwargs)
-        if (
-            func in _PASSTHROUGH
-            or getattr(func, "__name__", "") in _PASSTHROUGH_NAMES
-            or getattr(func, "namespace", None) == "biasattn"  # our custom ops take biases as they are
-        ):
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        if func in _LAZY_FUNCTIONS and isinstance(args[0], AttentionBias):
-            # torch.clone(bias) / torch.detach(bias) (torch.compile clones its inputs) stay lazy.
-            return getattr(args[0], _LAZY_FUNCTIONS[func])()
-        return _foreign(func, args, kwargs)
+        return protocol.torch_function(AttentionBias, func, args, kwargs or {})
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        handler = DISPATCH_HANDLERS.get(func)
-        if handler is not None:  # our own custom ops (torch.compile path): the handler unwraps the bias
-            return handler(*args, **(kwargs or {}))
-        # Reached only below torch-function handling (autograd internals, tracing): same rule.
-        return _foreign(func, args, kwargs or {})
+        return protocol.torch_dispatch(AttentionBias, func, args, kwargs or {})
 
 
-#: Every bias class by :func:`~.atoms.class_name`; unpickling builds biases from this table only.
-BIAS_CLASSES: dict[str, type] = {class_name(AttentionBias): AttentionBias}
-_STATE_VERSION = 1
+protocol.BIAS_CLASSES[class_name(AttentionBias)] = AttentionBias
 
 
 def _rebuild_bias(state: tuple) -> AttentionBias:
-    """Rebuild a pickled bias from the state :meth:`AttentionBias.__reduce_ex__` wrote.
-
-    Classes are looked up among the registered bias and atom classes only (never imported by name),
-    so loading a file with ``torch.load(weights_only=True)`` runs no other code.
-    """
-    version, cls_name, device, atom_states, offsets, lengths, full = state
-    if version != _STATE_VERSION:
-        raise InputError(f"a pickled bias has state version {version!r}, this biasattn reads version {_STATE_VERSION}")
-    cls = _registered(BIAS_CLASSES, cls_name, "bias class")
-    atoms = []
-    for atom_name, fields, tensors in atom_states:
-        atoms.append(_registered(ATOM_CLASSES, atom_name, "bias atom")(**dict(fields), **dict(tensors)))
-    if any(a.tensors() for a in atoms):
-        device = None  # the tensors' device: torch.load's map_location has moved them
-    elif torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        device = "cpu"  # a bias of sizes only follows q's device anyway
-    return AttentionBias._create.__func__(cls, atoms, tuple(offsets), tuple(lengths), device=device, full=tuple(full))  # type: ignore[attr-defined]
-
-
-def _registered(table: dict[str, type], name: str, what: str) -> type:
-    try:
-        return table[name]
-    except KeyError:
-        raise InputError(f"a pickled bias names the {what} {name!r}, which this biasattn does not define") from None
+    """Rebuild a pickled bias from the state :meth:`AttentionBias.__reduce_ex__` wrote (see :func:`.protocol.read_state`)."""
+    cls, atoms, offsets, lengths, device, full = protocol.read_state(state)
+    return AttentionBias._create.__func__(cls, atoms, offsets, lengths, device=device, full=full)  # type: ignore[attr-defined]
 
 
 torch.serialization.add_safe_globals([_rebuild_bias])
@@ -508,9 +384,9 @@ torch.serialization.add_safe_globals([_rebuild_bias])
 def _mask_operand(bias: AttentionBias, t: torch.Tensor) -> AttentionBias:
     """A plain tensor on one side of ``bias & t``: a bool tensor (True = visible) becomes a mask, as in ``attn_bias``."""
     if t.dtype == torch.bool:
-        from ..inputs import as_bias
+        from .additive import AdditiveBias
 
-        return as_bias(t)
+        return AdditiveBias(t)
     if t.is_floating_point():
         raise BiasCompositionError(
             f"cannot compose {bias._family()} & a {str(t.dtype).replace('torch.', '')} tensor: '&' intersects masks; "
@@ -523,60 +399,6 @@ def _mask_operand(bias: AttentionBias, t: torch.Tensor) -> AttentionBias:
     )
 
 
-_PASSTHROUGH = {
-    torch.Tensor.dim,
-    torch.Tensor.size,
-    torch.Tensor.numel,
-    torch.Tensor.__len__,
-}
-_PASSTHROUGH_NAMES = {
-    "__get__", "dim", "size", "numel", "stride", "is_contiguous", "__len__",
-    # metadata queries torch.compile makes on its inputs
-    "requires_grad_", "storage_offset", "nelement", "element_size", "is_floating_point", "is_complex", "get_device",
-    "_is_view", "untyped_storage", "_typed_storage", "storage", "data_ptr", "is_pinned", "is_shared",
-    "is_inference", "is_conj", "is_neg", "_is_zerotensor", "dense_dim", "sparse_dim", "is_coalesced", "__format__",
-}
-# Custom ops (OpOverload -> handler) that take a bias argument and unwrap it in __torch_dispatch__;
-# filled by biasattn.ops.custom_ops.
-DISPATCH_HANDLERS: dict[Any, Any] = {}
-_LAZY_FUNCTIONS = {torch.clone: "clone", torch.detach: "detach", torch.Tensor.clone: "clone", torch.Tensor.detach: "detach"}
-
-
-def _flatten_ctx(cls, device, dtype, atoms, offsets, lengths, full) -> tuple:
-    """The hashable metadata of :meth:`AttentionBias.__tensor_flatten__` (see there)."""
-    atom_ctx = []
-    for a in atoms:
-        tensors = a.tensors()
-        fields = tuple((f.name, getattr(a, f.name)) for f in dataclasses.fields(a)
-                       if f.name not in tensors and f.name not in a.HOST_FIELDS)
-        atom_ctx.append((type(a), fields, tuple(tensors)))
-    sized = tuple(n is not None for n in lengths)
-    full = tuple("outer" if sized[d] and full[d] == offsets[d] + lengths[d] else full[d] for d in range(2))
-    return (cls, device, dtype, tuple(atom_ctx), tuple(offsets), sized, full)
-
-
-def _ctx_by_name(ctx) -> tuple:
-    """``ctx`` with classes replaced by ``"module:qualname"`` strings (graphs hold no classes)."""
-    cls, device, dtype, atom_ctx, offsets, sized, full = ctx
-    atom_ctx = tuple((f"{a.__module__}:{a.__qualname__}", fields, names) for a, fields, names in atom_ctx)
-    return (f"{cls.__module__}:{cls.__qualname__}", device, dtype, atom_ctx, offsets, sized, full)
-
-
-def _ctx_by_class(ctx) -> tuple:
-    """Inverse of :func:`_ctx_by_name`."""
-    cls, device, dtype, atom_ctx, offsets, sized, full = ctx
-    atom_ctx = tuple((_class(a), fields, names) for a, fields, names in atom_ctx)
-    return (_class(cls), device, dtype, atom_ctx, offsets, sized, full)
-
-
-def _class(name: str) -> type:
-    module, _, qualname = name.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 class _BiasConstructor(AttentionBias):
     """``_BiasConstructor(ctx, shape, *tensors)`` builds the bias that ``ctx`` describes.
 
@@ -586,14 +408,14 @@ class _BiasConstructor(AttentionBias):
 
     @staticmethod
     def __new__(cls, ctx, shape, *tensors):
-        ctx = _ctx_by_class(ctx)
+        ctx = protocol.ctx_by_class(ctx)
         shape = tuple(shape)
         stride = tuple(math.prod(shape[d + 1 :]) for d in range(4))
         inner = {f"_t{i}": t for i, t in enumerate(tensors)}
         if not inner:
             with torch._C.DisableTorchFunctionSubclass():
                 inner["_t0"] = torch.empty(0, dtype=torch.int32, device=ctx[1])
-        return AttentionBias.__tensor_unflatten__(inner, ctx, shape, stride)
+        return protocol.tensor_unflatten(inner, ctx, shape, stride)
 
 
 def _resolved(device) -> torch.device | None:
@@ -623,54 +445,3 @@ def _compose(a: AttentionBias, b: AttentionBias) -> AttentionBias:
     if a.device != b.device:  # a list-built part moves to the other's device now
         atoms = tuple(x.to(device) if x.follows_q and x.tensors() else x for x in atoms)
     return AttentionBias._create.__func__(ComposedBias, atoms, device=device)  # type: ignore[attr-defined]
-
-
-def _flatten(obj, out: list):
-    if isinstance(obj, (list, tuple)):
-        for x in obj:
-            _flatten(x, out)
-    elif isinstance(obj, torch.Tensor):
-        out.append(obj)
-
-
-def _foreign(func, args, kwargs) -> Any:
-    """Materialize every bias among ``args`` against the other tensors' shape, then call ``func``."""
-    others: list[torch.Tensor] = []
-    _flatten(list(args) + list(kwargs.values()), others)
-    plain = [t for t in others if not isinstance(t, AttentionBias)]
-    with torch._C.DisableTorchFunctionSubclass():
-        target = torch.broadcast_shapes(*[t.shape for t in plain]) if plain else torch.Size()
-    dtype = next((t.dtype for t in plain if t.is_floating_point()), torch.float32)
-
-    def dense(x):
-        if not isinstance(x, AttentionBias):
-            if isinstance(x, (list, tuple)):
-                return type(x)(dense(y) for y in x)
-            return x
-        B, H, Mq, Mk = x.sizes
-        tail = list(target)[-4:]
-        tail = [1] * (4 - len(tail)) + tail
-        if len(target) >= 2:
-            Mq, Mk = Mq or tail[2], Mk or tail[3]
-        if Mq is None or Mk is None:
-            raise InputError(
-                f"{x._family()} is unsized and {getattr(func, '__name__', func)} gives no other tensor to size it; "
-                "call bias.materialize((B, H, Mq, Mk)) explicitly"
-            )
-        B = B or (tail[0] if tail[0] != 1 else 1)
-        H = H or (tail[1] if tail[1] != 1 else 1)
-        nbytes = B * H * Mq * Mk * torch.finfo(dtype).bits // 8
-        global _warned_large_materialize
-        if nbytes > MATERIALIZE_WARN_BYTES and not _warned_large_materialize:
-            _warned_large_materialize = True
-            warnings.warn(
-                f"{getattr(func, '__name__', func)} received a {x._family()} and materializes it as a dense "
-                f"[{B}, {H}, {Mq}, {Mk}] tensor ({nbytes / 2**20:.0f} MiB); pass the bias to biasattn.attention "
-                "or F.scaled_dot_product_attention to keep it lazy",
-                stacklevel=3,
-            )
-        return x.materialize((B, H, Mq, Mk), dtype=dtype)
-
-    args = tuple(dense(a) for a in args)
-    kwargs = {k: dense(v) for k, v in kwargs.items()}
-    return func(*args, **kwargs)

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from .. import dispatch
-from ..bias import base as bias_base
+from ..bias import protocol
 from ..bias.base import AttentionBias
 from ..inputs import as_bias, make_inputs
 from . import available, get
@@ -45,7 +45,7 @@ from .common import compute_dtype
 def bias_metadata(bias: AttentionBias) -> tuple[str, list]:
     """``(metadata string, shape)`` of ``bias``: with its inner tensors, enough to rebuild it."""
     _, ctx = bias.__tensor_flatten__()
-    cls, device, dtype, atom_ctx, offsets, sized, full = _concrete(bias_base._ctx_by_name(ctx))
+    cls, device, dtype, atom_ctx, offsets, sized, full = _concrete(protocol.ctx_by_name(ctx))
     text = repr((cls, str(device), str(dtype).replace("torch.", ""), atom_ctx, offsets, sized, full))
     return text, list(bias.shape)
 
@@ -63,7 +63,7 @@ def _concrete(x):
 def _parse_metadata(text: str) -> tuple:
     cls, device, dtype, atom_ctx, offsets, sized, full = ast.literal_eval(text)
     ctx = (cls, torch.device(device), getattr(torch, dtype), atom_ctx, offsets, sized, full)
-    return bias_base._ctx_by_class(ctx)
+    return protocol.ctx_by_class(ctx)
 
 
 def rebuild_bias(tensors: list[Tensor], text: str, shape: list[int]) -> AttentionBias | None:
@@ -297,8 +297,8 @@ def _bwd_with_bias(dout, dlse, q, k, v, bias, bias_tensors, out, lse, state, sca
     )
 
 
-bias_base.DISPATCH_HANDLERS[torch.ops.biasattn.attention_fwd.default] = _fwd_with_bias
-bias_base.DISPATCH_HANDLERS[torch.ops.biasattn.attention_bwd.default] = _bwd_with_bias
+protocol.register_torch_dispatch(torch.ops.biasattn.attention_fwd.default, _fwd_with_bias)
+protocol.register_torch_dispatch(torch.ops.biasattn.attention_bwd.default, _bwd_with_bias)
 
 
 def _save(ctx, q, k, v, bias_tensors, out, lse, state, scale, dropout_p) -> None:
