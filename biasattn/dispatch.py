@@ -17,7 +17,7 @@ from .errors import NotSupportedError
 from .inputs import AttentionInputs
 from .memo import BoundedCache
 from .ops.base import Operator
-from .ops.triton import environment
+from .ops.common import interpreted
 
 # Measured on the H200 (benchmarks/results/h200/dispatch.md, bf16, D=128, B·S=16384, S=2048 and 8192,
 # commit 64158e0; earlier runs 0b2626b, 99b0abf, 2fd2e30, cd6c481 agree): cudnn is fastest wherever it
@@ -221,7 +221,7 @@ def _decision_key(inp: AttentionInputs, need_lse: bool, op) -> tuple:
         add is not None and add.requires_grad, torch.are_deterministic_algorithms_enabled(), _allowed.get(),
         PRIORITY.get(dev.type), SPLITK_MAX_MQ, CUDNN_DECODE_MAX_GROUPS, CUDNN_DECODE_UNGROUPED_MAX_MQ,
         CUDNN_DECODE_UNGROUPED_MIN_PAIRS, CUDNN_DECODE_UNGROUPED_MAX_MK, cuda and graph_capturing(),
-        not cuda and environment.interpreted(), ops.generation(), "dispatch",
+        not cuda and interpreted(), ops.generation(), "dispatch",
     )
 
 

@@ -3,8 +3,22 @@
 from __future__ import annotations
 
 import functools
+import os
+import sys
 
 import torch
+
+
+def interpreted() -> bool:
+    """True when the Triton kernels run through Triton's CPU interpreter.
+
+    Once the kernels are loaded, their decoration decided it; before that, ``TRITON_INTERPRET`` does.
+    """
+    for name in ("biasattn.ops.triton.flash", "biasattn.ops.triton.splitk"):
+        mod = sys.modules.get(name)
+        if mod is not None and hasattr(mod, "INTERPRETED"):
+            return bool(mod.INTERPRETED)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def cdiv(a: int, b: int) -> int:
