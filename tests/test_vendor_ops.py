@@ -8,14 +8,17 @@ import torch
 import biasattn as ba
 from biasattn.bias.spec import lower
 from biasattn.inputs import make_inputs
-from biasattn.ops import vendor_mapping as vm
+from biasattn.ops.vendor import base as vbase
+from biasattn.ops.vendor import layout as vlayout
+from biasattn.ops.vendor import lse as vlse
+from biasattn.ops.vendor import masks as vmasks
 
 VENDOR = ("cutlass", "flash2", "cudnn")
 
 
 def _plan(bias, B, H, Mq, Mk):
     spec = lower(bias, B, H, Mq, Mk)
-    return spec, vm.plan_sequences(spec)
+    return spec, vlayout.plan_sequences(spec)
 
 
 # ------------------------------------------------------------------------------------- declarations
@@ -137,12 +140,12 @@ def test_flash2_keeps_one_query_sequences_off_its_swapped_path():
         inp = make_inputs(q, k, v, bias)
         assert flash2._window(inp, flash2.plan(inp))[1] == 0
     inp = make_inputs(q, k, v, ba.BlockDiagonalMask.from_seqlens([2, 0], [300, 400]))
-    assert flash2._window(inp, flash2.plan(inp)) == vm.flash_window(flash2.plan(inp))
+    assert flash2._window(inp, flash2.plan(inp)) == vmasks.flash_window(flash2.plan(inp))
 
 
 def test_missing_entry_point_is_a_reason(monkeypatch):
     """A torch without the kernel's entry point gives a reason naming it."""
-    monkeypatch.setattr(vm, "aten_entry", lambda name: None)
+    monkeypatch.setattr(vbase, "aten_entry", lambda name: None)
     reasons = ba.ops.get("cutlass").probe_environment()
     assert reasons and "_efficient_attention_forward" in reasons[0]
 
@@ -151,25 +154,26 @@ def test_missing_entry_point_is_a_reason(monkeypatch):
 def test_plan_batched_and_bands():
     _, p = _plan(None, 2, 4, 7, 9)
     assert p.layout == "batched" and p.seqs[0].lo is None and p.seqs[0].hi is None
-    assert vm.cutlass_mask_type(p) == vm.NO_MASK and vm.flash_window(p) == (-1, -1) and vm.cudnn_causal(p) is False
+    assert vmasks.cutlass_mask_type(p) == vmasks.NO_MASK and vmasks.flash_window(p) == (-1, -1)
+    assert vmasks.cudnn_causal(p) is False
     _, p = _plan(ba.LowerTriangularMask(), 2, 4, 7, 9)
-    assert vm.cutlass_mask_type(p) == vm.CAUSAL_TOP_LEFT and vm.flash_window(p) is None  # right = -2
-    assert vm.cudnn_causal(p) is True
+    assert vmasks.cutlass_mask_type(p) == vmasks.CAUSAL_TOP_LEFT and vmasks.flash_window(p) is None  # right = -2
+    assert vmasks.cudnn_causal(p) is True
     _, p = _plan(ba.LowerTriangularFromBottomRightMask(), 2, 4, 7, 9)
-    assert vm.cutlass_mask_type(p) == vm.CAUSAL_BOTTOM_RIGHT and vm.flash_window(p) == (-1, 0)
-    assert vm.cudnn_causal(p) is None
+    assert vmasks.cutlass_mask_type(p) == vmasks.CAUSAL_BOTTOM_RIGHT and vmasks.flash_window(p) == (-1, 0)
+    assert vmasks.cudnn_causal(p) is None
     _, p = _plan(ba.LocalAttentionMask(3, 1), 2, 4, 7, 9)
-    assert vm.cutlass_mask_type(p) is None and vm.flash_window(p) == (3, 1) and vm.cudnn_causal(p) is None
+    assert vmasks.cutlass_mask_type(p) is None and vmasks.flash_window(p) == (3, 1) and vmasks.cudnn_causal(p) is None
 
 
 def test_flash_window_top_left_is_a_right_window():
     """Top-left causal is FlashAttention's right window Mq - Mk, which must not be negative."""
     _, p = _plan(ba.LowerTriangularMask(), 1, 1, 7, 9)
-    assert vm.flash_window(p) is None  # would need right = -2
+    assert vmasks.flash_window(p) is None  # would need right = -2
     _, p = _plan(ba.LowerTriangularMask(), 1, 1, 9, 7)
-    assert vm.flash_window(p) == (-1, 2)
+    assert vmasks.flash_window(p) == (-1, 2)
     _, p = _plan(ba.LowerTriangularMask(), 1, 1, 8, 8)
-    assert vm.flash_window(p) == (-1, 0)
+    assert vmasks.flash_window(p) == (-1, 0)
 
 
 def test_plan_segments():
@@ -177,19 +181,19 @@ def test_plan_segments():
     spec, p = _plan(bias, 1, 2, 15, 11)
     assert p.layout == "segments" and p.cu_q == (0, 3, 8, 15) and p.cu_k == (0, 4, 5, 11) and p.gather is None
     assert [(s.Lq, s.Lk) for s in p.seqs] == [(3, 4), (5, 1), (7, 6)]
-    assert vm.cutlass_mask_type(p) == vm.CAUSAL_BOTTOM_RIGHT and vm.flash_window(p) == (-1, 0)
-    assert vm.cudnn_causal(p) is None
-    assert vm.rows_may_be_empty(spec, p)  # segment 1: 5 queries, 1 key, bottom-right
+    assert vmasks.cutlass_mask_type(p) == vmasks.CAUSAL_BOTTOM_RIGHT and vmasks.flash_window(p) == (-1, 0)
+    assert vmasks.cudnn_causal(p) is None
+    assert vlayout.rows_may_be_empty(spec, p)  # segment 1: 5 queries, 1 key, bottom-right
     spec, p = _plan(ba.BlockDiagonalMask.from_seqlens([3, 5, 7]).make_causal(), 1, 2, 15, 15)
-    assert vm.cutlass_mask_type(p) == vm.CAUSAL_TOP_LEFT and vm.cudnn_causal(p) is True
-    assert vm.flash_window(p) == (-1, 0) and not vm.rows_may_be_empty(spec, p)
+    assert vmasks.cutlass_mask_type(p) == vmasks.CAUSAL_TOP_LEFT and vmasks.cudnn_causal(p) is True
+    assert vmasks.flash_window(p) == (-1, 0) and not vlayout.rows_may_be_empty(spec, p)
 
 
 def test_plan_segments_with_padded_keys_gathers():
     bias = ba.BlockDiagonalMask.from_seqlens([3, 5], [4, 6]) & ba.PaddedKeysMask([2])
     spec, p = _plan(bias, 1, 2, 8, 10)
     assert p.gather == ((0, 0, 2), (0, 4, 0)) and p.cu_k == (0, 2, 2)
-    assert vm.rows_may_be_empty(spec, p)  # segment 1 keeps no key
+    assert vlayout.rows_may_be_empty(spec, p)  # segment 1 keeps no key
     bias = ba.BlockDiagonalMask.from_seqlens([3, 5], [4, 6]) & ba.PaddedKeysMask([7])
     _, p = _plan(bias, 1, 2, 8, 10)
     assert p.gather is None and p.cu_k == (0, 4, 7)  # only the last segment shrinks: keys stay in place
@@ -199,43 +203,43 @@ def test_plan_padded_keys():
     spec, p = _plan(ba.PaddedKeysMask([5, 9, 0]), 3, 2, 6, 9)
     assert p.layout == "padded" and p.cu_q == (0, 6, 12, 18) and p.cu_k == (0, 5, 14, 14)
     assert p.gather == ((0, 0, 5), (1, 0, 9), (2, 0, 0))
-    assert vm.rows_may_be_empty(spec, p)  # a batch row with no key
+    assert vlayout.rows_may_be_empty(spec, p)  # a batch row with no key
     _, p = _plan(ba.PaddedKeysMask([5, 9]) & ba.LowerTriangularMask(), 2, 2, 9, 9)
-    assert vm.cutlass_mask_type(p) == vm.CAUSAL_TOP_LEFT
-    assert vm.flash_window(p) is None  # top-left with per-row key lengths is not a bottom-right window
+    assert vmasks.cutlass_mask_type(p) == vmasks.CAUSAL_TOP_LEFT
+    assert vmasks.flash_window(p) is None  # top-left with per-row key lengths is not a bottom-right window
 
 
 def test_plan_refuses_rows_outside_segments():
     bias = ba.BlockDiagonalMask.from_seqlens([3, 5])[:, :, 2:6, :]
     spec = lower(bias, 1, 2, 4, 8)
-    p = vm.plan_sequences(spec)
+    p = vlayout.plan_sequences(spec)
     assert p.reason is None or "segments cover" in p.reason
 
 
 def test_effective_band_and_empty_rows():
-    assert vm.effective_band(-100, 100, 5, 7) == (None, None)
-    assert vm.effective_band(-4, 6, 5, 7) == (None, None)
-    assert vm.effective_band(-3, 5, 5, 7) == (-3, 5)
+    assert vlayout.effective_band(-100, 100, 5, 7) == (None, None)
+    assert vlayout.effective_band(-4, 6, 5, 7) == (None, None)
+    assert vlayout.effective_band(-3, 5, 5, 7) == (-3, 5)
     spec, p = _plan(ba.LowerTriangularFromBottomRightMask(), 1, 1, 9, 4)
-    assert vm.rows_may_be_empty(spec, p)
+    assert vlayout.rows_may_be_empty(spec, p)
     spec, p = _plan(ba.LowerTriangularMask(), 1, 1, 9, 4)
-    assert not vm.rows_may_be_empty(spec, p)
+    assert not vlayout.rows_may_be_empty(spec, p)
     spec, p = _plan(ba.LocalAttentionMask(2), 1, 1, 9, 9)
-    assert not vm.rows_may_be_empty(spec, p)
+    assert not vlayout.rows_may_be_empty(spec, p)
 
 
 def test_alibi_alignment():
     slopes = ba.ALiBi.standard_slopes(2)
     _, p = _plan(ba.ALiBi(slopes), 1, 2, 5, 9)
-    assert vm.alibi_matches(p)
+    assert vmasks.alibi_matches(p)
     _, p = _plan(ba.ALiBi(slopes) + ba.PaddedKeysMask([4]), 1, 2, 5, 9)
-    assert not vm.alibi_matches(p)  # FlashAttention would align ALiBi to 4 keys, ours to 9
+    assert not vmasks.alibi_matches(p)  # FlashAttention would align ALiBi to 4 keys, ours to 9
 
 
 # ------------------------------------------------------------------------------------- tensors
 def test_aligned_bias_keeps_aligned_tensors():
     t = torch.randn(1, 3, 5, 16, dtype=torch.float16)
-    out = vm.aligned_bias(t, (2, 3, 5, 16), torch.float16)
+    out = vmasks.aligned_bias(t, (2, 3, 5, 16), torch.float16)
     assert out.data_ptr() == t.data_ptr() and out.stride(0) == 0 and tuple(out.shape) == (2, 3, 5, 16)
 
 
@@ -243,9 +247,9 @@ def test_aligned_bias_keeps_aligned_tensors():
 def test_aligned_bias_pads_a_copy(shape):
     """Last dim 13 (not a multiple of 8) or broadcast: a copy padded to 16, broadcast dims stay stride 0."""
     t = torch.randn(shape, dtype=torch.float32)
-    out = vm.aligned_bias(t, (2, 3, 5, 13), torch.bfloat16)
+    out = vmasks.aligned_bias(t, (2, 3, 5, 13), torch.bfloat16)
     assert out.dtype == torch.bfloat16 and tuple(out.shape) == (2, 3, 5, 13) and out.stride(-1) == 1
-    assert vm.bias_is_aligned(out, 13, torch.bfloat16)
+    assert vmasks.bias_is_aligned(out, 13, torch.bfloat16)
     for d in range(3):
         assert shape[d] > 1 or out.stride(d) == 0
     assert torch.equal(out.float(), t.to(torch.bfloat16).float().expand(2, 3, 5, 13))
@@ -253,9 +257,9 @@ def test_aligned_bias_pads_a_copy(shape):
 
 def test_bias_alignment_rule():
     t = torch.randn(2, 3, 5, 16)
-    assert vm.bias_is_aligned(t, 16, torch.float32)
-    assert not vm.bias_is_aligned(t[..., 1:], 15, torch.float32)
-    assert not vm.bias_is_aligned(t, 16, torch.float16)
+    assert vmasks.bias_is_aligned(t, 16, torch.float32)
+    assert not vmasks.bias_is_aligned(t[..., 1:], 15, torch.float32)
+    assert not vmasks.bias_is_aligned(t, 16, torch.float16)
 
 
 @pytest.mark.parametrize("layout", ["bhm", "bhm1", "h_total", "total_h1"])
@@ -263,33 +267,33 @@ def test_lse_layouts_round_trip(layout):
     spec, p = _plan(ba.PaddedKeysMask([3, 0]), 2, 3, 5, 4)
     lse = torch.randn(2, 3, 5)
     lse[1] = float("-inf")
-    raw = vm.lse_to_kernel(lse, p, layout, pad=8)
+    raw = vlse.lse_to_kernel(lse, p, layout, pad=8)
     assert bool(torch.isposinf(raw).any())
-    assert torch.equal(vm.lse_from_kernel(raw, p, 2, 3, 5, layout), lse)
-    detected = vm.lse_layout(raw, p, 2, 3, 5)  # [B, H, M] and per-sequence coincide for padded keys
-    assert torch.equal(vm.lse_from_kernel(raw, p, 2, 3, 5, detected), lse)
+    assert torch.equal(vlse.lse_from_kernel(raw, p, 2, 3, 5, layout), lse)
+    detected = vlse.lse_layout(raw, p, 2, 3, 5)  # [B, H, M] and per-sequence coincide for padded keys
+    assert torch.equal(vlse.lse_from_kernel(raw, p, 2, 3, 5, detected), lse)
 
 
 def test_lse_per_sequence_layout_round_trip():
     spec, p = _plan(ba.BlockDiagonalMask.from_seqlens([3, 5, 2]), 1, 2, 10, 10)
     lse = torch.randn(1, 2, 10)
-    raw = vm.lse_to_kernel(lse, p, "seq_h_m", pad=32)
+    raw = vlse.lse_to_kernel(lse, p, "seq_h_m", pad=32)
     assert tuple(raw.shape) == (3, 2, 32) and torch.equal(raw[1, :, :5], lse[0, :, 3:8])
-    assert vm.lse_layout(raw, p, 1, 2, 10) == "seq_h_m"
-    assert torch.equal(vm.lse_from_kernel(raw, p, 1, 2, 10, "seq_h_m"), lse)
+    assert vlse.lse_layout(raw, p, 1, 2, 10) == "seq_h_m"
+    assert torch.equal(vlse.lse_from_kernel(raw, p, 1, 2, 10, "seq_h_m"), lse)
 
 
 def test_lse_from_kernel_turns_empty_rows_to_minus_inf():
     _, p = _plan(None, 1, 1, 3, 3)
     raw = torch.tensor([[[1.0, float("inf"), float("nan")]]])
-    assert vm.lse_from_kernel(raw, p, 1, 1, 3, "bhm").tolist() == [[[1.0, float("-inf"), float("-inf")]]]
+    assert vlse.lse_from_kernel(raw, p, 1, 1, 3, "bhm").tolist() == [[[1.0, float("-inf"), float("-inf")]]]
 
 
 def test_lse_from_kernel_keeps_values_when_every_row_sees_a_key():
     """Without hidden rows the kernel's values pass as they are: no fix-up launch, and NaN is not disguised as -inf."""
     _, p = _plan(None, 1, 1, 3, 3)
     raw = torch.tensor([[[1.0, 2.0, float("nan")]]])
-    out = vm.lse_from_kernel(raw, p, 1, 1, 3, "bhm", rows_may_be_hidden=False)
+    out = vlse.lse_from_kernel(raw, p, 1, 1, 3, "bhm", rows_may_be_hidden=False)
     assert out.dtype == torch.float32 and out.is_contiguous() and torch.equal(out[..., :2], raw[..., :2])
     assert out[0, 0, 2].isnan()
 
@@ -314,18 +318,18 @@ def test_rows_may_be_hidden(name):
 def test_pack_and_unpack_keys():
     spec, p = _plan(ba.PaddedKeysMask([2, 4]), 2, 3, 5, 4)
     k = torch.randn(2, 3, 4, 8)
-    packed = vm.pack_keys(k, spec, p)
+    packed = vlayout.pack_keys(k, spec, p)
     assert tuple(packed.shape) == (6, 3, 8)
     assert torch.equal(packed[:2], k[0, :, :2].transpose(0, 1)) and torch.equal(packed[2:], k[1].transpose(0, 1))
-    back = vm.unpack_keys(packed, spec, p, 2, 4)
+    back = vlayout.unpack_keys(packed, spec, p, 2, 4)
     assert torch.equal(back[0, :, :2], k[0, :, :2]) and bool((back[0, :, 2:] == 0).all()) and torch.equal(back[1], k[1])
     q = torch.randn(2, 3, 5, 8)
-    assert torch.equal(vm.unpack_queries(vm.pack_queries(q, p), p, 2), q)
+    assert torch.equal(vlayout.unpack_queries(vlayout.pack_queries(q, p), p, 2), q)
 
 
 def test_unpack_zeroes_keys_after_the_last_segment():
     spec, p = _plan(ba.BlockDiagonalMask.from_seqlens([3, 2], [2, 4]) & ba.PaddedKeysMask([4]), 1, 1, 5, 6)
     assert p.gather is None and p.cu_k == (0, 2, 4)
     g = torch.ones(6, 1, 4)
-    out = vm.unpack_keys(g, spec, p, 1, 6)
+    out = vlayout.unpack_keys(g, spec, p, 1, 6)
     assert bool((out[0, :, 4:] == 0).all()) and bool((out[0, :, :4] == 1).all())

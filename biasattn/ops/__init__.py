@@ -48,9 +48,9 @@ def _register_builtin() -> None:
     for module, cls in (
         ("triton_flash", "TritonOperator"),
         ("triton_splitk", "TritonSplitKOperator"),
-        ("cutlass", "CutlassOperator"),
-        ("flash2", "Flash2Operator"),
-        ("cudnn", "CudnnOperator"),
+        ("vendor.cutlass", "CutlassOperator"),
+        ("vendor.flash2", "Flash2Operator"),
+        ("vendor.cudnn", "CudnnOperator"),
     ):
         try:
             mod = __import__(f"{__name__}.{module}", fromlist=[cls])

@@ -19,24 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from ..inputs import AttentionInputs
-from .common import reduce_to
-from .vendor_mapping import (
-    CAUSAL_BOTTOM_RIGHT,
-    CAUSAL_TOP_LEFT,
-    NO_MASK,
-    VendorCtx,
-    VendorOperator,
-    aligned_bias,
-    aten_entry,
-    cu_seqlens,
-    cutlass_mask_type,
-    pack_keys,
-    pack_queries,
-    pad_head_dim,
-    unpack_keys,
-    unpack_queries,
-)
+from ...inputs import AttentionInputs
+from ..common import reduce_to
+from .base import VendorCtx, VendorOperator, aten_entry
+from .layout import cu_seqlens, pack_keys, pack_queries, pad_head_dim, unpack_keys, unpack_queries
+from .masks import CAUSAL_BOTTOM_RIGHT, CAUSAL_TOP_LEFT, NO_MASK, aligned_bias, cutlass_mask_type
 
 
 class CutlassOperator(VendorOperator):

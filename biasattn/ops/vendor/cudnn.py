@@ -22,17 +22,11 @@ import functools
 
 import torch
 
-from ..inputs import AttentionInputs
-from .common import cuda_capability
-from .vendor_mapping import (
-    VendorCtx,
-    VendorOperator,
-    aligned_bias,
-    aten_entry,
-    cudnn_causal,
-    lse_layout,
-    lse_to_kernel,
-)
+from ...inputs import AttentionInputs
+from ..common import cuda_capability
+from .base import VendorCtx, VendorOperator, aten_entry
+from .lse import lse_layout, lse_to_kernel
+from .masks import aligned_bias, cudnn_causal
 
 RAGGED = ("_cudnn_attention_forward", "_cudnn_attention_backward")
 DENSE = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward")

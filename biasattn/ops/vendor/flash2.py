@@ -12,21 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from ..inputs import AttentionInputs
-from .vendor_mapping import (
-    VendorCtx,
-    VendorOperator,
-    aten_entry,
-    cu_seqlens,
-    flash_window,
-    lse_layout,
-    lse_to_kernel,
-    pack_keys,
-    pack_queries,
-    pad_head_dim,
-    unpack_keys,
-    unpack_queries,
-)
+from ...inputs import AttentionInputs
+from .base import VendorCtx, VendorOperator, aten_entry
+from .layout import cu_seqlens, pack_keys, pack_queries, pad_head_dim, unpack_keys, unpack_queries
+from .lse import lse_layout, lse_to_kernel
+from .masks import flash_window
 
 
 class Flash2Operator(VendorOperator):

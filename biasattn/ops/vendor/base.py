@@ -1,0 +1,142 @@
+"""The base of the operators that call PyTorch's fused CUDA kernels, and their shared checks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ...inputs import AttentionInputs
+from ..base import Operator, _dtype_name
+from .layout import SeqPlan, plan_sequences, rows_may_be_empty
+from .lse import lse_from_kernel
+
+
+def exact_cast(src: torch.dtype, dst: torch.dtype) -> bool:
+    """True when every ``src`` value converts to ``dst`` unchanged (the same dtype, or a wider float32/float64)."""
+    return src == dst or (dst in (torch.float32, torch.float64) and src.itemsize < dst.itemsize)
+
+
+def aten_entry(name: str):
+    """``torch.ops.aten.<name>`` or None when the installed torch lacks it."""
+    return getattr(torch.ops.aten, name) if hasattr(torch.ops.aten, name) else None
+
+
+@dataclass
+class VendorCtx:
+    """What a vendor forward keeps for its backward: the kernel's own lse and dropout state."""
+
+    op: str
+    lse_raw: torch.Tensor
+    lse_layout: str
+    rng: tuple = ()
+
+
+class VendorOperator(Operator):
+    """Shared declarations and checks of the operators that call PyTorch's fused CUDA kernels.
+
+    Shared rules: an additive bias is handed over in q's dtype, so one that would be rounded (a
+    float32 bias with bfloat16 q) is refused, bool masks excepted (0 and -inf are exact); a call in
+    which no sequence has both queries and keys launches nothing; rows of sequences without keys
+    get 0 and lse ``-inf`` whatever the kernel wrote, and 0 query gradients.
+    """
+
+    DEVICES = frozenset({"cuda"})
+    DETERMINISTIC = False
+    POSITIVE_SCALE_ONLY = True  # FlashAttention-2 takes row maxima of unscaled scores; the others are unverified
+    ENTRY_POINTS: ClassVar[tuple[str, ...]] = ()
+
+    def environment_reasons(self, device=None) -> list[str]:
+        """The installed torch's missing entry points (probed once: dispatch asks on every call)."""
+        cache = type(self).__dict__.get("_environment_cache")
+        if cache is None:
+            cache = self.probe_environment()
+            type(self)._environment_cache = cache
+        return list(cache)
+
+    def probe_environment(self) -> list[str]:
+        """Reasons from the installed torch and CUDA build (entry points, kernel availability)."""
+        missing = [n for n in self.ENTRY_POINTS if aten_entry(n) is None]
+        if missing:
+            names = ", ".join(f"torch.ops.aten.{n}" for n in missing)
+            return [f"needs {names}, which torch {torch.__version__} lacks"]
+        return []
+
+    def _reasons(self, inp: AttentionInputs, need_lse: bool, backward: bool) -> Iterator[str]:
+        yield from super()._reasons(inp, need_lse, backward)
+        if need_lse and backward:
+            yield "its backward kernel cannot take a gradient through the log-sum-exp"
+        add = inp.additive
+        if add is not None and not inp.spec.additive_is_mask and not exact_cast(add.dtype, inp.dtype):
+            yield (f"takes the additive bias in q's dtype and would round the {_dtype_name(add.dtype)} bias given to "
+                   f"{_dtype_name(inp.dtype)}")
+
+    def plan(self, inp: AttentionInputs) -> SeqPlan:
+        """The :class:`SeqPlan` of ``inp.spec`` (cached on the spec)."""
+        return inp.spec.cached("plan", lambda: plan_sequences(inp.spec))
+
+    def _rows_may_be_empty(self, inp: AttentionInputs, plan: SeqPlan) -> bool:
+        """:func:`rows_may_be_empty`, asked once per plan."""
+        return plan.cached("rows_may_be_empty", lambda: rows_may_be_empty(inp.spec, plan))
+
+    def rows_may_be_hidden(self, inp: AttentionInputs, plan: SeqPlan) -> bool:
+        """Whether some query row may see no key: host metadata cannot rule it out, or an additive
+        bias may hide a whole row."""
+        return inp.additive is not None or self._rows_may_be_empty(inp, plan)
+
+    def kernel_lse(self, raw: torch.Tensor, inp: AttentionInputs, plan: SeqPlan, layout: str) -> torch.Tensor:
+        """:func:`lse_from_kernel` of the call, rows without keys fixed only where some may exist."""
+        hidden = self.rows_may_be_hidden(inp, plan)
+        lse = lse_from_kernel(raw, plan, inp.B, inp.Hq, inp.Mq, layout, rows_may_be_hidden=hidden)
+        keyless = self.keyless_rows(inp, plan)
+        return lse if keyless is None else lse.masked_fill(keyless, float("-inf"))
+
+    def keyless_rows(self, inp: AttentionInputs, plan: SeqPlan) -> torch.Tensor | None:
+        """Bool ``[B, 1, Mq]`` on the device: rows of sequences with no key (:attr:`SeqPlan.keyless`), or None."""
+        if not plan.keyless:
+            return None
+
+        def make():
+            mask = torch.zeros((inp.B, 1, inp.Mq), dtype=torch.bool)
+            for b, a, e in plan.keyless:
+                mask[b, :, a:e] = True
+            return mask.to(inp.device, non_blocking=True)
+
+        return plan.cached(("keyless", str(inp.device)), make)
+
+    def zero_keyless_rows(self, inp: AttentionInputs, plan: SeqPlan, t: torch.Tensor) -> torch.Tensor:
+        """``t [B, H, Mq, *]`` with 0 on :meth:`keyless_rows` (a query gradient, say)."""
+        keyless = self.keyless_rows(inp, plan)
+        return t if keyless is None else t.masked_fill(keyless[..., None], 0)
+
+    def fwd(self, inp: AttentionInputs):
+        plan = self.plan(inp)
+        if not plan.has_work:  # every row sees nothing: no launch
+            out = inp.q.new_zeros((inp.B, inp.Hq, inp.Mq, inp.Dv))
+            return out, torch.full((inp.B, inp.Hq, inp.Mq), float("-inf"), device=inp.device), None
+        return self.kernel_fwd(inp, plan)
+
+    def bwd(self, inp, out, lse, ctx, dout, dlse):
+        plan = self.plan(inp)
+        add = inp.additive
+        dadd = torch.zeros_like(add) if add is not None and add.requires_grad else None
+        if not plan.has_work:
+            return torch.zeros_like(inp.q), torch.zeros_like(inp.k), torch.zeros_like(inp.v), dadd
+        dq, dk, dv, dadd = self.kernel_bwd(inp, plan, out, lse, ctx, dout)
+        return self.zero_keyless_rows(inp, plan, dq), dk, dv, dadd
+
+    def kernel_fwd(self, inp: AttentionInputs, plan: SeqPlan):
+        """:meth:`fwd` for a plan with work: ``(out, lse, ctx)``."""
+        raise NotImplementedError
+
+    def kernel_bwd(self, inp: AttentionInputs, plan: SeqPlan, out, lse, ctx, dout):
+        """:meth:`bwd` for a plan with work: ``(dq, dk, dv, dadditive)``."""
+        raise NotImplementedError
+
+    def fix_empty_rows(self, inp: AttentionInputs, plan: SeqPlan, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """``out`` with 0 on rows that see no key, when host metadata says such rows may exist."""
+        if self._rows_may_be_empty(inp, plan):
+            out = torch.where(torch.isneginf(lse)[..., None], torch.zeros((), dtype=out.dtype, device=out.device), out)
+        return out
