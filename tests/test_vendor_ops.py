@@ -16,9 +16,9 @@ from biasattn.ops.vendor import masks as vmasks
 VENDOR = ("cutlass", "flash2", "cudnn")
 
 
-def _plan(bias, B, H, Mq, Mk):
+def _layout(bias, B, H, Mq, Mk):
     spec = lower(bias, B, H, Mq, Mk)
-    return spec, vlayout.plan_sequences(spec)
+    return spec, vlayout.sequence_layout(spec)
 
 
 # ------------------------------------------------------------------------------------- declarations
@@ -116,12 +116,12 @@ def test_an_additive_bias_that_would_be_rounded_is_refused(name):
 def test_plans_know_sequences_without_keys():
     """Packed or padded sequences with queries but no keys: the kernels leave their rows undefined (CUTLASS wrote NaN),
     and a call where no sequence has keys made FlashAttention-2 fail with 'invalid argument'."""
-    spec, plan = _plan(ba.BlockDiagonalMask.from_seqlens([1, 0, 1], [0, 0, 1]), 1, 2, 2, 1)
-    assert plan.has_work and plan.keyless == ((0, 0, 1),)
-    spec, plan = _plan(ba.PaddedKeysMask([0, 0, 0]), 3, 2, 5, 1)
-    assert not plan.has_work and plan.keyless == ((0, 0, 5), (1, 0, 5), (2, 0, 5))
-    spec, plan = _plan(ba.PaddedKeysMask([3, 0]), 2, 2, 5, 4)
-    assert plan.has_work and plan.keyless == ((1, 0, 5),)
+    spec, layout = _layout(ba.BlockDiagonalMask.from_seqlens([1, 0, 1], [0, 0, 1]), 1, 2, 2, 1)
+    assert layout.has_work and layout.keyless == ((0, 0, 1),)
+    spec, layout = _layout(ba.PaddedKeysMask([0, 0, 0]), 3, 2, 5, 1)
+    assert not layout.has_work and layout.keyless == ((0, 0, 5), (1, 0, 5), (2, 0, 5))
+    spec, layout = _layout(ba.PaddedKeysMask([3, 0]), 2, 2, 5, 4)
+    assert layout.has_work and layout.keyless == ((1, 0, 5),)
     q = torch.randn(1, 8, 2, 16, dtype=torch.bfloat16)
     k = v = torch.randn(1, 2, 1, 16, dtype=torch.bfloat16)
     packed = ba.BlockDiagonalMask.from_seqlens([1, 0, 1], [0, 0, 1])
@@ -138,9 +138,9 @@ def test_flash2_keeps_one_query_sequences_off_its_swapped_path():
     for bias in (ba.BlockDiagonalMask.from_seqlens([1, 0, 1], [300, 200, 200]).make_causal_from_bottom_right(),
                  ba.BlockDiagonalMask.from_seqlens([1, 0, 1], [300, 200, 200])):
         inp = make_inputs(q, k, v, bias)
-        assert flash2._window(inp, flash2.plan(inp))[1] == 0
+        assert flash2._window(inp, flash2.layout(inp))[1] == 0
     inp = make_inputs(q, k, v, ba.BlockDiagonalMask.from_seqlens([2, 0], [300, 400]))
-    assert flash2._window(inp, flash2.plan(inp)) == vmasks.flash_window(flash2.plan(inp))
+    assert flash2._window(inp, flash2.layout(inp)) == vmasks.flash_window(flash2.layout(inp))
 
 
 def test_missing_entry_point_is_a_reason(monkeypatch):
@@ -152,67 +152,67 @@ def test_missing_entry_point_is_a_reason(monkeypatch):
 
 # ------------------------------------------------------------------------------------- mapping
 def test_plan_batched_and_bands():
-    _, p = _plan(None, 2, 4, 7, 9)
-    assert p.layout == "batched" and p.seqs[0].lo is None and p.seqs[0].hi is None
+    _, p = _layout(None, 2, 4, 7, 9)
+    assert p.kind == "batched" and p.seqs[0].lo is None and p.seqs[0].hi is None
     assert vmasks.cutlass_mask_type(p) == vmasks.NO_MASK and vmasks.flash_window(p) == (-1, -1)
     assert vmasks.cudnn_causal(p) is False
-    _, p = _plan(ba.LowerTriangularMask(), 2, 4, 7, 9)
+    _, p = _layout(ba.LowerTriangularMask(), 2, 4, 7, 9)
     assert vmasks.cutlass_mask_type(p) == vmasks.CAUSAL_TOP_LEFT and vmasks.flash_window(p) is None  # right = -2
     assert vmasks.cudnn_causal(p) is True
-    _, p = _plan(ba.LowerTriangularFromBottomRightMask(), 2, 4, 7, 9)
+    _, p = _layout(ba.LowerTriangularFromBottomRightMask(), 2, 4, 7, 9)
     assert vmasks.cutlass_mask_type(p) == vmasks.CAUSAL_BOTTOM_RIGHT and vmasks.flash_window(p) == (-1, 0)
     assert vmasks.cudnn_causal(p) is None
-    _, p = _plan(ba.LocalAttentionMask(3, 1), 2, 4, 7, 9)
+    _, p = _layout(ba.LocalAttentionMask(3, 1), 2, 4, 7, 9)
     assert vmasks.cutlass_mask_type(p) is None and vmasks.flash_window(p) == (3, 1) and vmasks.cudnn_causal(p) is None
 
 
 def test_flash_window_top_left_is_a_right_window():
     """Top-left causal is FlashAttention's right window Mq - Mk, which must not be negative."""
-    _, p = _plan(ba.LowerTriangularMask(), 1, 1, 7, 9)
+    _, p = _layout(ba.LowerTriangularMask(), 1, 1, 7, 9)
     assert vmasks.flash_window(p) is None  # would need right = -2
-    _, p = _plan(ba.LowerTriangularMask(), 1, 1, 9, 7)
+    _, p = _layout(ba.LowerTriangularMask(), 1, 1, 9, 7)
     assert vmasks.flash_window(p) == (-1, 2)
-    _, p = _plan(ba.LowerTriangularMask(), 1, 1, 8, 8)
+    _, p = _layout(ba.LowerTriangularMask(), 1, 1, 8, 8)
     assert vmasks.flash_window(p) == (-1, 0)
 
 
 def test_plan_segments():
     bias = ba.BlockDiagonalMask.from_seqlens([3, 5, 7], [4, 1, 6]).make_causal_from_bottom_right()
-    spec, p = _plan(bias, 1, 2, 15, 11)
-    assert p.layout == "segments" and p.cu_q == (0, 3, 8, 15) and p.cu_k == (0, 4, 5, 11) and p.gather is None
+    spec, p = _layout(bias, 1, 2, 15, 11)
+    assert p.kind == "segments" and p.cu_q == (0, 3, 8, 15) and p.cu_k == (0, 4, 5, 11) and p.gather is None
     assert [(s.Lq, s.Lk) for s in p.seqs] == [(3, 4), (5, 1), (7, 6)]
     assert vmasks.cutlass_mask_type(p) == vmasks.CAUSAL_BOTTOM_RIGHT and vmasks.flash_window(p) == (-1, 0)
     assert vmasks.cudnn_causal(p) is None
     assert vlayout.rows_may_be_empty(spec, p)  # segment 1: 5 queries, 1 key, bottom-right
-    spec, p = _plan(ba.BlockDiagonalMask.from_seqlens([3, 5, 7]).make_causal(), 1, 2, 15, 15)
+    spec, p = _layout(ba.BlockDiagonalMask.from_seqlens([3, 5, 7]).make_causal(), 1, 2, 15, 15)
     assert vmasks.cutlass_mask_type(p) == vmasks.CAUSAL_TOP_LEFT and vmasks.cudnn_causal(p) is True
     assert vmasks.flash_window(p) == (-1, 0) and not vlayout.rows_may_be_empty(spec, p)
 
 
 def test_plan_segments_with_padded_keys_gathers():
     bias = ba.BlockDiagonalMask.from_seqlens([3, 5], [4, 6]) & ba.PaddedKeysMask([2])
-    spec, p = _plan(bias, 1, 2, 8, 10)
+    spec, p = _layout(bias, 1, 2, 8, 10)
     assert p.gather == ((0, 0, 2), (0, 4, 0)) and p.cu_k == (0, 2, 2)
     assert vlayout.rows_may_be_empty(spec, p)  # segment 1 keeps no key
     bias = ba.BlockDiagonalMask.from_seqlens([3, 5], [4, 6]) & ba.PaddedKeysMask([7])
-    _, p = _plan(bias, 1, 2, 8, 10)
+    _, p = _layout(bias, 1, 2, 8, 10)
     assert p.gather is None and p.cu_k == (0, 4, 7)  # only the last segment shrinks: keys stay in place
 
 
 def test_plan_padded_keys():
-    spec, p = _plan(ba.PaddedKeysMask([5, 9, 0]), 3, 2, 6, 9)
-    assert p.layout == "padded" and p.cu_q == (0, 6, 12, 18) and p.cu_k == (0, 5, 14, 14)
+    spec, p = _layout(ba.PaddedKeysMask([5, 9, 0]), 3, 2, 6, 9)
+    assert p.kind == "padded" and p.cu_q == (0, 6, 12, 18) and p.cu_k == (0, 5, 14, 14)
     assert p.gather == ((0, 0, 5), (1, 0, 9), (2, 0, 0))
     assert vlayout.rows_may_be_empty(spec, p)  # a batch row with no key
-    _, p = _plan(ba.PaddedKeysMask([5, 9]) & ba.LowerTriangularMask(), 2, 2, 9, 9)
+    _, p = _layout(ba.PaddedKeysMask([5, 9]) & ba.LowerTriangularMask(), 2, 2, 9, 9)
     assert vmasks.cutlass_mask_type(p) == vmasks.CAUSAL_TOP_LEFT
     assert vmasks.flash_window(p) is None  # top-left with per-row key lengths is not a bottom-right window
 
 
-def test_plan_refuses_rows_outside_segments():
+def test_layout_refuses_rows_outside_segments():
     bias = ba.BlockDiagonalMask.from_seqlens([3, 5])[:, :, 2:6, :]
     spec = lower(bias, 1, 2, 4, 8)
-    p = vlayout.plan_sequences(spec)
+    p = vlayout.sequence_layout(spec)
     assert p.reason is None or "segments cover" in p.reason
 
 
@@ -220,19 +220,19 @@ def test_effective_band_and_empty_rows():
     assert vlayout.effective_band(-100, 100, 5, 7) == (None, None)
     assert vlayout.effective_band(-4, 6, 5, 7) == (None, None)
     assert vlayout.effective_band(-3, 5, 5, 7) == (-3, 5)
-    spec, p = _plan(ba.LowerTriangularFromBottomRightMask(), 1, 1, 9, 4)
+    spec, p = _layout(ba.LowerTriangularFromBottomRightMask(), 1, 1, 9, 4)
     assert vlayout.rows_may_be_empty(spec, p)
-    spec, p = _plan(ba.LowerTriangularMask(), 1, 1, 9, 4)
+    spec, p = _layout(ba.LowerTriangularMask(), 1, 1, 9, 4)
     assert not vlayout.rows_may_be_empty(spec, p)
-    spec, p = _plan(ba.LocalAttentionMask(2), 1, 1, 9, 9)
+    spec, p = _layout(ba.LocalAttentionMask(2), 1, 1, 9, 9)
     assert not vlayout.rows_may_be_empty(spec, p)
 
 
 def test_alibi_alignment():
     slopes = ba.ALiBi.standard_slopes(2)
-    _, p = _plan(ba.ALiBi(slopes), 1, 2, 5, 9)
+    _, p = _layout(ba.ALiBi(slopes), 1, 2, 5, 9)
     assert vmasks.alibi_matches(p)
-    _, p = _plan(ba.ALiBi(slopes) + ba.PaddedKeysMask([4]), 1, 2, 5, 9)
+    _, p = _layout(ba.ALiBi(slopes) + ba.PaddedKeysMask([4]), 1, 2, 5, 9)
     assert not vmasks.alibi_matches(p)  # FlashAttention would align ALiBi to 4 keys, ours to 9
 
 
@@ -262,36 +262,36 @@ def test_bias_alignment_rule():
     assert not vmasks.bias_is_aligned(t, 16, torch.float16)
 
 
-@pytest.mark.parametrize("layout", ["bhm", "bhm1", "h_total", "total_h1"])
-def test_lse_layouts_round_trip(layout):
-    spec, p = _plan(ba.PaddedKeysMask([3, 0]), 2, 3, 5, 4)
+@pytest.mark.parametrize("fmt", ["bhm", "bhm1", "h_total", "total_h1"])
+def test_lse_formats_round_trip(fmt):
+    spec, p = _layout(ba.PaddedKeysMask([3, 0]), 2, 3, 5, 4)
     lse = torch.randn(2, 3, 5)
     lse[1] = float("-inf")
-    raw = vlse.lse_to_kernel(lse, p, layout, pad=8)
+    raw = vlse.lse_to_kernel(lse, p, fmt, pad=8)
     assert bool(torch.isposinf(raw).any())
-    assert torch.equal(vlse.lse_from_kernel(raw, p, 2, 3, 5, layout), lse)
-    detected = vlse.lse_layout(raw, p, 2, 3, 5)  # [B, H, M] and per-sequence coincide for padded keys
+    assert torch.equal(vlse.lse_from_kernel(raw, p, 2, 3, 5, fmt), lse)
+    detected = vlse.lse_format(raw, p, 2, 3, 5)  # [B, H, M] and per-sequence coincide for padded keys
     assert torch.equal(vlse.lse_from_kernel(raw, p, 2, 3, 5, detected), lse)
 
 
-def test_lse_per_sequence_layout_round_trip():
-    spec, p = _plan(ba.BlockDiagonalMask.from_seqlens([3, 5, 2]), 1, 2, 10, 10)
+def test_lse_per_sequence_format_round_trip():
+    spec, p = _layout(ba.BlockDiagonalMask.from_seqlens([3, 5, 2]), 1, 2, 10, 10)
     lse = torch.randn(1, 2, 10)
     raw = vlse.lse_to_kernel(lse, p, "seq_h_m", pad=32)
     assert tuple(raw.shape) == (3, 2, 32) and torch.equal(raw[1, :, :5], lse[0, :, 3:8])
-    assert vlse.lse_layout(raw, p, 1, 2, 10) == "seq_h_m"
+    assert vlse.lse_format(raw, p, 1, 2, 10) == "seq_h_m"
     assert torch.equal(vlse.lse_from_kernel(raw, p, 1, 2, 10, "seq_h_m"), lse)
 
 
 def test_lse_from_kernel_turns_empty_rows_to_minus_inf():
-    _, p = _plan(None, 1, 1, 3, 3)
+    _, p = _layout(None, 1, 1, 3, 3)
     raw = torch.tensor([[[1.0, float("inf"), float("nan")]]])
     assert vlse.lse_from_kernel(raw, p, 1, 1, 3, "bhm").tolist() == [[[1.0, float("-inf"), float("-inf")]]]
 
 
 def test_lse_from_kernel_keeps_values_when_every_row_sees_a_key():
     """Without hidden rows the kernel's values pass as they are: no fix-up launch, and NaN is not disguised as -inf."""
-    _, p = _plan(None, 1, 1, 3, 3)
+    _, p = _layout(None, 1, 1, 3, 3)
     raw = torch.tensor([[[1.0, 2.0, float("nan")]]])
     out = vlse.lse_from_kernel(raw, p, 1, 1, 3, "bhm", rows_may_be_hidden=False)
     assert out.dtype == torch.float32 and out.is_contiguous() and torch.equal(out[..., :2], raw[..., :2])
@@ -310,13 +310,13 @@ def test_rows_may_be_hidden(name):
     ]
     for bias, hidden in cases:
         inp = make_inputs(q, q, q, bias)
-        assert op.rows_may_be_hidden(inp, op.plan(inp)) == hidden, bias
+        assert op.rows_may_be_hidden(inp, op.layout(inp)) == hidden, bias
     inp = make_inputs(q, torch.randn(2, 2, 2, 8), torch.randn(2, 2, 2, 8), ba.LowerTriangularFromBottomRightMask())
-    assert op.rows_may_be_hidden(inp, op.plan(inp))  # 4 queries, 2 keys, bottom-right: the first rows see none
+    assert op.rows_may_be_hidden(inp, op.layout(inp))  # 4 queries, 2 keys, bottom-right: the first rows see none
 
 
 def test_pack_and_unpack_keys():
-    spec, p = _plan(ba.PaddedKeysMask([2, 4]), 2, 3, 5, 4)
+    spec, p = _layout(ba.PaddedKeysMask([2, 4]), 2, 3, 5, 4)
     k = torch.randn(2, 3, 4, 8)
     packed = vlayout.pack_keys(k, spec, p)
     assert tuple(packed.shape) == (6, 3, 8)
@@ -328,7 +328,7 @@ def test_pack_and_unpack_keys():
 
 
 def test_unpack_zeroes_keys_after_the_last_segment():
-    spec, p = _plan(ba.BlockDiagonalMask.from_seqlens([3, 2], [2, 4]) & ba.PaddedKeysMask([4]), 1, 1, 5, 6)
+    spec, p = _layout(ba.BlockDiagonalMask.from_seqlens([3, 2], [2, 4]) & ba.PaddedKeysMask([4]), 1, 1, 5, 6)
     assert p.gather is None and p.cu_k == (0, 2, 4)
     g = torch.ones(6, 1, 4)
     out = vlayout.unpack_keys(g, spec, p, 1, 6)

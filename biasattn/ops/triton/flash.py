@@ -363,7 +363,7 @@ def _long_backward(spec: BiasSpec, B: int, H: int, Mq: int, Mk: int, D: int) -> 
     return work >= (2**38 if spec.layout is not None else 2**36)
 
 
-def _dbias_plan(add: torch.Tensor, B: int, H: int, Mq: int, Mk: int) -> str:
+def _dbias_reduction(add: torch.Tensor, B: int, H: int, Mq: int, Mk: int) -> str:
     """Where dS is reduced: ``"full"`` (dK/dV kernel, tile by tile), ``"col"`` (dK/dV kernel, sums over
     queries) or ``"row"`` (dQ kernel, sums over keys)."""
     am, an = add.shape[2], add.shape[3]
@@ -372,18 +372,18 @@ def _dbias_plan(add: torch.Tensor, B: int, H: int, Mq: int, Mk: int) -> str:
     return "row"
 
 
-def _shared_gradient(add: torch.Tensor, plan: str | None, B: int, H: int) -> tuple[bool, bool]:
+def _shared_gradient(add: torch.Tensor, reduction: str | None, B: int, H: int) -> tuple[bool, bool]:
     """``(by batch rows, by heads)``: whether a full bias gradient is shared, i.e. sums ``dS`` over them."""
-    return plan == "full" and add.shape[0] == 1 and B > 1, plan == "full" and add.shape[1] == 1 and H > 1
+    return reduction == "full" and add.shape[0] == 1 and B > 1, reduction == "full" and add.shape[1] == 1 and H > 1
 
 
-def _dq_reads_dbias(spec: BiasSpec, plan: str | None, B: int, H: int, dtype: torch.dtype) -> bool:
+def _dq_reads_dbias(spec: BiasSpec, reduction: str | None, B: int, H: int, dtype: torch.dtype) -> bool:
     """Whether dQ can be read back from the bias gradient: every (batch row, head) owns its slice
     (so the dK/dV kernel writes ``dS`` itself, once per element), the slice holds ``dS`` at least as
     precisely as the ``dS @ K`` product takes it (the bias in q's dtype or float32), and rows see
     plain key intervals (no packed segments, no block layout)."""
     add = spec.additive
-    return (plan == "full" and not any(_shared_gradient(add, plan, B, H))
+    return (reduction == "full" and not any(_shared_gradient(add, reduction, B, H))
             and add.dtype in (dtype, torch.float32) and spec.q_seqstart is None and spec.layout is None)
 
 
@@ -416,31 +416,31 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     even = D == hd and Dv == hdv
     batch_inner = args.batch_shared_bias and B > 1
     dlse_t = dlse.to(torch.float32).contiguous() if dlse is not None else args.f32
-    plan = _dbias_plan(add, B, H, Mq, Mk) if need_dbias else None
-    dq_from_ds = DQ_FROM_DS and _dq_reads_dbias(spec, plan, B, H, q.dtype)  # dK/dV first, then dQ from dS
+    reduction = _dbias_reduction(add, B, H, Mq, Mk) if need_dbias else None
+    dq_from_ds = DQ_FROM_DS and _dq_reads_dbias(spec, reduction, B, H, q.dtype)  # dK/dV first, then dQ from dS
     concurrent = (CONCURRENT_BWD and dev.type == "cuda" and not INTERPRETED and not dq_from_ds
                   and _long_backward(spec, B, H, Mq, Mk, max(D, Dv)))
     fused_delta = FUSED_DELTA and not concurrent and not dq_from_ds  # dQ first, writing delta for dK/dV
     if concurrent:  # a replay would put both launches on one stream
         key = None
     d32 = args.f32
-    b_bcast, h_bcast = _shared_gradient(add, plan, B, H)
+    b_bcast, h_bcast = _shared_gradient(add, reduction, B, H)
     # a full gradient shared by batch rows or heads: its own kernel sums each tile over the sharers,
     # except with packed segments, where the dK/dV programs accumulate it tile by tile
     shared_dbias = (b_bcast or h_bcast) and not args.has_segments
-    plan_kv = None if shared_dbias else plan  # the dK/dV kernel's part of the bias gradient
+    kv_reduction = None if shared_dbias else reduction  # the dK/dV kernel's part of the bias gradient
     nb_loop = B if b_bcast and not shared_dbias else 1
     nhk_loop = Hkv if h_bcast and not shared_dbias else 1
-    dbias_accum = plan_kv == "full" and (nb_loop > 1 or h_bcast)
+    dbias_accum = kv_reduction == "full" and (nb_loop > 1 or h_bcast)
     # dK/dV accumulates a gradient tile shared by its (batch, head) loop in float32; every other
     # element is written once, in the bias' dtype. Tiles that no program visits must read 0.
     g_dtype = torch.float32 if dbias_accum or add is None else add.dtype
     every_tile = not (args.has_segments or args.has_padded or args.has_band or args.has_layout)
-    g_zero = plan_kv == "full" and (dbias_accum or not every_tile)
-    dbias = _new(add.shape, g_dtype, dev, zero=g_zero) if plan == "full" else d32
-    dcol = torch.zeros((B, H, Mk), dtype=torch.float32, device=dev) if plan == "col" else d32
-    drow = torch.zeros((B, H, Mq), dtype=torch.float32, device=dev) if plan == "row" else d32
-    g_strides = _bcast_strides(dbias, (B, H, Mq, Mk)) if plan == "full" else (0, 0, 0, 0)
+    g_zero = kv_reduction == "full" and (dbias_accum or not every_tile)
+    dbias = _new(add.shape, g_dtype, dev, zero=g_zero) if reduction == "full" else d32
+    dcol = torch.zeros((B, H, Mk), dtype=torch.float32, device=dev) if reduction == "col" else d32
+    drow = torch.zeros((B, H, Mq), dtype=torch.float32, device=dev) if reduction == "row" else d32
+    g_strides = _bcast_strides(dbias, (B, H, Mq, Mk)) if reduction == "full" else (0, 0, 0, 0)
     common = (
         *args.add_strides, *args.slope_strides, *args.layout_strides,
     )
@@ -449,13 +449,13 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         slice_span(q), slice_span(k), slice_span(v), slice_span(out), slice_span(dout), slice_span(dq),
         slice_span(dk), slice_span(dv), args.add_span, g_span,
     )
-    feats = args.features + ((plan,) if plan else ()) + (("dropout",) if dropout_p > 0 else ())
+    feats = args.features + ((reduction,) if reduction else ()) + (("dropout",) if dropout_p > 0 else ())
     feats += _span_features(spec, Mq, Mk)
     drop = dropout_args(dropout_p, seed)
     has_dropout = dropout_p > 0
 
     def run_dkdv(cfg: configs.TileConfig) -> None:
-        if plan_kv == "full" and nb_loop * nhk_loop > 1:
+        if kv_reduction == "full" and nb_loop * nhk_loop > 1:
             dbias.zero_()
         sched = schedule.key_schedule(spec, cfg.block_n, dev)
         count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_m, False, dev)
@@ -470,8 +470,8 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only,
-            LIST_TILES=_list_tiles(index, list_only), FULL_DBIAS=plan_kv == "full",
-            DBIAS_ACCUM=dbias_accum, COL_DBIAS=plan == "col",
+            LIST_TILES=_list_tiles(index, list_only), FULL_DBIAS=kv_reduction == "full",
+            DBIAS_ACCUM=dbias_accum, COL_DBIAS=reduction == "col",
             DOT_PRECISION=_dot_precision(q.dtype),
             INDEX_64=index_64, GQA=H != Hkv, OUTER_LOOPS=nb_loop * nhk_loop > 1,
             HAS_DROPOUT=has_dropout, DROP_ALIGNED=sched.table is None,
@@ -494,7 +494,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even, BATCH_INNER=batch_inner,
             HAS_DROPOUT=has_dropout, FUSED_DELTA=fused_delta, HAS_DLSE=dlse is not None,
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only,
-            LIST_TILES=_list_tiles(index, list_only), ROW_DBIAS=plan == "row",
+            LIST_TILES=_list_tiles(index, list_only), ROW_DBIAS=reduction == "row",
             DOT_PRECISION=_dot_precision(q.dtype), INDEX_64=index_64,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
         )
@@ -555,11 +555,11 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             main.wait_stream(side)
     plans.settle(spec.derived, key, rec, (q, k, v, out, lse, dout, delta, dq, dk, dv))
     dadd = None
-    if plan == "full":
+    if reduction == "full":
         dadd = dbias
-    elif plan == "col":
+    elif reduction == "col":
         dadd = reduce_to(dcol[:, :, None, :], add.shape)
-    elif plan == "row":
+    elif reduction == "row":
         dadd = reduce_to(drow[:, :, :, None], add.shape)
     if dadd is not None:
         dadd = dadd.to(add.dtype)

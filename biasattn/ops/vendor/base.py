@@ -10,7 +10,7 @@ import torch
 
 from ...inputs import AttentionInputs
 from ..base import Operator, _dtype_name
-from .layout import SeqPlan, plan_sequences, rows_may_be_empty
+from .layout import SequenceLayout, rows_may_be_empty, sequence_layout
 from .lse import lse_from_kernel
 
 
@@ -30,7 +30,7 @@ class VendorCtx:
 
     op: str
     lse_raw: torch.Tensor
-    lse_layout: str
+    lse_format: str
     rng: tuple = ()
 
 
@@ -73,70 +73,72 @@ class VendorOperator(Operator):
             yield (f"takes the additive bias in q's dtype and would round the {_dtype_name(add.dtype)} bias given to "
                    f"{_dtype_name(inp.dtype)}")
 
-    def plan(self, inp: AttentionInputs) -> SeqPlan:
-        """The :class:`SeqPlan` of ``inp.spec`` (cached on the spec)."""
-        return inp.spec.cached("plan", lambda: plan_sequences(inp.spec))
+    def layout(self, inp: AttentionInputs) -> SequenceLayout:
+        """The :class:`SequenceLayout` of ``inp.spec`` (cached on the spec)."""
+        return inp.spec.cached("sequence layout", lambda: sequence_layout(inp.spec))
 
-    def _rows_may_be_empty(self, inp: AttentionInputs, plan: SeqPlan) -> bool:
-        """:func:`rows_may_be_empty`, asked once per plan."""
-        return plan.cached("rows_may_be_empty", lambda: rows_may_be_empty(inp.spec, plan))
+    def _rows_may_be_empty(self, inp: AttentionInputs, layout: SequenceLayout) -> bool:
+        """:func:`rows_may_be_empty`, asked once per layout."""
+        return layout.cached("rows_may_be_empty", lambda: rows_may_be_empty(inp.spec, layout))
 
-    def rows_may_be_hidden(self, inp: AttentionInputs, plan: SeqPlan) -> bool:
+    def rows_may_be_hidden(self, inp: AttentionInputs, layout: SequenceLayout) -> bool:
         """Whether some query row may see no key: host metadata cannot rule it out, or an additive
         bias may hide a whole row."""
-        return inp.additive is not None or self._rows_may_be_empty(inp, plan)
+        return inp.additive is not None or self._rows_may_be_empty(inp, layout)
 
-    def kernel_lse(self, raw: torch.Tensor, inp: AttentionInputs, plan: SeqPlan, layout: str) -> torch.Tensor:
+    def kernel_lse(self, raw: torch.Tensor, inp: AttentionInputs, layout: SequenceLayout, fmt: str) -> torch.Tensor:
         """:func:`lse_from_kernel` of the call, rows without keys fixed only where some may exist."""
-        hidden = self.rows_may_be_hidden(inp, plan)
-        lse = lse_from_kernel(raw, plan, inp.B, inp.Hq, inp.Mq, layout, rows_may_be_hidden=hidden)
-        keyless = self.keyless_rows(inp, plan)
+        hidden = self.rows_may_be_hidden(inp, layout)
+        lse = lse_from_kernel(raw, layout, inp.B, inp.Hq, inp.Mq, fmt, rows_may_be_hidden=hidden)
+        keyless = self.keyless_rows(inp, layout)
         return lse if keyless is None else lse.masked_fill(keyless, float("-inf"))
 
-    def keyless_rows(self, inp: AttentionInputs, plan: SeqPlan) -> torch.Tensor | None:
-        """Bool ``[B, 1, Mq]`` on the device: rows of sequences with no key (:attr:`SeqPlan.keyless`), or None."""
-        if not plan.keyless:
+    def keyless_rows(self, inp: AttentionInputs, layout: SequenceLayout) -> torch.Tensor | None:
+        """Bool ``[B, 1, Mq]`` on the device: rows of sequences with no key (:attr:`SequenceLayout.keyless`), or None."""
+        if not layout.keyless:
             return None
 
         def make():
             mask = torch.zeros((inp.B, 1, inp.Mq), dtype=torch.bool)
-            for b, a, e in plan.keyless:
+            for b, a, e in layout.keyless:
                 mask[b, :, a:e] = True
             return mask.to(inp.device, non_blocking=True)
 
-        return plan.cached(("keyless", str(inp.device)), make)
+        return layout.cached(("keyless", str(inp.device)), make)
 
-    def zero_keyless_rows(self, inp: AttentionInputs, plan: SeqPlan, t: torch.Tensor) -> torch.Tensor:
+    def zero_keyless_rows(self, inp: AttentionInputs, layout: SequenceLayout, t: torch.Tensor) -> torch.Tensor:
         """``t [B, H, Mq, *]`` with 0 on :meth:`keyless_rows` (a query gradient, say)."""
-        keyless = self.keyless_rows(inp, plan)
+        keyless = self.keyless_rows(inp, layout)
         return t if keyless is None else t.masked_fill(keyless[..., None], 0)
 
     def fwd(self, inp: AttentionInputs):
-        plan = self.plan(inp)
-        if not plan.has_work:  # every row sees nothing: no launch
+        layout = self.layout(inp)
+        if not layout.has_work:  # every row sees nothing: no launch
             out = inp.q.new_zeros((inp.B, inp.Hq, inp.Mq, inp.Dv))
             return out, torch.full((inp.B, inp.Hq, inp.Mq), float("-inf"), device=inp.device), None
-        return self.kernel_fwd(inp, plan)
+        return self.kernel_fwd(inp, layout)
 
     def bwd(self, inp, out, lse, ctx, dout, dlse):
-        plan = self.plan(inp)
+        layout = self.layout(inp)
         add = inp.additive
         dadd = torch.zeros_like(add) if add is not None and add.requires_grad else None
-        if not plan.has_work:
+        if not layout.has_work:
             return torch.zeros_like(inp.q), torch.zeros_like(inp.k), torch.zeros_like(inp.v), dadd
-        dq, dk, dv, dadd = self.kernel_bwd(inp, plan, out, lse, ctx, dout)
-        return self.zero_keyless_rows(inp, plan, dq), dk, dv, dadd
+        dq, dk, dv, dadd = self.kernel_bwd(inp, layout, out, lse, ctx, dout)
+        return self.zero_keyless_rows(inp, layout, dq), dk, dv, dadd
 
-    def kernel_fwd(self, inp: AttentionInputs, plan: SeqPlan):
-        """:meth:`fwd` for a plan with work: ``(out, lse, ctx)``."""
+    def kernel_fwd(self, inp: AttentionInputs, layout: SequenceLayout):
+        """:meth:`fwd` for a layout with work: ``(out, lse, ctx)``."""
         raise NotImplementedError
 
-    def kernel_bwd(self, inp: AttentionInputs, plan: SeqPlan, out, lse, ctx, dout):
-        """:meth:`bwd` for a plan with work: ``(dq, dk, dv, dadditive)``."""
+    def kernel_bwd(self, inp: AttentionInputs, layout: SequenceLayout, out, lse, ctx, dout):
+        """:meth:`bwd` for a layout with work: ``(dq, dk, dv, dadditive)``."""
         raise NotImplementedError
 
-    def fix_empty_rows(self, inp: AttentionInputs, plan: SeqPlan, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    def fix_empty_rows(
+        self, inp: AttentionInputs, layout: SequenceLayout, out: torch.Tensor, lse: torch.Tensor
+    ) -> torch.Tensor:
         """``out`` with 0 on rows that see no key, when host metadata says such rows may exist."""
-        if self._rows_may_be_empty(inp, plan):
+        if self._rows_may_be_empty(inp, layout):
             out = torch.where(torch.isneginf(lse)[..., None], torch.zeros((), dtype=out.dtype, device=out.device), out)
         return out

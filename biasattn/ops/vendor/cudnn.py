@@ -25,7 +25,7 @@ import torch
 from ...inputs import AttentionInputs
 from ..common import cuda_capability
 from .base import VendorCtx, VendorOperator, aten_entry
-from .lse import lse_layout, lse_to_kernel
+from .lse import lse_format, lse_to_kernel
 from .masks import aligned_bias, cudnn_causal
 
 RAGGED = ("_cudnn_attention_forward", "_cudnn_attention_backward")
@@ -71,9 +71,9 @@ class CudnnOperator(VendorOperator):
         return []
 
     def extra_reasons(self, inp: AttentionInputs, *, backward: bool) -> list[str]:
-        plan = self.plan(inp)
-        if plan.reason:
-            return [plan.reason]
+        layout = self.layout(inp)
+        if layout.reason:
+            return [layout.reason]
         reasons = []
         if inp.groups > 1 and _entry_points() != RAGGED:
             reasons.append(
@@ -83,7 +83,7 @@ class CudnnOperator(VendorOperator):
             reasons.append(f"needs a head dim that is a multiple of 8, got D={inp.D}")
         if inp.D > 128 and cuda_capability(inp.device)[0] != 9:
             reasons.append(f"runs head dims above 128 only on Hopper (compute capability 9.x), got D={inp.D}")
-        causal = cudnn_causal(plan)
+        causal = cudnn_causal(layout)
         if causal is None:
             reasons.append("supports only a top-left causal band, not this band")
         elif causal and inp.Mq != inp.Mk:
@@ -107,9 +107,9 @@ class CudnnOperator(VendorOperator):
         return aligned_bias(inp.additive.detach(), (inp.B, inp.Hq, inp.Mq, inp.Mk), inp.dtype)
 
     # ----------------------------------------------------------------------------- compute
-    def kernel_fwd(self, inp: AttentionInputs, plan):
+    def kernel_fwd(self, inp: AttentionInputs, layout):
         q, k, v, bias = inp.q, inp.k, inp.v, self._bias(inp)
-        causal = bool(cudnn_causal(plan))
+        causal = bool(cudnn_causal(layout))
         if _entry_points() == RAGGED:
             res = aten_entry(RAGGED[0])(
                 q, k, v, bias, None, None, inp.Mq, inp.Mk, True, inp.dropout_p, causal, False, scale=inp.scale
@@ -117,21 +117,21 @@ class CudnnOperator(VendorOperator):
         else:
             res = aten_entry(DENSE[0])(q, k, v, bias, True, inp.dropout_p, causal, False, scale=inp.scale)
         out, lse_raw, seed, offset = res[0], res[1], res[6], res[7]
-        layout = lse_layout(lse_raw, plan, inp.B, inp.Hq, inp.Mq)
-        lse = self.kernel_lse(lse_raw, inp, plan, layout)
-        out = self.fix_empty_rows(inp, plan, out, lse)
-        return out, lse, VendorCtx(self.NAME, lse_raw, layout, (seed, offset))
+        lse_fmt = lse_format(lse_raw, layout, inp.B, inp.Hq, inp.Mq)
+        lse = self.kernel_lse(lse_raw, inp, layout, lse_fmt)
+        out = self.fix_empty_rows(inp, layout, out, lse)
+        return out, lse, VendorCtx(self.NAME, lse_raw, lse_fmt, (seed, offset))
 
-    def kernel_bwd(self, inp, plan, out, lse, ctx, dout):
+    def kernel_bwd(self, inp, layout, out, lse, ctx, dout):
         q, k, v, bias = inp.q, inp.k, inp.v, self._bias(inp)
         if isinstance(ctx, VendorCtx) and ctx.op == self.NAME:
             lse_raw, (seed, offset) = ctx.lse_raw, ctx.rng
         else:
-            lse_raw = lse_to_kernel(lse, plan, "bhm1")
+            lse_raw = lse_to_kernel(lse, layout, "bhm1")
             seed = offset = torch.empty((), dtype=torch.int64, device=inp.device)
         if dout.stride() != out.stride():  # cuDNN wants grad_out laid out like out
             dout = torch.empty_strided(out.shape, out.stride(), dtype=dout.dtype, device=dout.device).copy_(dout)
-        causal = bool(cudnn_causal(plan))
+        causal = bool(cudnn_causal(layout))
         name = RAGGED[1] if _entry_points() == RAGGED else DENSE[1]
         dq, dk, dv = aten_entry(name)(
             dout, q, k, v, out, lse_raw, seed, offset, bias, None, None, inp.Mq, inp.Mk, inp.dropout_p, causal, scale=inp.scale,

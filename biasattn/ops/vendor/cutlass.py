@@ -42,44 +42,44 @@ class CutlassOperator(VendorOperator):
     ENTRY_POINTS = ("_efficient_attention_forward", "_efficient_attention_backward")
 
     def extra_reasons(self, inp: AttentionInputs, *, backward: bool) -> list[str]:
-        plan = self.plan(inp)
-        if plan.reason:
-            return [plan.reason]
+        layout = self.layout(inp)
+        if layout.reason:
+            return [layout.reason]
         reasons = []
-        mask_type = cutlass_mask_type(plan)
+        mask_type = cutlass_mask_type(layout)
         if mask_type is None:
             reasons.append("supports only causal bands (top-left or bottom-right in every sequence), not this band")
-        elif mask_type == CAUSAL_BOTTOM_RIGHT and any(s.Lq > s.Lk for s in plan.seqs):
+        elif mask_type == CAUSAL_BOTTOM_RIGHT and any(s.Lq > s.Lk for s in layout.seqs):
             reasons.append("gives wrong rows with a bottom-right causal mask when a sequence has more queries than keys")
-        if plan.varlen and plan.keyless:
+        if layout.varlen and layout.keyless:
             reasons.append("gives wrong query gradients in other sequences when a sequence has queries but no keys")
-        if inp.additive is not None and plan.varlen:
+        if inp.additive is not None and layout.varlen:
             reasons.append("takes an additive bias only without segments or padded keys")
-        if inp.dropout_p > 0 and plan.varlen:
+        if inp.dropout_p > 0 and layout.varlen:
             reasons.append("does not replay its dropout mask in the backward with segments or padded keys")
         return reasons
 
     # ----------------------------------------------------------------------------- helpers
-    def _args(self, inp: AttentionInputs, plan, bias_grad: bool = False):
+    def _args(self, inp: AttentionInputs, layout, bias_grad: bool = False):
         k, v = inp.k, inp.v
         if inp.groups > 1:  # the kernel needs one key head per query head
             k = k.repeat_interleave(inp.groups, dim=1)
             v = v.repeat_interleave(inp.groups, dim=1)
-        q = pad_head_dim(pack_queries(inp.q, plan))
-        k, v = pad_head_dim(pack_keys(k, inp.spec, plan)), pad_head_dim(pack_keys(v, inp.spec, plan))
+        q = pad_head_dim(pack_queries(inp.q, layout))
+        k, v = pad_head_dim(pack_keys(k, inp.spec, layout)), pad_head_dim(pack_keys(v, inp.spec, layout))
         bias = None
         if inp.additive is not None:
             add = inp.additive.detach()
             if bias_grad and (add.shape[1] < inp.Hq or add.shape[2] < inp.Mq):
                 add = add.expand(add.shape[0], inp.Hq, inp.Mq, add.shape[3]).contiguous()
             bias = aligned_bias(add, (inp.B, inp.Hq, inp.Mq, inp.Mk), inp.dtype)
-        if plan.varlen:
-            cu_q, cu_k = cu_seqlens(inp.spec, plan, inp.device)
-            return q[None], k[None], v[None], bias, cu_q, cu_k, plan.max_q, plan.max_k
+        if layout.varlen:
+            cu_q, cu_k = cu_seqlens(inp.spec, layout, inp.device)
+            return q[None], k[None], v[None], bias, cu_q, cu_k, layout.max_q, layout.max_k
         return q, k, v, bias, None, None, None, None
 
-    def _unpack_out(self, x, plan, B, d):
-        return unpack_queries((x[0] if plan.varlen else x)[..., :d], plan, B)
+    def _unpack_out(self, x, layout, B, d):
+        return unpack_queries((x[0] if layout.varlen else x)[..., :d], layout, B)
 
     def _empty_additive_rows(self, inp: AttentionInputs, lse: torch.Tensor) -> torch.Tensor:
         """lse ``-inf`` on rows whose additive bias is ``-inf`` everywhere (the kernel writes 0 there)."""
@@ -90,44 +90,44 @@ class CutlassOperator(VendorOperator):
         return torch.where(hidden, float("-inf"), lse)
 
     # ----------------------------------------------------------------------------- compute
-    def kernel_fwd(self, inp: AttentionInputs, plan):
-        q, k, v, bias, cu_q, cu_k, max_q, max_k = self._args(inp, plan)
+    def kernel_fwd(self, inp: AttentionInputs, layout):
+        q, k, v, bias, cu_q, cu_k, max_q, max_k = self._args(inp, layout)
         out, lse_raw, seed, offset, *_ = aten_entry("_efficient_attention_forward")(
-            q, k, v, bias, cu_q, cu_k, max_q, max_k, inp.dropout_p, cutlass_mask_type(plan), True, scale=inp.scale,
+            q, k, v, bias, cu_q, cu_k, max_q, max_k, inp.dropout_p, cutlass_mask_type(layout), True, scale=inp.scale,
         )
-        layout = "seq_h_m" if plan.varlen else "bhm"
-        lse = self._empty_additive_rows(inp, self.kernel_lse(lse_raw, inp, plan, layout))
-        out = self.fix_empty_rows(inp, plan, self._unpack_out(out, plan, inp.B, inp.Dv), lse)
-        return out, lse, VendorCtx(self.NAME, lse_raw, layout, (seed, offset))
+        lse_fmt = "seq_h_m" if layout.varlen else "bhm"
+        lse = self._empty_additive_rows(inp, self.kernel_lse(lse_raw, inp, layout, lse_fmt))
+        out = self.fix_empty_rows(inp, layout, self._unpack_out(out, layout, inp.B, inp.Dv), lse)
+        return out, lse, VendorCtx(self.NAME, lse_raw, lse_fmt, (seed, offset))
 
-    def kernel_bwd(self, inp, plan, out, lse, ctx, dout):
+    def kernel_bwd(self, inp, layout, out, lse, ctx, dout):
         add = inp.additive
         bias_grad = add is not None and add.requires_grad
-        q, k, v, bias, cu_q, cu_k, max_q, max_k = self._args(inp, plan, bias_grad)
+        q, k, v, bias, cu_q, cu_k, max_q, max_k = self._args(inp, layout, bias_grad)
         if not (isinstance(ctx, VendorCtx) and ctx.op == self.NAME):
             # another operator ran the forward: replay ours for the kernel's own lse (rebuilding it
             # from ours gave wrong gradients with cu_seqlens)
             with torch.no_grad():
-                out, _, ctx = self.kernel_fwd(inp, plan)
+                out, _, ctx = self.kernel_fwd(inp, layout)
         lse_raw, (seed, offset) = ctx.lse_raw, ctx.rng
-        o, do = pad_head_dim(pack_queries(out, plan)), pad_head_dim(pack_queries(dout, plan))
-        if plan.varlen:
+        o, do = pad_head_dim(pack_queries(out, layout)), pad_head_dim(pack_queries(dout, layout))
+        if layout.varlen:
             o, do = o[None], do[None]
         dq, dk, dv, dbias = aten_entry("_efficient_attention_backward")(
-            do, q, k, v, bias, o, cu_q, cu_k, max_q if plan.varlen else inp.Mq, max_k if plan.varlen else inp.Mk,
-            lse_raw, inp.dropout_p, seed, offset, cutlass_mask_type(plan), bias_grad, scale=inp.scale,
+            do, q, k, v, bias, o, cu_q, cu_k, max_q if layout.varlen else inp.Mq, max_k if layout.varlen else inp.Mk,
+            lse_raw, inp.dropout_p, seed, offset, cutlass_mask_type(layout), bias_grad, scale=inp.scale,
         )
-        dq = self._unpack_out(dq, plan, inp.B, inp.D)
-        if plan.varlen:
+        dq = self._unpack_out(dq, layout, inp.B, inp.D)
+        if layout.varlen:
             dk, dv = dk[0], dv[0]
-        dk = unpack_keys(dk[..., : inp.D], inp.spec, plan, inp.B, inp.Mk)
-        dv = unpack_keys(dv[..., : inp.Dv], inp.spec, plan, inp.B, inp.Mk)
+        dk = unpack_keys(dk[..., : inp.D], inp.spec, layout, inp.B, inp.Mk)
+        dv = unpack_keys(dv[..., : inp.Dv], inp.spec, layout, inp.B, inp.Mk)
         if inp.groups > 1:
             dk = dk.reshape(inp.B, inp.Hkv, inp.groups, inp.Mk, inp.D).sum(2)
             dv = dv.reshape(inp.B, inp.Hkv, inp.groups, inp.Mk, inp.Dv).sum(2)
         dadd = None
         if bias_grad:
-            mask_type = cutlass_mask_type(plan)
+            mask_type = cutlass_mask_type(layout)
             if mask_type != NO_MASK:  # the kernel leaves the gradient unwritten where the mask hides keys
                 shift = 0 if mask_type == CAUSAL_TOP_LEFT else inp.Mk - inp.Mq
                 i = torch.arange(inp.Mq, device=inp.device)[:, None]

@@ -15,7 +15,7 @@ import torch
 from ...inputs import AttentionInputs
 from .base import VendorCtx, VendorOperator, aten_entry
 from .layout import cu_seqlens, pack_keys, pack_queries, pad_head_dim, unpack_keys, unpack_queries
-from .lse import lse_layout, lse_to_kernel
+from .lse import lse_format, lse_to_kernel
 from .masks import flash_window
 
 
@@ -42,64 +42,64 @@ class Flash2Operator(VendorOperator):
         return reasons
 
     def extra_reasons(self, inp: AttentionInputs, *, backward: bool) -> list[str]:
-        plan = self.plan(inp)
-        if plan.reason:
-            return [plan.reason]
-        if flash_window(plan) is None:
+        layout = self.layout(inp)
+        if layout.reason:
+            return [layout.reason]
+        if flash_window(layout) is None:
             return ["cannot express the band as FlashAttention's window (aligned bottom-right in every sequence)"]
         return []
 
     # ----------------------------------------------------------------------------- helpers
-    def _window(self, inp: AttentionInputs, plan) -> tuple[int, int]:
-        left, right = flash_window(plan)
-        if plan.max_q <= 1 and right < 0:
+    def _window(self, inp: AttentionInputs, layout) -> tuple[int, int]:
+        left, right = flash_window(layout)
+        if layout.max_q <= 1 and right < 0:
             # Equal for single-query sequences, and keeps FlashAttention off its one-query GQA path,
             # which reshapes the packed queries as if no sequence were empty.
             right = 0
         return left, right
 
-    def _args(self, inp: AttentionInputs, plan):
-        q = pad_head_dim(pack_queries(inp.q, plan))
-        k = pad_head_dim(pack_keys(inp.k, inp.spec, plan))
-        v = pad_head_dim(pack_keys(inp.v, inp.spec, plan))
-        if plan.varlen:
-            cu_q, cu_k = cu_seqlens(inp.spec, plan, inp.device)
-            return q, k, v, cu_q, cu_k, plan.max_q, plan.max_k
+    def _args(self, inp: AttentionInputs, layout):
+        q = pad_head_dim(pack_queries(inp.q, layout))
+        k = pad_head_dim(pack_keys(inp.k, inp.spec, layout))
+        v = pad_head_dim(pack_keys(inp.v, inp.spec, layout))
+        if layout.varlen:
+            cu_q, cu_k = cu_seqlens(inp.spec, layout, inp.device)
+            return q, k, v, cu_q, cu_k, layout.max_q, layout.max_k
         return q, k, v, None, None, inp.Mq, inp.Mk
 
     # ----------------------------------------------------------------------------- compute
-    def kernel_fwd(self, inp: AttentionInputs, plan):
-        left, right = self._window(inp, plan)
-        q, k, v, cu_q, cu_k, max_q, max_k = self._args(inp, plan)
+    def kernel_fwd(self, inp: AttentionInputs, layout):
+        left, right = self._window(inp, layout)
+        q, k, v, cu_q, cu_k, max_q, max_k = self._args(inp, layout)
         out, lse_raw, rng, unused, _ = aten_entry("_flash_attention_forward")(
             q, k, v, cu_q, cu_k, max_q, max_k, inp.dropout_p, False, False,
             scale=inp.scale, window_size_left=left, window_size_right=right,
         )
-        out = unpack_queries(out[..., : inp.Dv], plan, inp.B)
-        layout = lse_layout(lse_raw, plan, inp.B, inp.Hq, inp.Mq)
-        if plan.varlen:
-            self._varlen_lse_layout = layout
-        lse = self.kernel_lse(lse_raw, inp, plan, layout)
-        out = self.fix_empty_rows(inp, plan, out, lse)
-        return out, lse, VendorCtx(self.NAME, lse_raw, layout, (rng, unused))
+        out = unpack_queries(out[..., : inp.Dv], layout, inp.B)
+        lse_fmt = lse_format(lse_raw, layout, inp.B, inp.Hq, inp.Mq)
+        if layout.varlen:
+            self._varlen_lse_format = lse_fmt
+        lse = self.kernel_lse(lse_raw, inp, layout, lse_fmt)
+        out = self.fix_empty_rows(inp, layout, out, lse)
+        return out, lse, VendorCtx(self.NAME, lse_raw, lse_fmt, (rng, unused))
 
-    def kernel_bwd(self, inp, plan, out, lse, ctx, dout):
-        left, right = self._window(inp, plan)
-        q, k, v, cu_q, cu_k, max_q, max_k = self._args(inp, plan)
+    def kernel_bwd(self, inp, layout, out, lse, ctx, dout):
+        left, right = self._window(inp, layout)
+        q, k, v, cu_q, cu_k, max_q, max_k = self._args(inp, layout)
         own = isinstance(ctx, VendorCtx) and ctx.op == self.NAME
         if own:
             lse_raw, (rng, unused) = ctx.lse_raw, ctx.rng
         else:
-            layout = getattr(self, "_varlen_lse_layout", "h_total") if plan.varlen else "bhm"
-            lse_raw = lse_to_kernel(lse, plan, layout)
+            lse_fmt = getattr(self, "_varlen_lse_format", "h_total") if layout.varlen else "bhm"
+            lse_raw = lse_to_kernel(lse, layout, lse_fmt)
             rng = unused = torch.empty((), dtype=torch.int64, device=inp.device)
-        o = pad_head_dim(pack_queries(out, plan))
-        do = pad_head_dim(pack_queries(dout, plan))
+        o = pad_head_dim(pack_queries(out, layout))
+        do = pad_head_dim(pack_queries(dout, layout))
         dq, dk, dv = aten_entry("_flash_attention_backward")(
             do.contiguous() if do.stride(-1) != 1 else do, q, k, v, o, lse_raw, cu_q, cu_k, max_q, max_k,
             inp.dropout_p, False, rng, unused, scale=inp.scale, window_size_left=left, window_size_right=right,
         )
-        dq = unpack_queries(dq[..., : inp.D], plan, inp.B)
-        dk = unpack_keys(dk[..., : inp.D], inp.spec, plan, inp.B, inp.Mk)
-        dv = unpack_keys(dv[..., : inp.Dv], inp.spec, plan, inp.B, inp.Mk)
+        dq = unpack_queries(dq[..., : inp.D], layout, inp.B)
+        dk = unpack_keys(dk[..., : inp.D], inp.spec, layout, inp.B, inp.Mk)
+        dv = unpack_keys(dv[..., : inp.Dv], inp.spec, layout, inp.B, inp.Mk)
         return dq, dk, dv, None

@@ -2,7 +2,7 @@
 
 The vendor operators (``cutlass``, ``flash2``, ``cudnn``) call kernels that think in *sequences*: a
 batch row, or one packed segment, with ``Lq`` queries and ``Lk`` keys, a mask aligned to that
-rectangle and ``cu_seqlens`` offsets. :func:`plan_sequences` turns a
+rectangle and ``cu_seqlens`` offsets. :func:`sequence_layout` turns a
 :class:`~biasattn.bias.spec.BiasSpec` into that description with plain Python on host metadata, so
 every decision is unit-testable without a GPU: batched, packed (segments) or padded-keys layout;
 ``cu_seqlens``; which keys must be gathered; each sequence's band in its own coordinates. The
@@ -61,17 +61,17 @@ def effective_band(lo: int | None, hi: int | None, Lq: int, Lk: int) -> tuple[in
 
 
 @dataclass(frozen=True)
-class SeqPlan:
+class SequenceLayout:
     """How the kernel sees the inputs.
 
-    ``layout``: ``"batched"`` (q/k as ``[B, M, H, D]``, one sequence shape for every row),
+    ``kind``: ``"batched"`` (q/k as ``[B, M, H, D]``, one sequence shape for every row),
     ``"segments"`` (B = 1, packed segments) or ``"padded"`` (B rows packed, padded keys dropped).
     ``cu_q``/``cu_k``: offsets into the packed q and k (empty when batched). ``gather``: ``(b, start,
     length)`` key slices to concatenate into the packed k/v, or None when keys are used in place.
     ``reason``: why the inputs cannot be expressed this way (None when they can).
     """
 
-    layout: str
+    kind: str
     seqs: tuple[Seq, ...]
     cu_q: tuple[int, ...] = ()
     cu_k: tuple[int, ...] = ()
@@ -88,7 +88,7 @@ class SeqPlan:
 
     @property
     def varlen(self) -> bool:
-        return self.layout != "batched"
+        return self.kind != "batched"
 
     @property
     def has_work(self) -> bool:
@@ -102,7 +102,7 @@ class SeqPlan:
         return tuple((s.b, s.q_start, s.q_start + s.Lq) for s in self.seqs if s.Lq > 0 and s.Lk == 0)
 
     def cached(self, key, make):
-        """``make()``, computed once per plan and ``key`` (the plan is immutable and reused within a call)."""
+        """``make()``, computed once per layout and ``key`` (the layout is immutable and reused within a call)."""
         store = self.__dict__.setdefault("_memo", {})
         if key not in store:
             store[key] = make()
@@ -127,11 +127,11 @@ def _seq(spec: BiasSpec, b: int, q0: int, Lq: int, k0: int, Lk: int, band_index:
     return Seq(b, q0, Lq, k0, Lk, lo, hi, alibi)
 
 
-def plan_sequences(spec: BiasSpec) -> SeqPlan:
-    """The kernel layout for ``spec`` (see :class:`SeqPlan`); pure Python on host metadata."""
+def sequence_layout(spec: BiasSpec) -> SequenceLayout:
+    """The kernel layout for ``spec`` (see :class:`SequenceLayout`); pure Python on host metadata."""
     h = spec.host
     if spec.q_seqstart is None and h.kv_seqlens is None:
-        return SeqPlan("batched", (_seq(spec, 0, 0, spec.Mq, 0, spec.Mk, 0),))
+        return SequenceLayout("batched", (_seq(spec, 0, 0, spec.Mq, 0, spec.Mk, 0),))
     if spec.q_seqstart is None:  # padded keys: B sequences of Mq queries and kv_seqlens[b] keys
         seqs = tuple(_seq(spec, b, 0, spec.Mq, 0, n, 0) for b, n in enumerate(h.kv_seqlens))
         cu_q = tuple(b * spec.Mq for b in range(spec.B + 1))
@@ -139,19 +139,19 @@ def plan_sequences(spec: BiasSpec) -> SeqPlan:
         gather = tuple((b, 0, n) for b, n in enumerate(h.kv_seqlens))
         if spec.B == 1 and h.kv_seqlens[0] == spec.Mk:
             gather = None
-        return SeqPlan("padded", seqs, cu_q, cu_k, gather)
+        return SequenceLayout("padded", seqs, cu_q, cu_k, gather)
     qs, ks, kl = h.q_seqstart, h.k_seqstart, h.k_seqlen
     n = len(kl)
     if qs[0] != 0 or qs[n] != spec.Mq:
-        return SeqPlan(
+        return SequenceLayout(
             "segments", (), reason=f"segments cover query rows [{qs[0]}, {qs[n]}), not every row [0, {spec.Mq})"
         )
     seqs = tuple(_seq(spec, 0, qs[s], qs[s + 1] - qs[s], ks[s], kl[s], s) for s in range(n))
     cu_q = tuple(qs[: n + 1])
     contiguous = all(ks[s] + kl[s] == ks[s + 1] for s in range(n - 1)) and ks[0] == 0
     if contiguous:
-        return SeqPlan("segments", seqs, cu_q, (0, *(ks[s] + kl[s] for s in range(n))), None)
-    return SeqPlan("segments", seqs, cu_q, _cumsum(kl), tuple((0, ks[s], kl[s]) for s in range(n)))
+        return SequenceLayout("segments", seqs, cu_q, (0, *(ks[s] + kl[s] for s in range(n))), None)
+    return SequenceLayout("segments", seqs, cu_q, _cumsum(kl), tuple((0, ks[s], kl[s]) for s in range(n)))
 
 
 def _cumsum(lengths) -> tuple[int, ...]:
@@ -161,11 +161,11 @@ def _cumsum(lengths) -> tuple[int, ...]:
     return tuple(out)
 
 
-def rows_may_be_empty(spec: BiasSpec, plan: SeqPlan) -> bool:
+def rows_may_be_empty(spec: BiasSpec, layout: SequenceLayout) -> bool:
     """True unless host metadata proves every query row sees at least one key (ignores additive -inf)."""
-    if plan.reason is not None or spec.layout is not None:
+    if layout.reason is not None or spec.layout is not None:
         return True
-    for s in plan.seqs:
+    for s in layout.seqs:
         if s.Lq == 0:
             continue
         if s.Lk == 0 or s.hides_all:
@@ -178,43 +178,43 @@ def rows_may_be_empty(spec: BiasSpec, plan: SeqPlan) -> bool:
     return False
 
 
-def cu_seqlens(spec: BiasSpec, plan: SeqPlan, device) -> tuple[torch.Tensor, torch.Tensor]:
+def cu_seqlens(spec: BiasSpec, layout: SequenceLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cu_seqlens_q, cu_seqlens_k)`` int32 on ``device`` (cached on the spec)."""
     return spec.cached(("cu", str(device)), lambda: (
-        to_device(plan.cu_q, device, torch.int32), to_device(plan.cu_k, device, torch.int32)))
+        to_device(layout.cu_q, device, torch.int32), to_device(layout.cu_k, device, torch.int32)))
 
 
-def pack_queries(x: torch.Tensor, plan: SeqPlan) -> torch.Tensor:
+def pack_queries(x: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
     """``[B, H, M, D]`` as the kernel wants it: ``[B, M, H, D]`` (batched) or ``[B*M, H, D]`` (varlen)."""
     x = x.transpose(1, 2)
-    return x.reshape(-1, *x.shape[2:]) if plan.varlen else x
+    return x.reshape(-1, *x.shape[2:]) if layout.varlen else x
 
 
-def unpack_queries(x: torch.Tensor, plan: SeqPlan, B: int) -> torch.Tensor:
+def unpack_queries(x: torch.Tensor, layout: SequenceLayout, B: int) -> torch.Tensor:
     """Inverse of :func:`pack_queries`: back to ``[B, H, M, D]`` (a view)."""
-    if plan.varlen:
+    if layout.varlen:
         x = x.reshape(B, -1, *x.shape[1:])
     return x.transpose(1, 2)
 
 
-def pack_keys(x: torch.Tensor, spec: BiasSpec, plan: SeqPlan) -> torch.Tensor:
+def pack_keys(x: torch.Tensor, spec: BiasSpec, layout: SequenceLayout) -> torch.Tensor:
     """Keys/values ``[B, Hkv, Mk, D]`` in kernel layout; packed varlen gathers only the used keys."""
-    if not plan.varlen or plan.gather is None:
-        return pack_queries(x, plan)
-    bi, ji = spec.cached(("keys", str(x.device)), lambda: key_index(plan, x.device))
+    if not layout.varlen or layout.gather is None:
+        return pack_queries(x, layout)
+    bi, ji = spec.cached(("keys", str(x.device)), lambda: key_index(layout, x.device))
     return x.transpose(1, 2)[bi, ji]
 
 
-def unpack_keys(g: torch.Tensor, spec: BiasSpec, plan: SeqPlan, B: int, Mk: int) -> torch.Tensor:
+def unpack_keys(g: torch.Tensor, spec: BiasSpec, layout: SequenceLayout, B: int, Mk: int) -> torch.Tensor:
     """Key/value gradients from kernel layout back to ``[B, Hkv, Mk, D]``, 0 for keys no sequence used."""
-    if plan.varlen and plan.gather is not None:
+    if layout.varlen and layout.gather is not None:
         full = torch.zeros((B, Mk, *g.shape[1:]), dtype=g.dtype, device=g.device)
-        bi, ji = spec.cached(("keys", str(g.device)), lambda: key_index(plan, g.device))
+        bi, ji = spec.cached(("keys", str(g.device)), lambda: key_index(layout, g.device))
         full[bi, ji] = g
         return full.transpose(1, 2)
-    if plan.varlen and plan.cu_k[-1] < g.shape[0]:
-        g[plan.cu_k[-1]:] = 0  # keys after the last sequence: the kernels leave them unwritten
-    return unpack_queries(g, plan, B)
+    if layout.varlen and layout.cu_k[-1] < g.shape[0]:
+        g[layout.cu_k[-1]:] = 0  # keys after the last sequence: the kernels leave them unwritten
+    return unpack_queries(g, layout, B)
 
 
 def pad_head_dim(x: torch.Tensor, multiple: int = 8) -> torch.Tensor:
@@ -223,10 +223,10 @@ def pad_head_dim(x: torch.Tensor, multiple: int = 8) -> torch.Tensor:
     return x if d % multiple == 0 else torch.nn.functional.pad(x, (0, multiple - d % multiple))
 
 
-def key_index(plan: SeqPlan, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(batch, key)`` int64 indices of the gathered keys, in packed order (``plan.gather`` set)."""
+def key_index(layout: SequenceLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(batch, key)`` int64 indices of the gathered keys, in packed order (``layout.gather`` set)."""
     bs, js = [], []
-    for b, start, n in plan.gather:
+    for b, start, n in layout.gather:
         bs.extend([b] * n)
         js.extend(range(start, start + n))
     return to_device(bs, device), to_device(js, device)

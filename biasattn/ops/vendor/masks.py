@@ -1,4 +1,4 @@
-"""The kernels' mask and bias arguments that reproduce a spec exactly, decided on its :class:`~.layout.SeqPlan`.
+"""The kernels' mask and bias arguments that reproduce a spec exactly, decided on its :class:`~.layout.SequenceLayout`.
 
 - :func:`cutlass_mask_type`, :func:`flash_window`, :func:`cudnn_causal`: the kernel's mask argument
   that reproduces the spec's band exactly on every sequence, or None.
@@ -12,24 +12,24 @@ import functools
 
 import torch
 
-from .layout import SeqPlan, effective_band, round_up
+from .layout import SequenceLayout, effective_band, round_up
 
 NO_MASK, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2  # aten._efficient_attention_forward custom_mask_type
 
 
-def _per_plan(fn):
-    """Memoize ``fn(plan)`` on the plan: dispatch asks each question several times per call."""
+def _per_layout(fn):
+    """Memoize ``fn(layout)`` on the layout: dispatch asks each question several times per call."""
 
     @functools.wraps(fn)
-    def memoized(plan: SeqPlan):
-        return plan.cached(fn.__name__, lambda: fn(plan))
+    def memoized(layout: SequenceLayout):
+        return layout.cached(fn.__name__, lambda: fn(layout))
 
     return memoized
 
 
-def _matches(plan: SeqPlan, kernel_band) -> bool:
+def _matches(layout: SequenceLayout, kernel_band) -> bool:
     """True when ``kernel_band(seq) -> (lo, hi)`` equals every sequence's band on its rectangle."""
-    for s in plan.seqs:
+    for s in layout.seqs:
         if s.Lq == 0 or s.Lk == 0:
             continue
         lo, hi = kernel_band(s)
@@ -38,42 +38,42 @@ def _matches(plan: SeqPlan, kernel_band) -> bool:
     return True
 
 
-@_per_plan
-def cutlass_mask_type(plan: SeqPlan) -> int | None:
-    """``custom_mask_type`` (0 none, 1 causal top-left, 2 causal bottom-right) matching the plan, or None."""
+@_per_layout
+def cutlass_mask_type(layout: SequenceLayout) -> int | None:
+    """``custom_mask_type`` (0 none, 1 causal top-left, 2 causal bottom-right) matching the layout, or None."""
     for mask_type, band in (
         (NO_MASK, lambda s: (None, None)),
         (CAUSAL_TOP_LEFT, lambda s: (None, 0)),
         (CAUSAL_BOTTOM_RIGHT, lambda s: (None, s.Lk - s.Lq)),
     ):
-        if _matches(plan, band):
+        if _matches(layout, band):
             return mask_type
     return None
 
 
-@_per_plan
-def cudnn_causal(plan: SeqPlan) -> bool | None:
+@_per_layout
+def cudnn_causal(layout: SequenceLayout) -> bool | None:
     """``is_causal`` for cuDNN (top-left causal), or None when the band is neither none nor that."""
-    if _matches(plan, lambda s: (None, None)):
+    if _matches(layout, lambda s: (None, None)):
         return False
-    if _matches(plan, lambda s: (None, 0)):
+    if _matches(layout, lambda s: (None, 0)):
         return True
     return None
 
 
-@_per_plan
-def flash_window(plan: SeqPlan) -> tuple[int, int] | None:
+@_per_layout
+def flash_window(layout: SequenceLayout) -> tuple[int, int] | None:
     """``(window_size_left, window_size_right)`` for FlashAttention (-1 = unbounded), or None.
 
     FlashAttention keeps key ``j`` of row ``i`` when ``i + Lk - Lq - left <= j <= i + Lk - Lq + right``
     in each sequence; a window of at least ``max_k`` keys counts as unbounded.
     """
-    max_k = plan.max_k
+    max_k = layout.max_k
     result = []
     for side in ("left", "right"):
         exact: set[int] = set()
         floor = 0  # an exact value must be >= floor to stay harmless on unbounded sequences
-        for s in plan.seqs:
+        for s in layout.seqs:
             if s.Lq == 0 or s.Lk == 0:
                 continue
             bound = s.lo if side == "left" else s.hi
@@ -96,9 +96,9 @@ def flash_window(plan: SeqPlan) -> tuple[int, int] | None:
     return result[0], result[1]
 
 
-def alibi_matches(plan: SeqPlan) -> bool:
+def alibi_matches(layout: SequenceLayout) -> bool:
     """True when each sequence's ALiBi shift is the kernels' bottom-right one, ``Lk - Lq``."""
-    return all(s.alibi_shift == s.Lk - s.Lq for s in plan.seqs if s.Lq and s.Lk)
+    return all(s.alibi_shift == s.Lk - s.Lq for s in layout.seqs if s.Lq and s.Lk)
 
 
 # --------------------------------------------------------------------------------------- tensors
