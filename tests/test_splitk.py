@@ -399,14 +399,19 @@ def test_lengths_written_after_lowering_are_honoured():
 
 
 def test_lengths_written_out_of_range_read_as_the_nearest_end():
-    """In-place lengths above Mk read as Mk, negative ones as 0 (zeros, lse = -inf): never a read past the cache."""
+    """Lengths written in place after a call was set up (as between CUDA-graph replays) read as Mk when above
+    it and as 0 when negative (zeros, lse = -inf): never a read past the cache. An eager call reads them
+    again and names the bad value."""
     q, k, v = qkv(3, 2, 1, 1, 40, 16, torch.float32)
     bias = ba.PaddedKeysMask([40, 40, 40], device=DEVICE)
-    splitk_attention_fwd(make_inputs(q, k, v, bias))
+    inp = make_inputs(q, k, v, bias)
+    splitk_attention_fwd(inp)
     bias.kv_seqlens.copy_(torch.tensor([1000, -5, 17], dtype=torch.int32))
     for splits in (None, 1, 3):
-        out, lse = run_poisoned(make_inputs(q, k, v, bias), num_splits=splits)
+        out, lse = run_poisoned(inp, num_splits=splits)
         assert_close_to_reference(out, lse, make_inputs(q, k, v, ba.PaddedKeysMask([40, 0, 17], device=DEVICE)))
+    with pytest.raises(ba.errors.InputError, match=r"kv_seqlens\[0\]=1000 exceeds the key length Mk=40"):
+        make_inputs(q, k, v, bias)
 
 
 def test_top_left_causal_hides_whole_rows():
