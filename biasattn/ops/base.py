@@ -97,8 +97,7 @@ class Operator:
             yield f"does not support grouped-query attention (Hq={inp.Hq}, Hkv={inp.Hkv})"
         if need_lse and not self.SUPPORTS_LSE:
             yield "does not return the log-sum-exp"
-        if self.MAX_MQ is not None and inp.Mq > self.MAX_MQ:
-            yield f"handles at most Mq={self.MAX_MQ} queries, got Mq={inp.Mq}"
+        yield from self.query_count_reasons(inp)
         if backward and torch.are_deterministic_algorithms_enabled() and not self.DETERMINISTIC:
             yield "is not deterministic and torch.use_deterministic_algorithms(True) is set"
         if self.POSITIVE_SCALE_ONLY and not inp.scale > 0:
@@ -109,6 +108,12 @@ class Operator:
 
     def extra_reasons(self, inp: AttentionInputs, *, backward: bool) -> list[str]:
         """Operator-specific limits beyond the declarations."""
+        return []
+
+    def query_count_reasons(self, inp: AttentionInputs) -> list[str]:
+        """``MAX_MQ`` applied to the call's query count (an operator that counts per packed sequence overrides it)."""
+        if self.MAX_MQ is not None and inp.Mq > self.MAX_MQ:
+            return [f"handles at most Mq={self.MAX_MQ} queries, got Mq={inp.Mq}"]
         return []
 
     def describe_launch(self, inp: AttentionInputs) -> str | None:

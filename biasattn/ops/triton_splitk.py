@@ -13,8 +13,6 @@ additive tensors. Forward only. CUDA sm80+; on the CPU only under ``TRITON_INTER
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
 from ..inputs import AttentionInputs
@@ -41,13 +39,11 @@ class TritonSplitKOperator(Operator):
         """Triton must be installed; on the CPU the Triton interpreter must be on."""
         return triton_environment_reasons(device)
 
-    def _reasons(self, inp: AttentionInputs, need_lse: bool, backward: bool) -> Iterator[str]:
-        """The declared checks, with ``MAX_MQ`` applied per sequence when queries are packed (segments)."""
-        per_sequence = inp.spec.q_seqstart is not None
-        too_many = f"handles at most Mq={self.MAX_MQ} queries, got Mq={inp.Mq}"
-        for reason in super()._reasons(inp, need_lse, backward):
-            if not (per_sequence and reason == too_many):
-                yield reason
+    def query_count_reasons(self, inp: AttentionInputs) -> list[str]:
+        """``MAX_MQ`` for the call; with packed queries (segments) it applies per sequence, in :meth:`extra_reasons`."""
+        if inp.spec.q_seqstart is not None:
+            return []
+        return super().query_count_reasons(inp)
 
     def extra_reasons(self, inp: AttentionInputs, *, backward: bool) -> list[str]:
         """Packed sequences of more than MAX_MQ queries; bfloat16 under the interpreter (its bf16 dot is inexact)."""
