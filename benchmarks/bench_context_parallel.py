@@ -129,9 +129,10 @@ def torch_context_parallel(args, M: int, rotate: str | None):
         if not hasattr(cp_attention, "set_rotate_method"):
             return None, "set_rotate_method is not available"
         cp_attention.set_rotate_method(rotate)
-    q, k, v, dout = inputs(1, args.heads, args.kv_heads, M, args.head_dim, "cuda")
+    q, k, v, dout = (t.detach() for t in inputs(1, args.heads, args.kv_heads, M, args.head_dim, "cuda"))
     rep = args.heads // args.kv_heads  # KV heads repeated: SDPA under context_parallel takes no enable_gqa
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    # context_parallel shards its buffers in place (a resize), which torch refuses for tensors that require grad
     try:
         with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2]):
             q, k, v = (t.requires_grad_(True) for t in (q, k, v))
