@@ -265,3 +265,24 @@ def _make(q, k, v, bias):
     from biasattn.inputs import make_inputs
 
     return make_inputs(q, k, v, bias)
+
+
+def test_triton_backward_a_hidden_nan_key_reaches_only_the_dq_of_programs_that_visit_it():
+    """Documented rule for the backward: dq = dS · k over a key tile, so a NaN key on the causal diagonal
+    reaches the dq of every row of the query programs that visit its tile (rows 16-29 here, which share a
+    16-row program with rows 30-31 under the interpreter), never the rows of programs that skip it (0-15)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 40, 16, generator=gen) for _ in range(3))
+    k[0, 0, 30] = float("nan")
+    q.requires_grad_()
+    out = ba.attention(q, k, v, ba.LowerTriangularMask(), op="triton")
+    (dq,) = torch.autograd.grad(out.sum(), (q,))
+    assert torch.isnan(out[0, 0]).any(-1).nonzero().flatten().tolist() == list(range(30, 40))
+    grads = {}
+    for dtype in (torch.float64, torch.float32):  # rows 0-15 see keys 0-15 only: the clean keys give their dq
+        clean = q.detach()[..., :16, :].to(dtype).requires_grad_()
+        ref, _ = reference_attention(clean, k[..., :16, :].to(dtype), v[..., :16, :].to(dtype), ba.LowerTriangularMask(),
+                                     compute_dtype=dtype)
+        (grads[dtype],) = torch.autograd.grad(ref.sum(), (clean,))
+    assert torch.isfinite(dq[0, 0, :16]).all()
+    assert_close_to_reference(dq[..., :16, :], grads[torch.float64], grads[torch.float32], factor=3.0, name="dq")
