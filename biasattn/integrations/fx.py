@@ -50,7 +50,8 @@ from torch import nn
 from ..api import attention
 from ..bias import AdditiveBias, AttentionBias, LocalAttentionMask, LowerTriangularFromBottomRightMask, LowerTriangularMask
 from ..nn.multihead import compose, key_padding_bias
-from .fx_patterns import Matcher, is_matmul
+from .fx_nodes import is_matmul
+from .fx_patterns import Matcher
 
 # ------------------------------------------------------------------------------------ report
 
@@ -117,7 +118,7 @@ def band_bias(lo: int | None, hi: int | None, align: str, mq: int, mk: int, devi
 
 
 def _band_term(kind: tuple, tensors: list, q, k) -> AttentionBias:
-    """The bias of a ``("band", lo, hi, align, fallback)`` term (see :mod:`.fx_patterns`)."""
+    """The bias of a ``("band", lo, hi, align, fallback)`` term (see :mod:`.fx_masks`)."""
     _, lo, hi, align, fallback = kind
     mq, mk = q.shape[-2], k.shape[-2]
     if fallback == "size":
