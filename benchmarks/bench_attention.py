@@ -404,22 +404,23 @@ def _tune_call(case, dout, fwd_only: bool):
 
 AB_SWITCHES = {  # name: (module.attribute, state A, state B, value A, value B)
     "offsets": ("flash.FORCE_INDEX_64", "32-bit in-slice offsets", "64-bit in-slice offsets", False, True),
-    "concurrent": ("flash.CONCURRENT_BWD", "dQ beside dK/dV on a side stream", "dQ after dK/dV", True, False),
+    "concurrent": ("flash_bwd.CONCURRENT_BWD", "dQ beside dK/dV on a side stream", "dQ after dK/dV", True, False),
     "direct": ("launch.DIRECT", "direct launches of compiled kernels", "Triton's kernel[grid] launches", True, False),
-    "delta": ("flash.FUSED_DELTA", "delta computed by dQ", "delta preprocessing launch", True, False),
+    "delta": ("flash_bwd.FUSED_DELTA", "delta computed by dQ", "delta preprocessing launch", True, False),
     "tma": ("tma.ENABLED", "forward K/V tiles through tensor descriptors", "forward K/V through pointer loads", True, False),
     "order": ("flash.ORDER_TAIL_WAVES", "last pairs started rank by rank", "plain order", 4, 0),
-    "dq_from_ds": ("flash.DQ_FROM_DS", "dQ read back from a per-(batch, head) bias gradient", "dQ recomputing S and dP",
+    "dq_from_ds": ("flash_bwd.DQ_FROM_DS", "dQ read back from a per-(batch, head) bias gradient", "dQ recomputing S and dP",
                    True, False),
 }
 
 
 def ab_switch(args) -> None:
     """``triton`` with a launcher switch in state A against state B, same process, same inputs, rounds alternated."""
-    from biasattn.ops.triton import flash, launch, tma
+    from biasattn.ops.triton import flash, flash_bwd, launch, tma
 
     path, name_a, name_b, a, b = AB_SWITCHES[args.ab]
-    module, attr = {"flash": flash, "launch": launch, "tma": tma}[path.split(".")[0]], path.split(".")[1]
+    modules = {"flash": flash, "flash_bwd": flash_bwd, "launch": launch, "tma": tma}
+    module, attr = modules[path.split(".")[0]], path.split(".")[1]
     default = getattr(module, attr)
     precompile(args.cases, args.head_dims, args.precompile or 8, index_64=(False, True) if args.ab == "offsets" else (False,))
     for D in args.head_dims:

@@ -294,9 +294,9 @@ def test_block_sparse_list_only(monkeypatch, in_registers):
 @pytest.mark.parametrize("case", ["segments", "causal_gqa"])
 def test_backward_delta_paths(monkeypatch, fused, case):
     """dQ computing delta for dK/dV (two launches) and the separate preprocessing launch both match."""
-    from biasattn.ops.triton import flash
+    from biasattn.ops.triton import flash_bwd
 
-    monkeypatch.setattr(flash, "FUSED_DELTA", fused)
+    monkeypatch.setattr(flash_bwd, "FUSED_DELTA", fused)
     if case == "segments":  # per-segment dQ tiles that end mid-tile, a segment without keys
         bias = ba.BlockDiagonalMask.from_seqlens([10, 0, 19, 7, 1], [12, 5, 3, 25, 0], device=DEVICE)
         check(*qkv(Mq=37, Mk=45), const(bias))
@@ -318,10 +318,10 @@ def test_additive_gradient(shape):
 @pytest.mark.parametrize("masks", ["causal", "padded_layout", "window_gqa"])
 def test_shared_additive_gradient_with_masks(monkeypatch, masks):
     """A bias gradient shared by batch rows (or heads) is summed by its own kernel, with every mask applied."""
-    from biasattn.ops.triton import flash
+    from biasattn.ops.triton import flash_bwd
 
     launched = []
-    monkeypatch.setattr(flash, "_dbias", _Counting(flash._dbias, launched))
+    monkeypatch.setattr(flash_bwd, "_dbias", _Counting(flash_bwd._dbias, launched))
     gen = torch.Generator().manual_seed(5)
     Hkv = 1 if masks == "window_gqa" else 2
     shape = (1, 1, 37, 45) if masks == "window_gqa" else (1, 2, 37, 45)
@@ -340,10 +340,10 @@ def test_shared_additive_gradient_with_masks(monkeypatch, masks):
 @pytest.mark.parametrize("masks", ["none", "causal_padded", "window_gqa", "dropout"])
 def test_own_additive_gradient_gives_dq(monkeypatch, masks):
     """A bias slice per (batch row, head): dK/dV writes dS as the gradient once, and dQ is read back from it."""
-    from biasattn.ops.triton import flash
+    from biasattn.ops.triton import flash_bwd
 
     launched = []
-    monkeypatch.setattr(flash, "_dq_ds", _Counting(flash._dq_ds, launched))
+    monkeypatch.setattr(flash_bwd, "_dq_ds", _Counting(flash_bwd._dq_ds, launched))
     gen = torch.Generator().manual_seed(6)
     add = torch.randn(2, 2, 37, 45, generator=gen).to(DEVICE)
     Hkv = 1 if masks == "window_gqa" else 2
@@ -362,7 +362,7 @@ def test_own_additive_gradient_gives_dq(monkeypatch, masks):
 def test_dq_reads_dbias_only_when_dS_is_the_gradient():
     """dQ comes from the bias gradient only for a slice per (batch row, head), precise enough, without segments or layouts."""
     from biasattn.bias.spec import lower
-    from biasattn.ops.triton.flash import _dq_reads_dbias
+    from biasattn.ops.triton.flash_bwd import _dq_reads_dbias
 
     def spec(shape, dtype=torch.float16, extra=None):
         bias = ba.AdditiveBias(torch.zeros(shape, dtype=dtype))

@@ -111,10 +111,10 @@ def test_additive_gradient_bf16(shape):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_own_additive_gradient_with_masks(monkeypatch, dtype):
     """A bias slice per (batch row, head) under a causal band and padded keys: dQ comes back from dS."""
-    from biasattn.ops.triton import flash
+    from biasattn.ops.triton import flash_bwd
 
     launched = []
-    monkeypatch.setattr(flash, "_dq_ds", _Counting(flash._dq_ds, launched))
+    monkeypatch.setattr(flash_bwd, "_dq_ds", _Counting(flash_bwd._dq_ds, launched))
     add = torch.randn((2, 8, 1000, 1013), generator=torch.Generator().manual_seed(7)).to("cuda", dtype)
     masks = ba.LowerTriangularFromBottomRightMask() & ba.PaddedKeysMask([1013, 517], device="cuda")
     check(*qkv(B=2, Hq=8, Hkv=2, Mq=1000, Mk=1013, D=128, dtype=dtype), lambda a: masks + ba.AdditiveBias(a), add)
@@ -239,7 +239,7 @@ def test_calls_never_wait_for_the_gpu(name):
 
 def test_direct_launches_match_tritons_own():
     """Repeated launches call the compiled kernels directly, with the same results as ``kernel[grid]``."""
-    from biasattn.ops.triton import flash, launch
+    from biasattn.ops.triton import flash, flash_bwd, launch
 
     assert launch._triton_run_matches(), "the installed Triton's launch path changed: direct launches are off"
     q, k, v = qkv(B=1, Hq=4, Hkv=2, Mq=300, Mk=300, D=64, dtype=torch.bfloat16)
@@ -252,9 +252,9 @@ def test_direct_launches_match_tritons_own():
         return (out, *torch.autograd.grad(out, (qg, kg, vg), dout))
 
     run()
-    hits = flash._fwd.hits + flash._dq.hits + flash._dkdv.hits
+    hits = flash._fwd.hits + flash_bwd._dq.hits + flash_bwd._dkdv.hits
     direct = run()
-    assert flash._fwd.hits + flash._dq.hits + flash._dkdv.hits >= hits + 3
+    assert flash._fwd.hits + flash_bwd._dq.hits + flash_bwd._dkdv.hits >= hits + 3
     launch.DIRECT = False
     try:
         plain = run()
@@ -303,12 +303,12 @@ def test_forward_backward_in_a_cuda_graph(size, name):
     """A forward+backward captured in a CUDA graph replays to what eager calls give, on new inputs
     too; ``long`` backwards run dQ on a side stream, which the capture must take along."""
     from biasattn.bias.spec import lower
-    from biasattn.ops.triton import flash
+    from biasattn.ops.triton import flash_bwd
 
     B, H, M, D = (8, 16, 2048, 128) if size == "long" else (2, 4, 300, 64)
     bias = {"causal": ba.LowerTriangularMask(),
             "window_padded": ba.LocalAttentionMask(100, 0) & ba.PaddedKeysMask([M] * (B - 1) + [M // 3])}[name].to("cuda")
-    assert flash._long_backward(lower(bias, B, H, M, M), B, H, M, M, D) == (size == "long")
+    assert flash_bwd._long_backward(lower(bias, B, H, M, M), B, H, M, M, D) == (size == "long")
     q, k, v = (torch.randn(B, H, M, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn(B, H, M, D, device="cuda", dtype=torch.bfloat16)
 

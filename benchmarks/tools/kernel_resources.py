@@ -31,7 +31,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 import biasattn as ba  # noqa: E402
 from biasattn.bias.spec import lower  # noqa: E402
-from biasattn.ops.triton import configs, flash  # noqa: E402
+from biasattn.ops.triton import configs, flash, flash_bwd  # noqa: E402
 
 
 def _biases(M: int) -> dict:
@@ -76,8 +76,8 @@ def capture(case: str, D: int, dtype, kernel: str, cfg: configs.TileConfig, drop
             else:
                 out = torch.zeros_like(q)
                 lse = torch.zeros(B, H, M)
-                flash.attn_bwd(q, k, v, out, lse, torch.zeros_like(q), None, spec, D ** -0.5, isinstance(bias, ba.AdditiveBias),
-                               dropout_p, 2**40 + 1)
+                flash_bwd.attn_bwd(q, k, v, out, lse, torch.zeros_like(q), None, spec, D ** -0.5,
+                                   isinstance(bias, ba.AdditiveBias), dropout_p, 2**40 + 1)
     finally:
         JITFunction.run = real_run
     return launches

@@ -37,6 +37,12 @@ def _launchers():
     return flash
 
 
+def _bwd_launchers():
+    from .triton import flash_bwd
+
+    return flash_bwd
+
+
 def _spec_from_args(q, k, additive, qs, ks, kl, kv, band_lo, band_hi, layout, slopes,
                     host_qs, host_ks, host_kl, ints) -> BiasSpec:
     block_q, block_k, layout_q_off, layout_k_off, alibi_shift = ints
@@ -100,7 +106,7 @@ def triton_flash_bwd(
     """``(dq, dk, dv, dadditive)``; ``dadditive`` is empty (shape ``[0]``) when not requested."""
     spec = _spec_from_args(q, k, additive, q_seqstart, k_seqstart, k_seqlen, kv_seqlens, band_lo, band_hi, layout,
                            alibi_slopes, host_q_seqstart, host_k_seqstart, host_k_seqlen, ints)
-    dq, dk, dv, dadd = _launchers().attn_bwd(q, k, v, out, lse, dout, dlse, spec, scale, need_dbias, dropout_p, seed)
+    dq, dk, dv, dadd = _bwd_launchers().attn_bwd(q, k, v, out, lse, dout, dlse, spec, scale, need_dbias, dropout_p, seed)
     return dq, dk, dv, (dadd if dadd is not None else q.new_empty((0,)))
 
 
@@ -170,7 +176,7 @@ class TritonOperator(Operator):
                 inp.q, inp.k, inp.v, out, lse, dout, dlse, *_spec_to_args(inp.spec), inp.scale, need, inp.dropout_p, seed
             )
         else:
-            dq, dk, dv, dadd = _launchers().attn_bwd(
+            dq, dk, dv, dadd = _bwd_launchers().attn_bwd(
                 inp.q, inp.k, inp.v, out, lse, dout, dlse, inp.spec, inp.scale, need, inp.dropout_p, seed
             )
         return dq, dk, dv, (dadd if need else None)

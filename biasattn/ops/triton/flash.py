@@ -1,60 +1,43 @@
-"""Launchers of the Triton flash kernels: ``attn_fwd`` and ``attn_bwd`` (grids, strides, configs).
+"""Launcher of the Triton flash forward kernel, ``attn_fwd`` (grids, strides, configs), and the launch
+arguments it shares with the backward's launcher (:mod:`biasattn.ops.triton.flash_bwd`).
 
-Both take the tensors and a :class:`~biasattn.bias.spec.BiasSpec` and return plain tensors; no
+Both launchers take the tensors and a :class:`~biasattn.bias.spec.BiasSpec` and return plain tensors; no
 autograd here (see :mod:`biasattn.ops.triton_flash`). The Triton interpreter decides at decoration
 time, so :data:`INTERPRETED` records whether these kernels run on the CPU.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import torch
 
 from ...bias.spec import BiasSpec
-from ..common import cdiv, next_power_of_2, num_sms, reduce_to, slice_span, tile_size
+from ..common import cdiv, next_power_of_2, num_sms, slice_span, tile_size
 from . import configs, launch, plans, schedule, tma
-from .bwd_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
-from .dbias_kernels import _attn_bwd_dbias_kernel, _attn_bwd_dq_from_ds_kernel
 from .dropout_kernels import _dropout_mask_kernel
 from .fwd_kernels import _attn_fwd_kernel
 from .launch import direct
 
 _SEED = ("seed_lo", "seed_hi")  # a new dropout seed per call must not miss the table of compiled launches
-_fwd, _dkdv, _dq, _dbias = (direct(k, _SEED) for k in (
-    _attn_fwd_kernel, _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_dbias_kernel,
-))
-_preprocess, _dq_ds = direct(_attn_bwd_preprocess_kernel), direct(_attn_bwd_dq_from_ds_kernel)
+_fwd = direct(_attn_fwd_kernel, _SEED)
 
 INTERPRETED = configs.interpreted()
 LOG2E = 1.4426950408889634
 POISON_OUTPUTS = False  # tests set this: fresh outputs start as NaN, so a skipped write shows
 FORCE_INDEX_64 = False  # tests set this: 64-bit offsets inside a (batch, head) slice even when not needed
-CONCURRENT_BWD = True  # dQ runs on a side stream beside dK/dV, so its programs fill the SMs dK/dV's tail leaves idle
-FUSED_DELTA = True  # without the side stream, dQ runs first and computes delta itself: one launch fewer
 LIST_IN_REGISTERS = True  # branch-free tile-list loops keep the program's list in registers
-DQ_FROM_DS = True  # a bias gradient of its own per (batch, head) is dS: dQ reads it back after dK/dV
 
 _dummies: dict = {}
-_side_streams: dict = {}
 
 
-def _plan_key(kind: str, tensors: tuple, spec: BiasSpec, scale: float):
+def _plan_key(kind: str, tensors: tuple, spec: BiasSpec, scale: float, switches: tuple = ()):
     """The key of a call's launch plan in its spec's store: the tensors' signature, the scale, the
     block layout's version (its tile lists follow it when it is changed in place) and every module
-    switch a launch reads."""
+    switch a launch reads (``switches``: those of the launcher's own module)."""
     layout = spec.layout._version if spec.layout is not None else -1
-    return ("launch plan", kind, plans.tensor_key(*tensors), scale, layout, FORCE_INDEX_64, CONCURRENT_BWD, FUSED_DELTA,
-            LIST_IN_REGISTERS, DQ_FROM_DS, ORDER_TAIL_WAVES, SHORT_SPAN_KEYS, SHORT_SPAN_KEYS_DKDV, INTERPRETED,
+    return ("launch plan", kind, plans.tensor_key(*tensors), scale, layout, FORCE_INDEX_64, *switches,
+            LIST_IN_REGISTERS, ORDER_TAIL_WAVES, SHORT_SPAN_KEYS, SHORT_SPAN_KEYS_DKDV, INTERPRETED,
             tma.ENABLED, tma.FORCE_INTERPRETED, launch.DIRECT, bool(configs._overrides))
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _side_streams:
-        _side_streams[index] = torch.cuda.Stream(device=index)
-    return _side_streams[index]
 
 
 def _new(shape, dtype, device, zero: bool = False) -> torch.Tensor:
@@ -350,217 +333,3 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
         configs.launch("fwd", max(hd, hdv), q.dtype, q.device, feats, run)
     plans.settle(spec.derived, key, rec, (q, k, v, out, lse, *made[0]), made[1])
     return out, lse
-
-
-def _long_backward(spec: BiasSpec, B: int, H: int, Mq: int, Mk: int, D: int) -> bool:
-    """Whether a backward runs long enough on the GPU for the side stream to pay: the fork and join
-    cost host time, which calls of about a millisecond cannot spare (measured on an H200: dQ beside
-    dK/dV gains 1.4-2.9% from B·H·Mq·Mk·D = 2**36 without segments, and loses on packed varlen and
-    on block-sparse at that size)."""
-    if spec.q_seqstart is not None:  # packed documents: the nominal size overstates the work
-        return False
-    work = B * H * Mq * Mk * D
-    return work >= (2**38 if spec.layout is not None else 2**36)
-
-
-def _dbias_reduction(add: torch.Tensor, B: int, H: int, Mq: int, Mk: int) -> str:
-    """Where dS is reduced: ``"full"`` (dK/dV kernel, tile by tile), ``"col"`` (dK/dV kernel, sums over
-    queries) or ``"row"`` (dQ kernel, sums over keys)."""
-    am, an = add.shape[2], add.shape[3]
-    if an == Mk or Mk == 1:
-        return "full" if (am == Mq or Mq == 1) else "col"
-    return "row"
-
-
-def _shared_gradient(add: torch.Tensor, reduction: str | None, B: int, H: int) -> tuple[bool, bool]:
-    """``(by batch rows, by heads)``: whether a full bias gradient is shared, i.e. sums ``dS`` over them."""
-    return reduction == "full" and add.shape[0] == 1 and B > 1, reduction == "full" and add.shape[1] == 1 and H > 1
-
-
-def _dq_reads_dbias(spec: BiasSpec, reduction: str | None, B: int, H: int, dtype: torch.dtype) -> bool:
-    """Whether dQ can be read back from the bias gradient: every (batch row, head) owns its slice
-    (so the dK/dV kernel writes ``dS`` itself, once per element), the slice holds ``dS`` at least as
-    precisely as the ``dS @ K`` product takes it (the bias in q's dtype or float32), and rows see
-    plain key intervals (no packed segments, no block layout)."""
-    add = spec.additive
-    return (reduction == "full" and not any(_shared_gradient(add, reduction, B, H))
-            and add.dtype in (dtype, torch.float32) and spec.q_seqstart is None and spec.layout is None)
-
-
-def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_dbias: bool,
-             dropout_p: float = 0.0, seed: int = 0):
-    """``(dq, dk, dv, dadditive or None)``; ``dlse`` (or None) enters as ``delta = rowsum(dout * out) - dlse``.
-
-    ``dropout_p`` and ``seed`` must be the forward's: the kernels draw the same mask again."""
-    B, H, Mq, D = q.shape
-    Hkv, Mk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    dev = q.device
-    add = spec.additive
-    need_dbias = need_dbias and add is not None
-    dq = _new(q.shape, q.dtype, dev)
-    dk = _new(k.shape, k.dtype, dev)
-    dv = _new(v.shape, v.dtype, dev)
-    if B * H * Mq == 0 or Mk == 0:
-        dq.zero_(), dk.zero_(), dv.zero_()
-        return dq, dk, dv, (torch.zeros_like(add) if need_dbias else None)
-    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    delta = torch.empty((B, H, Mq), dtype=torch.float32, device=dev)
-    plannable = dlse is None and not need_dbias and dropout_p == 0
-    key = _plan_key("bwd", (q, k, v, out, lse, dout), spec, scale) if plannable else None
-    planned = plans.lookup(spec.derived, key)
-    if planned is not None:
-        planned.run((q, k, v, out, lse, dout, delta, dq, dk, dv))
-        return dq, dk, dv, None
-    args = _spec_args(spec, dev)
-    hd, hdv = tile_size(D), tile_size(Dv)
-    even = D == hd and Dv == hdv
-    batch_inner = args.batch_shared_bias and B > 1
-    dlse_t = dlse.to(torch.float32).contiguous() if dlse is not None else args.f32
-    reduction = _dbias_reduction(add, B, H, Mq, Mk) if need_dbias else None
-    dq_from_ds = DQ_FROM_DS and _dq_reads_dbias(spec, reduction, B, H, q.dtype)  # dK/dV first, then dQ from dS
-    concurrent = (CONCURRENT_BWD and dev.type == "cuda" and not INTERPRETED and not dq_from_ds
-                  and _long_backward(spec, B, H, Mq, Mk, max(D, Dv)))
-    fused_delta = FUSED_DELTA and not concurrent and not dq_from_ds  # dQ first, writing delta for dK/dV
-    if concurrent:  # a replay would put both launches on one stream
-        key = None
-    d32 = args.f32
-    b_bcast, h_bcast = _shared_gradient(add, reduction, B, H)
-    # a full gradient shared by batch rows or heads: its own kernel sums each tile over the sharers,
-    # except with packed segments, where the dK/dV programs accumulate it tile by tile
-    shared_dbias = (b_bcast or h_bcast) and not args.has_segments
-    kv_reduction = None if shared_dbias else reduction  # the dK/dV kernel's part of the bias gradient
-    nb_loop = B if b_bcast and not shared_dbias else 1
-    nhk_loop = Hkv if h_bcast and not shared_dbias else 1
-    dbias_accum = kv_reduction == "full" and (nb_loop > 1 or h_bcast)
-    # dK/dV accumulates a gradient tile shared by its (batch, head) loop in float32; every other
-    # element is written once, in the bias' dtype. Tiles that no program visits must read 0.
-    g_dtype = torch.float32 if dbias_accum or add is None else add.dtype
-    every_tile = not (args.has_segments or args.has_padded or args.has_band or args.has_layout)
-    g_zero = kv_reduction == "full" and (dbias_accum or not every_tile)
-    dbias = _new(add.shape, g_dtype, dev, zero=g_zero) if reduction == "full" else d32
-    dcol = torch.zeros((B, H, Mk), dtype=torch.float32, device=dev) if reduction == "col" else d32
-    drow = torch.zeros((B, H, Mq), dtype=torch.float32, device=dev) if reduction == "row" else d32
-    g_strides = _bcast_strides(dbias, (B, H, Mq, Mk)) if reduction == "full" else (0, 0, 0, 0)
-    common = (
-        *args.add_strides, *args.slope_strides, *args.layout_strides,
-    )
-    g_span = (Mq - 1) * abs(g_strides[2]) + (Mk - 1) * abs(g_strides[3])
-    index_64 = _index_64(
-        slice_span(q), slice_span(k), slice_span(v), slice_span(out), slice_span(dout), slice_span(dq),
-        slice_span(dk), slice_span(dv), args.add_span, g_span,
-    )
-    feats = args.features + ((reduction,) if reduction else ()) + (("dropout",) if dropout_p > 0 else ())
-    feats += _span_features(spec, Mq, Mk)
-    drop = dropout_args(dropout_p, seed)
-    has_dropout = dropout_p > 0
-
-    def run_dkdv(cfg: configs.TileConfig) -> None:
-        if kv_reduction == "full" and nb_loop * nhk_loop > 1:
-            dbias.zero_()
-        sched = schedule.key_schedule(spec, cfg.block_n, dev)
-        count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_m, False, dev)
-        grid = (sched.n, (B // nb_loop) * (Hkv // nhk_loop))
-        _dkdv[grid](
-            q, k, v, dout, lse, delta, dk, dv, dbias, dcol,
-            args.add, args.slopes, args.layout, args.qs, args.kv, args.band_lo, args.band_hi,
-            sched.table if sched.table is not None else args.d32, count, index,
-            scale * LOG2E, scale,
-            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(), *g_strides, *common, *cs, *ts,
-            H, H // Hkv, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop,
-            spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
-            SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only,
-            LIST_TILES=_list_tiles(index, list_only), FULL_DBIAS=kv_reduction == "full",
-            DBIAS_ACCUM=dbias_accum, COL_DBIAS=reduction == "col",
-            DOT_PRECISION=_dot_precision(q.dtype),
-            INDEX_64=index_64, GQA=H != Hkv, OUTER_LOOPS=nb_loop * nhk_loop > 1,
-            HAS_DROPOUT=has_dropout, DROP_ALIGNED=sched.table is None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **args.switches,
-        )
-
-    def run_dq(cfg: configs.TileConfig) -> None:
-        sched = schedule.query_schedule(spec, cfg.block_m, dev)
-        count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_n, True, dev)
-        grid = (sched.n * B, H) if batch_inner else (sched.n, B * H)
-        _dq[grid](
-            q, k, v, dout, lse, delta, dq, drow, out, dlse_t,
-            args.add, args.slopes, args.layout, args.ks, args.kl, args.kv, args.band_lo, args.band_hi,
-            sched.table if sched.table is not None else args.d32, count, index,
-            scale * LOG2E, scale,
-            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *out.stride(), *common, *cs, *ts,
-            B, H, H // Hkv, Mq, Mk, D, Dv, sched.n,
-            spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even, BATCH_INNER=batch_inner,
-            HAS_DROPOUT=has_dropout, FUSED_DELTA=fused_delta, HAS_DLSE=dlse is not None,
-            SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only,
-            LIST_TILES=_list_tiles(index, list_only), ROW_DBIAS=reduction == "row",
-            DOT_PRECISION=_dot_precision(q.dtype), INDEX_64=index_64,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
-        )
-
-    def run_dq_ds(cfg: configs.TileConfig) -> None:
-        _dq_ds[(cdiv(Mq, cfg.block_m), B * H)](
-            k, dbias, dq, args.kv, args.band_lo, args.band_hi, scale,
-            *k.stride(), *g_strides, *dq.stride(), H, H // Hkv, Mq, Mk, D,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, EVEN_D=even,
-            HAS_PADDED=args.has_padded, HAS_BAND=args.has_band, DOT_PRECISION=_dot_precision(q.dtype),
-            INDEX_64=index_64, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-
-    def run_dbias(cfg: configs.TileConfig) -> None:
-        n_tiles_n = cdiv(Mk, cfg.block_n)
-        bb, hb = add.shape[0], add.shape[1]
-        heads_shared = H if h_bcast else 1
-        n_sharers = (B if b_bcast else 1) * heads_shared
-        _dbias[(cdiv(Mq, cfg.block_m) * n_tiles_n, bb * hb)](
-            q, k, v, dout, lse, delta, dbias,
-            args.add, args.slopes, args.layout, args.kv, args.band_lo, args.band_hi,
-            scale * LOG2E,
-            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dbias.stride(), *common,
-            H, H // Hkv, hb, Mq, Mk, D, Dv, n_tiles_n, n_sharers, heads_shared,
-            spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
-            HAS_PADDED=args.has_padded, HAS_BAND=args.has_band, HAS_LAYOUT=args.has_layout, HAS_ALIBI=args.has_alibi,
-            DOT_PRECISION=_dot_precision(q.dtype), INDEX_64=index_64, HAS_DROPOUT=has_dropout,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-
-    with plans.recording() as rec:
-        if not fused_delta:
-            pre_bm = 16 if INTERPRETED else 64
-            _preprocess[(cdiv(Mq, pre_bm), B * H)](
-                out, dout, dlse_t, delta, *out.stride(), *dout.stride(), H, Mq, Dv,
-                BLOCK_M=pre_bm, HEAD_DIM_V=hdv, HAS_DLSE=dlse is not None,
-            )
-        hmax = max(hd, hdv)
-        if concurrent:
-            # dK/dV and dQ depend only on what is queued so far: fork dQ to a side stream and join it
-            # back, so every later use on the caller's stream (and any reuse of these buffers) waits for it
-            main, side = torch.cuda.current_stream(dev), _side_stream(dev)
-            side.wait_stream(main)
-        if fused_delta:
-            configs.launch("dq", hmax, q.dtype, dev, feats, run_dq)
-            configs.launch("dkdv", hmax, q.dtype, dev, feats, run_dkdv)
-        elif dq_from_ds:
-            configs.launch("dkdv", hmax, q.dtype, dev, feats, run_dkdv)
-            configs.launch("dq_ds", hmax, q.dtype, dev, feats, run_dq_ds)
-        else:
-            configs.launch("dkdv", hmax, q.dtype, dev, feats, run_dkdv)
-            with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
-                configs.launch("dq", hmax, q.dtype, dev, feats, run_dq)
-        if shared_dbias:
-            configs.launch("dbias", hmax, q.dtype, dev, feats, run_dbias)
-        if concurrent:
-            main.wait_stream(side)
-    plans.settle(spec.derived, key, rec, (q, k, v, out, lse, dout, delta, dq, dk, dv))
-    dadd = None
-    if reduction == "full":
-        dadd = dbias
-    elif reduction == "col":
-        dadd = reduce_to(dcol[:, :, None, :], add.shape)
-    elif reduction == "row":
-        dadd = reduce_to(drow[:, :, :, None], add.shape)
-    if dadd is not None:
-        dadd = dadd.to(add.dtype)
-    return dq, dk, dv, dadd
