@@ -7,6 +7,9 @@ import torch
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU through the interpreter; it must be set before triton.jit runs.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+elif os.environ.get("BIASATTN_SPREAD_GPUS") and os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
+    # Long GPU runs on a machine of several GPUs: xdist worker n uses GPU n mod count ("cuda" = that GPU).
+    torch.cuda.set_device(int(os.environ["PYTEST_XDIST_WORKER"][2:]) % torch.cuda.device_count())
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

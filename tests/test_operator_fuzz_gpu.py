@@ -12,6 +12,9 @@ operator did) to ``BIASATTN_FUZZ_LOG``; ``BIASATTN_FUZZ_OPS`` and ``BIASATTN_FUZ
 the operators and bias families (``auto`` always runs)::
 
     BIASATTN_FUZZ_CASES=3000 BIASATTN_FUZZ_LOG=fuzz.jsonl python -m pytest -q -m gpu -n 8 tests/test_operator_fuzz_gpu.py
+
+On a machine of several GPUs, ``BIASATTN_SPREAD_GPUS=1`` puts xdist worker ``n`` on GPU ``n mod count``
+(``-n 32`` on four GPUs: eight workers a GPU).
 """
 
 from __future__ import annotations
