@@ -11,6 +11,7 @@ packing helpers put q/k/v into the kernels' layout and gradients back.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -78,11 +79,11 @@ class SequenceLayout:
     gather: tuple[tuple[int, int, int], ...] | None = None
     reason: str | None = None
 
-    @property
+    @functools.cached_property
     def max_q(self) -> int:
         return max((s.Lq for s in self.seqs), default=0)
 
-    @property
+    @functools.cached_property
     def max_k(self) -> int:
         return max((s.Lk for s in self.seqs), default=0)
 
@@ -90,12 +91,12 @@ class SequenceLayout:
     def varlen(self) -> bool:
         return self.kind != "batched"
 
-    @property
+    @functools.cached_property
     def has_work(self) -> bool:
         """True when some sequence has both queries and keys (the kernels fail on a launch without any)."""
         return any(s.Lq > 0 and s.Lk > 0 for s in self.seqs)
 
-    @property
+    @functools.cached_property
     def keyless(self) -> tuple[tuple[int, int, int], ...]:
         """``(b, first row, end row)`` of the sequences that have queries but no key: their rows see nothing,
         and the kernels leave them undefined (NaN seen from CUTLASS with ``cu_seqlens``)."""
