@@ -145,3 +145,13 @@ def test_a_bias_built_from_lists_follows_q():
     assert not pinned.follows_q and not floating.to("cpu").follows_q
     with pytest.raises(ba.errors.InputTypeError, match="move it with"):
         make_inputs(*meta, pinned)
+
+
+def test_a_write_before_the_first_call_is_seen():
+    """Lengths given as a list and written in place before the mask is first used: the call reads the tensor,
+    not the list the mask was built from."""
+    q, k, v = _qkv(2, 9, 0)
+    bias = ba.PaddedKeysMask([9, 9])
+    bias.kv_seqlens[1] = 4
+    _check(ba.attention(q, k, v, bias, op="chunked"), q, k, v, ba.PaddedKeysMask([9, 4]))
+    assert bias.atoms[0].lengths() == (9, 4)

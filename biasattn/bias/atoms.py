@@ -102,7 +102,7 @@ class Atom:
         key = id(tensor)
         held = copies.get(key)
         version = tensor_version(tensor)
-        if held is None and given is not None:
+        if held is None and given is not None and version in (0, -1):  # not written since it was made
             held = copies[key] = (version, tuple(given))
         if held is None or held[0] != version:
             held = copies[key] = (version, tuple(int(n) for n in tensor.tolist()))
