@@ -120,9 +120,9 @@ class VendorOperator(Operator):
 
     def bwd(self, inp, out, lse, ctx, dout, dlse):
         layout = self.layout(inp)
-        add = inp.additive
-        dadd = torch.zeros_like(add) if add is not None and add.requires_grad else None
         if not layout.has_work:
+            add = inp.additive
+            dadd = torch.zeros_like(add) if add is not None and add.requires_grad else None
             return torch.zeros_like(inp.q), torch.zeros_like(inp.k), torch.zeros_like(inp.v), dadd
         dq, dk, dv, dadd = self.kernel_bwd(inp, layout, out, lse, ctx, dout)
         return self.zero_keyless_rows(inp, layout, dq), dk, dv, dadd
