@@ -4,7 +4,8 @@ Older torch builds only have ``aten._scaled_dot_product_cudnn_attention``; the o
 whichever the installed torch has. cuDNN's causal mask is top-left, so it is used only for
 ``Mq == Mk`` (where top-left and bottom-right agree). An additive bias must not require grad (cuDNN
 computes no bias gradient), and with a bias the backward is refused at sequence lengths
-``% 128 == 64``, where cuDNN's ``grad_q`` has returned NaN (PyTorch issue 196678). Grouped-query
+``% 128 == 64``, where cuDNN's ``grad_q`` has returned NaN (PyTorch issue 196678), and at ``Mq = 1``,
+where it returned NaN in 16 of 206 random cases with ``B = 1`` (H200, cuDNN 9.19). Grouped-query
 attention is native: K/V keep their ``Hkv`` heads and so do their gradients. Head dims go to 256 on
 Hopper and 128 elsewhere, as cuDNN's own checks allow. The backward is refused for ``Mq = Mk = 1``:
 cuDNN rejects that graph, and a later call in the same process could find the rejected graph in
@@ -98,6 +99,8 @@ class CudnnOperator(VendorOperator):
                 f"gives NaN grad_q with a bias when a sequence length % 128 == 64 "
                 f"(Mq={inp.Mq}, Mk={inp.Mk}; PyTorch issue 196678)"
             )
+        if backward and inp.additive is not None and inp.Mq == 1:
+            reasons.append("gives NaN grad_q with a bias at Mq = 1 (in some calls, depending on memory contents)")
         return reasons
 
     # ----------------------------------------------------------------------------- helpers
