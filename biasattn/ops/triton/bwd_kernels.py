@@ -454,6 +454,8 @@ def _dq_tile(
         keep = _dropout_keep_tile(seed, drop_base, rows, n0, row_blocks, drop_thresh, rows.shape[0], BLOCK_N)
         dp = tl.where(keep, dp * drop_scale, 0.0)
     ds = p * (dp - delta[:, None])
+    if MASKED:  # a key hidden from some rows may hold NaN or inf, and 0 · NaN would reach their dq
+        k = tl.where((k == k) & (tl.abs(k) < float("inf")), k, tl.zeros_like(k))
     dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     if ROW_DBIAS:
         drow += tl.sum(ds, 1)

@@ -176,6 +176,7 @@ def _attn_bwd_dq_from_ds_kernel(
             cols64 = cols
         k = _load_span(K_base + cols64[:, None] * stride_kn + dqd[None, :] * stride_kd, cols, key_lo, hi, dqd, D, EVEN_D)
         ds = tl.load(ds_rows + cols64[None, :] * stride_gn, mask=(rows[:, None] < Mq) & (cols[None, :] < Mk), other=0.0)
+        k = tl.where((k == k) & (tl.abs(k) < float("inf")), k, tl.zeros_like(k))  # dS is 0 where a key is hidden
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     dq_ptrs = DQ + b64 * stride_dqb + h64 * stride_dqh + rows64[:, None] * stride_dqm + dqd[None, :] * stride_dqd
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=valid[:, None] & (dqd[None, :] < D))
