@@ -155,3 +155,14 @@ def test_a_write_before_the_first_call_is_seen():
     bias.kv_seqlens[1] = 4
     _check(ba.attention(q, k, v, bias, op="chunked"), q, k, v, ba.PaddedKeysMask([9, 4]))
     assert bias.atoms[0].lengths() == (9, 4)
+
+
+def test_host_lists_reach_the_device_as_given():
+    """Lengths, cu_seqlens and tile tables go through one helper (pinned, non-blocking on a GPU)."""
+    from biasattn.bias.atoms import to_device
+
+    t = to_device([3, 1, 4], "cpu", torch.int32)
+    assert t.dtype == torch.int32 and t.tolist() == [3, 1, 4]
+    same = to_device(torch.tensor([2.5]), "cpu", torch.float64)
+    assert same.dtype == torch.float64 and same.item() == 2.5
+    assert ba.BlockDiagonalMask.from_seqlens([2, 3]).materialize((1, 1, 5, 5)).isfinite().sum() == 13

@@ -65,10 +65,20 @@ def tensor_version(t: torch.Tensor) -> int:
         return -1
 
 
-def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """``t`` on ``device``; from the CPU to a GPU through pinned memory, without waiting for the copy."""
+def to_device(t, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` (a tensor, or a list of numbers made a tensor of ``dtype``) on ``device``.
+
+    From the host to a GPU the copy goes through pinned memory without waiting: a plain copy from
+    pageable memory waits until every kernel queued on the stream has run, so the host stops
+    running ahead of the GPU (one such copy per fresh mask is enough to idle the GPU between
+    steps). The pinned block is not reused before its copy has run (PyTorch records the copy).
+    """
+    if not isinstance(t, torch.Tensor):
+        t = torch.tensor(t, dtype=dtype)
+    elif dtype is not None:
+        t = t.to(dtype)
     device = torch.device(device) if device is not None else t.device
-    if t.device.type == "cpu" and device.type == "cuda":
+    if t.device.type == "cpu" and device.type == "cuda" and not torch.compiler.is_compiling():
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 

@@ -148,8 +148,8 @@ class BlockDiagonalMask(AttentionBias):
     def _from_host(cls, q, k, band, device) -> BlockDiagonalMask:
         qh = tuple([0] + list(accumulate(q)))
         kh = tuple([0] + list(accumulate(k)))
-        i32 = dict(dtype=torch.int32, device=device)
-        tensors = (torch.tensor(qh, **i32), torch.tensor(kh, **i32), torch.tensor(k, **i32))
+        dev = device if device is not None else torch.get_default_device()
+        tensors = tuple(to_device(values, dev, torch.int32) for values in (qh, kh, k))
         if not torch.compiler.is_compiling():
             # The number of documents is data: under torch.compile a new count must not be a new graph.
             # (The first call imports torch.distributed.tensor, which torch.compile imports anyway.)

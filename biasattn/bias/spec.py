@@ -23,7 +23,7 @@ import torch
 
 from ..errors import InputError
 from ..memo import BoundedCache
-from .atoms import tensor_version
+from .atoms import tensor_version, to_device
 
 BAND_UNBOUNDED = 2**30
 _INT_TENSORS = BoundedCache(256)
@@ -38,7 +38,7 @@ def _int_tensor(values, device) -> torch.Tensor:
     key = (tuple(values), str(device))
     t = _INT_TENSORS.get(key)
     if t is None:
-        t = _INT_TENSORS[key] = torch.tensor(values, dtype=torch.int32, device=device)
+        t = _INT_TENSORS[key] = to_device(list(values), device, torch.int32)
     return t
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...bias.atoms import to_device
 from ...bias.spec import BiasSpec
 from ...memo import BoundedCache
 
@@ -77,7 +78,7 @@ def _segmented(key, progs, device) -> Schedule:
     k = (key, str(device))
     sched = _SEGMENTED.get(k)
     if sched is None:
-        table = torch.tensor(progs, dtype=torch.int32).reshape(-1, 3).to(device)
+        table = to_device(progs, device, torch.int32).reshape(-1, 3)
         sched = Schedule(len(progs), table, tuple(p[0] for p in progs), tuple(p[1] for p in progs))
         _SEGMENTED[k] = sched
     return sched
@@ -178,8 +179,8 @@ def layout_tile_lists(spec: BiasSpec, sched: Schedule, block_other: int, along_k
     pre = torch.zeros((Bl, Hl, R + 1, C + 1), dtype=torch.int32, device=device)
     pre[:, :, 1:, 1:] = lay.cumsum(2).cumsum(3)
     i64 = dict(dtype=torch.int64, device=device)
-    starts = torch.tensor(sched.starts, **i64)
-    ends = torch.tensor(sched.ends, **i64)
+    starts = to_device(sched.starts, device, torch.int64)
+    ends = to_device(sched.ends, device, torch.int64)
     empty = ends <= starts
     r0 = ((starts + p_off) // p_blk).clamp(0, R)
     r1 = ((ends - 1 + p_off) // p_blk + 1).clamp(0, R)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...bias import atoms
 from ...bias.spec import BAND_UNBOUNDED, BiasSpec
 
 
@@ -234,8 +235,5 @@ def key_index(layout: SequenceLayout, device) -> tuple[torch.Tensor, torch.Tenso
 
 
 def to_device(values, device, dtype=torch.int64) -> torch.Tensor:
-    """A host list on ``device`` without a host sync (pinned, non-blocking copy on CUDA)."""
-    t = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    """A host list on ``device`` (int64 by default) without waiting for the GPU (see :func:`biasattn.bias.atoms.to_device`)."""
+    return atoms.to_device(values, device, dtype)
