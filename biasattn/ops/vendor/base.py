@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import torch
 
+from ...bias.atoms import to_device
 from ...inputs import AttentionInputs
 from ..base import Operator, _dtype_name
 from .layout import SequenceLayout, rows_may_be_empty, sequence_layout
@@ -102,7 +103,7 @@ class VendorOperator(Operator):
             mask = torch.zeros((inp.B, 1, inp.Mq), dtype=torch.bool)
             for b, a, e in layout.keyless:
                 mask[b, :, a:e] = True
-            return mask.to(inp.device, non_blocking=True)
+            return to_device(mask, inp.device)
 
         return layout.cached(("keyless", str(inp.device)), make)
 
