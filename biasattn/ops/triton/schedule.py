@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ...bias.atoms import to_device
@@ -37,49 +38,51 @@ class Schedule:
     ends: tuple[int, ...]
 
 
-def _chunks(start: int, end: int, block: int, seg: int) -> list[tuple[int, int, int]]:
-    return [(a, min(a + block, end), seg) for a in range(start, end, block)]
+def _gaps(starts: np.ndarray, ends: np.ndarray, total: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, ends)`` of the parts of ``[0, total)`` that no interval ``[starts[i], ends[i])`` covers."""
+    keep = ends > starts
+    order = np.argsort(starts[keep], kind="stable")
+    a, b = starts[keep][order], ends[keep][order]
+    covered = np.maximum.accumulate(b) if b.size else b  # the end of what is covered so far
+    before = np.concatenate([[0], covered])  # covered up to interval i (and after the last one)
+    gap_start = before
+    gap_end = np.concatenate([a, [total]])
+    kept = gap_end > gap_start
+    return gap_start[kept], gap_end[kept]
 
 
-def _gaps(intervals: list[tuple[int, int]], total: int) -> list[tuple[int, int]]:
-    """Parts of ``[0, total)`` covered by none of the (sorted, disjoint) intervals."""
-    out, pos = [], 0
-    for a, b in sorted(intervals):
-        if a > pos:
-            out.append((pos, a))
-        pos = max(pos, b)
-    if pos < total:
-        out.append((pos, total))
-    return out
-
-
-@functools.lru_cache(maxsize=64)
 def _segment_programs(starts: tuple[int, ...], ends: tuple[int, ...], total: int, block: int,
-                      spans: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
-    """Tiles of each segment's lines and of the uncovered lines; longest segments first, later tiles first."""
-    progs, order = [], []
-    for s, (a, b) in enumerate(zip(starts, ends)):
-        for p in _chunks(a, b, block, s):
-            progs.append(p)
-            order.append((spans[s] if spans else 0, p[0]))
-    for a, b in _gaps([(a, b) for a, b in zip(starts, ends) if b > a], total):
-        for p in _chunks(a, b, block, -1):
-            progs.append(p)
-            order.append((-1, p[0]))
-    idx = sorted(range(len(progs)), key=lambda n: order[n], reverse=True)
-    return tuple(progs[n] for n in idx)
+                      spans: tuple[int, ...]) -> np.ndarray:
+    """``[programs, 3]`` int32: tiles ``(first, end, segment)`` of each segment's lines (segment ``-1``
+    for the lines no segment covers); longest spans first, and within them later tiles first."""
+    a = np.asarray(starts, dtype=np.int64)
+    e = np.asarray(ends, dtype=np.int64)
+    ga, ge = _gaps(a, e, total)
+    piece_a = np.concatenate([a, ga])
+    piece_e = np.concatenate([e, ge])
+    seg = np.concatenate([np.arange(len(a)), np.full(len(ga), -1)])
+    span = np.concatenate([np.asarray(spans, dtype=np.int64) if spans else np.zeros(len(a), np.int64),
+                           np.full(len(ga), -1)])
+    tiles = np.maximum(piece_e - piece_a + block - 1, 0) // block
+    piece = np.repeat(np.arange(len(tiles)), tiles)
+    offset = np.arange(piece.size) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    first = piece_a[piece] + offset * block
+    table = np.stack([first, np.minimum(first + block, piece_e[piece]), seg[piece]], axis=1)
+    order = np.lexsort((-first, -span[piece]))  # stable: descending (span, first)
+    return table[order].astype(np.int32)
 
 
 _SEGMENTED = BoundedCache(64)
 
 
-def _segmented(key, progs, device) -> Schedule:
-    """The schedule of ``progs``, its table copied to ``device`` once per key (a bounded cache)."""
+def _segmented(key, make, device) -> Schedule:
+    """The schedule of the programs ``make()`` returns, built and copied to ``device`` once per key (a bounded cache)."""
     k = (key, str(device))
     sched = _SEGMENTED.get(k)
     if sched is None:
-        table = to_device(progs, device, torch.int32).reshape(-1, 3)
-        sched = Schedule(len(progs), table, tuple(p[0] for p in progs), tuple(p[1] for p in progs))
+        progs = make()
+        table = to_device(torch.from_numpy(progs), device)
+        sched = Schedule(len(progs), table, tuple(progs[:, 0].tolist()), tuple(progs[:, 1].tolist()))
         _SEGMENTED[k] = sched
     return sched
 
@@ -96,8 +99,8 @@ def query_schedule(spec: BiasSpec, block_m: int, device) -> Schedule:
         return _regular(spec.Mq, block_m)
     h = spec.host
     qs = h.q_seqstart
-    progs = _segment_programs(tuple(qs[:-1]), tuple(qs[1:]), spec.Mq, block_m, tuple(h.k_seqlen))
-    return _segmented(("q", qs, spec.Mq, block_m, h.k_seqlen), progs, device)
+    return _segmented(("q", qs, spec.Mq, block_m, h.k_seqlen),
+                      lambda: _segment_programs(qs[:-1], qs[1:], spec.Mq, block_m, h.k_seqlen), device)
 
 
 def key_schedule(spec: BiasSpec, block_n: int, device) -> Schedule:
@@ -106,9 +109,13 @@ def key_schedule(spec: BiasSpec, block_n: int, device) -> Schedule:
         return _regular(spec.Mk, block_n)
     h = spec.host
     qs, ks, kl = h.q_seqstart, h.k_seqstart, h.k_seqlen
-    ends = tuple(a + n for a, n in zip(ks, kl))
-    progs = _segment_programs(tuple(ks), ends, spec.Mk, block_n, tuple(b - a for a, b in zip(qs, qs[1:])))
-    return _segmented(("k", ks, kl, qs, spec.Mk, block_n), progs, device)
+
+    def make():
+        starts = ks[: len(kl)]
+        ends = tuple(a + n for a, n in zip(starts, kl))
+        return _segment_programs(starts, ends, spec.Mk, block_n, tuple(b - a for a, b in zip(qs, qs[1:])))
+
+    return _segmented(("k", ks, kl, qs, spec.Mk, block_n), make, device)
 
 
 def segments_disjoint(spec: BiasSpec) -> bool:

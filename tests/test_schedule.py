@@ -1,0 +1,68 @@
+"""The per-segment tile tables of the Triton kernels: every line in exactly one program, no program
+straddling two segments, longest spans first and later tiles first, as a plain loop would build them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import biasattn as ba
+from biasattn.inputs import make_inputs
+from biasattn.ops.triton.schedule import _segment_programs, key_schedule, query_schedule
+
+
+def _plain(starts, ends, total, block, spans):
+    """The tables written as loops: tiles of each segment, then of the uncovered lines, sorted by
+    ``(span, first line)`` descending (uncovered lines have span -1)."""
+    progs = []
+    for s, (a, b) in enumerate(zip(starts, ends)):
+        progs += [((spans[s] if spans else 0, t), (t, min(t + block, b), s)) for t in range(a, b, block)]
+    pos = 0
+    gaps = []
+    for a, b in sorted((a, b) for a, b in zip(starts, ends) if b > a):
+        if a > pos:
+            gaps.append((pos, a))
+        pos = max(pos, b)
+    if pos < total:
+        gaps.append((pos, total))
+    for a, b in gaps:
+        progs += [((-1, t), (t, min(t + block, b), -1)) for t in range(a, b, block)]
+    return [p for _, p in sorted(progs, key=lambda x: x[0], reverse=True)]
+
+
+def _random_segments(rng: random.Random, total: int, n: int, holes: bool):
+    cuts = sorted(rng.randint(0, total) for _ in range(2 * n if holes else n - 1))
+    if holes:  # segments with uncovered lines between them (and empty ones)
+        pairs = list(zip(cuts[::2], cuts[1::2]))
+        return [a for a, _ in pairs], [b for _, b in pairs]
+    bounds = [0, *cuts, total]
+    return bounds[:-1], bounds[1:]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_tables_match_the_plain_loops(seed):
+    rng = random.Random(seed)
+    total = rng.choice([0, 1, 17, 64, 300, 1000])
+    n = rng.randint(1, 9)
+    starts, ends = _random_segments(rng, total, n, holes=seed % 2 == 1)
+    block = rng.choice([16, 32, 64, 128])
+    spans = tuple(rng.randint(0, 500) for _ in starts) if rng.random() < 0.8 else ()
+    got = [tuple(row) for row in _segment_programs(tuple(starts), tuple(ends), total, block, spans).tolist()]
+    assert got == _plain(starts, ends, total, block, spans)
+    covered = sorted(line for a, e, _ in got for line in range(a, e))
+    assert covered == list(range(total))
+
+
+def test_schedules_of_a_packed_call():
+    """Three documents of 5, 9 and 10 queries over 7, 3 and 14 keys, tiles of 4."""
+    q = torch.zeros(1, 1, 24, 8)
+    spec = make_inputs(q, q, q, ba.BlockDiagonalMask.from_seqlens([5, 9, 10], [7, 3, 14])).spec
+    qs = query_schedule(spec, 4, q.device)
+    # query tiles by their documents' key counts (14, 7, 3), later tiles first
+    assert qs.table.tolist() == [[22, 24, 2], [18, 22, 2], [14, 18, 2], [4, 5, 0], [0, 4, 0], [13, 14, 1], [9, 13, 1],
+                                 [5, 9, 1]]
+    ks = key_schedule(spec, 4, q.device)  # key tiles by their documents' query counts (10, 9, 5)
+    assert ks.table.tolist() == [[22, 24, 2], [18, 22, 2], [14, 18, 2], [10, 14, 2], [7, 10, 1], [4, 7, 0], [0, 4, 0]]
+    assert (qs.starts, qs.ends) == tuple(zip(*[(a, e) for a, e, _ in qs.table.tolist()]))
