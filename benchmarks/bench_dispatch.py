@@ -239,17 +239,19 @@ def _commit() -> str:
 
 
 def main(argv=None) -> None:
-    """Command line: ``--sizes``, ``--modes``, ``--cases``, ``--out`` (path prefix for .csv and .md)."""
+    """Command line: ``--sizes``, ``--modes``, ``--cases``, ``--head-dim``, ``--out`` (path prefix for .csv and .md)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="2048")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--cases", default=",".join(CASE_NAMES + EXTRA_CASES))
     p.add_argument("--out", default=None, help="path prefix (default: benchmarks/results/<device>/dispatch)")
     p.add_argument("--budget", type=float, default=1e9, help="stop starting new cases after this many seconds")
+    p.add_argument("--head-dim", type=int, default=128, help="D of every case (results go to dispatch_d<D> unless 128)")
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore")
-    a.out = a.out or results_dir("dispatch")
-    rows = run([int(s) for s in a.sizes.split(",")], a.modes.split(","), a.cases.split(","), budget_s=a.budget)
+    a.out = a.out or results_dir("dispatch" if a.head_dim == 128 else f"dispatch_d{a.head_dim}")
+    rows = run([int(s) for s in a.sizes.split(",")], a.modes.split(","), a.cases.split(","), D=a.head_dim,
+               budget_s=a.budget)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -51,24 +51,34 @@ CUDNN_DECODE_MAX_GROUPS = 16
 CUDNN_DECODE_UNGROUPED_MAX_MQ = 4
 CUDNN_DECODE_UNGROUPED_MIN_PAIRS = 512
 CUDNN_DECODE_UNGROUPED_MAX_MK = 8192
+# Above this head dim the triton backward spills registers, and FlashAttention-2's backward goes before it
+# (H200, bf16, S=4096, D=256, forward+backward: triton 119 TFLOP/s against SDPA flash's 263 without a
+# bias and 116 against 232 causal; the triton forward stays ahead, 382 against 316). The forward order
+# is unchanged.
+TRITON_BWD_MAX_HEAD_DIM = 128
 # With dropout, FlashAttention-2 goes before triton: drawing the mask costs our kernels 1.60-1.95x their
 # time without dropout against FA2's 1.09-1.25x, which leaves triton at 0.84-1.00x flash2 on no bias,
 # causal and window 1024 (results/h200/dropout.md at cac0379; cudnn, where it runs, beats both).
 
 
-def priority(device_type: str, inp: AttentionInputs | None = None) -> tuple[str, ...]:
-    """``PRIORITY[device_type]`` adjusted to the inputs: ``triton_splitk`` is tried first only for decode shapes."""
-    return _ordered(device_type, inp, None)
+def priority(device_type: str, inp: AttentionInputs | None = None, *, backward: bool = False) -> tuple[str, ...]:
+    """``PRIORITY[device_type]`` adjusted to the inputs and the pass: ``triton_splitk`` is tried first only
+    for decode shapes; the backward of head dims above :data:`TRITON_BWD_MAX_HEAD_DIM` tries ``flash2`` before ``triton``."""
+    return _ordered(device_type, inp, None, backward)
 
 
 def priority_notes(device_type: str, inp: AttentionInputs) -> list[str]:
-    """Why :func:`priority` moved operators for these inputs, one line per rule applied."""
+    """Why :func:`priority` moved operators for these inputs, one line per rule applied (both passes)."""
     notes: list[str] = []
-    _ordered(device_type, inp, notes)
+    _ordered(device_type, inp, notes, False)
+    if inp.requires_grad:
+        backward: list[str] = []
+        _ordered(device_type, inp, backward, True)
+        notes += [n for n in backward if n not in notes]
     return notes
 
 
-def _ordered(device_type: str, inp: AttentionInputs | None, notes: list[str] | None) -> tuple[str, ...]:
+def _ordered(device_type: str, inp: AttentionInputs | None, notes: list[str] | None, backward: bool) -> tuple[str, ...]:
     order = list(PRIORITY.get(device_type, DEFAULT_PRIORITY))
     if inp is None or device_type != "cuda":
         return tuple(order)
@@ -94,6 +104,12 @@ def _ordered(device_type: str, inp: AttentionInputs | None, notes: list[str] | N
         order.insert(order.index("triton"), "flash2")
         if notes is not None:
             notes.append(f"flash2 before triton: dropout (p={inp.dropout_p:g}) costs flash2 less")
+    elif backward and max(inp.D, inp.Dv) > TRITON_BWD_MAX_HEAD_DIM and "flash2" in order and "triton" in order:
+        order.remove("flash2")
+        order.insert(order.index("triton"), "flash2")
+        if notes is not None:
+            notes.append(f"flash2 before triton for the backward: head dim {max(inp.D, inp.Dv)} is above "
+                         f"{TRITON_BWD_MAX_HEAD_DIM}, where the triton backward spills registers")
     return tuple(order)
 
 
@@ -145,9 +161,9 @@ def use_ops(*names: str) -> Iterator[None]:
         _allowed.reset(token)
 
 
-def candidates(device_type: str, inp: AttentionInputs | None = None) -> list[Operator]:
-    """Operators the dispatcher will try for a device kind (and these inputs), in order."""
-    order = list(priority(device_type, inp))
+def candidates(device_type: str, inp: AttentionInputs | None = None, *, backward: bool = False) -> list[Operator]:
+    """Operators the dispatcher will try for a device kind (and these inputs, and pass), in order."""
+    order = list(priority(device_type, inp, backward=backward))
     allowed = _allowed.get()
     if allowed is not None:
         order = [n for n in order if n in allowed] + [n for n in allowed if n not in order]
@@ -157,13 +173,14 @@ def candidates(device_type: str, inp: AttentionInputs | None = None) -> list[Ope
 
 def _reasons(inp: AttentionInputs, need_lse: bool, backward: bool) -> dict[str, list[str]]:
     return {
-        op.NAME: op.not_supported_reasons(inp, need_lse=need_lse, backward=backward) for op in candidates(inp.device.type, inp)
+        op.NAME: op.not_supported_reasons(inp, need_lse=need_lse, backward=backward)
+        for op in candidates(inp.device.type, inp, backward=backward)
     }
 
 
 def _first(inp: AttentionInputs, need_lse: bool, backward: bool) -> Operator | None:
     """The first candidate with no reasons (later candidates are not asked: a walk is part of a first call's host time)."""
-    for op in candidates(inp.device.type, inp):
+    for op in candidates(inp.device.type, inp, backward=backward):
         if op.supports(inp, need_lse=need_lse, backward=backward):
             return op
     return None
@@ -173,10 +190,14 @@ def _first_pair(inp: AttentionInputs, need_lse: bool) -> tuple[Operator | None, 
     """``(first candidate that runs the forward, first that runs the backward)`` in one walk.
 
     An operator that can run the backward can run the forward (the backward only adds reasons), so
-    the walk stops at the first backward-capable one, asking each operator at most twice.
+    the walk stops at the first backward-capable one, asking each operator at most twice. Where the
+    backward has an order of its own (:func:`priority`), each pass walks its own.
     """
+    order = candidates(inp.device.type, inp)
+    if [op.NAME for op in order] != [op.NAME for op in candidates(inp.device.type, inp, backward=True)]:
+        return _first(inp, need_lse, backward=False), _first(inp, need_lse, backward=True)
     fwd = None
-    for op in candidates(inp.device.type, inp):
+    for op in order:
         if op.supports(inp, need_lse=need_lse, backward=True):
             return fwd or op, op
         if fwd is None and op.supports(inp, need_lse=need_lse, backward=False):
@@ -220,7 +241,7 @@ def _decision_key(inp: AttentionInputs, need_lse: bool, op) -> tuple:
         inp.scale > 0,
         add is not None and add.requires_grad, torch.are_deterministic_algorithms_enabled(), _allowed.get(),
         PRIORITY.get(dev.type), SPLITK_MAX_MQ, CUDNN_DECODE_MAX_GROUPS, CUDNN_DECODE_UNGROUPED_MAX_MQ,
-        CUDNN_DECODE_UNGROUPED_MIN_PAIRS, CUDNN_DECODE_UNGROUPED_MAX_MK, cuda and graph_capturing(),
+        CUDNN_DECODE_UNGROUPED_MIN_PAIRS, CUDNN_DECODE_UNGROUPED_MAX_MK, TRITON_BWD_MAX_HEAD_DIM, cuda and graph_capturing(),
         not cuda and interpreted(), ops.generation(), "dispatch",
     )
 

@@ -366,3 +366,17 @@ def test_kept_choices_equal_a_fresh_walk(case):
         inp = make_inputs(case.q, case.k, case.v, case.bias, scale=case.scale, requires_grad=grad)
         with ba.use_ops(*restrict) if restrict else contextlib.nullcontext():
             assert _choice_or_refusal(inp, need_lse, op) == _walk_or_refusal(inp, need_lse, op)
+
+
+@pytest.mark.parametrize("D, Dv", [(256, 256), (192, 192), (128, 256)])
+def test_cuda_backward_of_large_head_dims_tries_flash2_before_triton(D, Dv):
+    """Above 128 the triton backward spills: flash2 goes first for the backward only, and explain() says why."""
+    q, k, v = torch.randn(1, 2, 64, D), torch.randn(1, 2, 64, D), torch.randn(1, 2, 64, Dv)
+    inp = make_inputs(q.requires_grad_(), k, v, ba.LocalAttentionMask(16, 0))
+    forward, backward = dispatch.priority("cuda", inp), dispatch.priority("cuda", inp, backward=True)
+    assert forward.index("triton") < forward.index("flash2")
+    assert backward.index("flash2") < backward.index("triton")
+    assert [n for n in backward if n not in ("flash2", "triton")] == [n for n in forward if n not in ("flash2", "triton")]
+    assert any("for the backward: head dim" in note for note in dispatch.priority_notes("cuda", inp))
+    small = make_inputs(q[..., :128].detach().requires_grad_(), k[..., :128], v[..., :128], ba.LocalAttentionMask(16, 0))
+    assert dispatch.priority("cuda", small, backward=True) == dispatch.priority("cuda", small)

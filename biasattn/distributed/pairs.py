@@ -87,7 +87,7 @@ def plan_pair(q, k, v, bias, qp: Piece, kp: Piece, *, scale: float, requires_gra
     fwd_op, bwd_op = dispatch.choose(inp, need_lse=True)
     global_lse = bwd_op is not None and bwd_op.NAME in GLOBAL_LSE_BACKWARD
     if bwd_op is not None and not global_lse:  # prefer a candidate that takes the merged out and lse
-        for op in dispatch.candidates(inp.device.type, inp):
+        for op in dispatch.candidates(inp.device.type, inp, backward=True):
             if op.NAME in GLOBAL_LSE_BACKWARD and op.supports(inp, need_lse=True, backward=True):
                 bwd_op, global_lse = op, True
                 break
