@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import biasattn as ba
+from biasattn import dispatch
 from biasattn.inputs import make_inputs
 from biasattn.ops import autograd
 from biasattn.testing import assert_close_to_reference as _assert_close
@@ -143,10 +144,14 @@ def _check_case(case: Case, op: str, dtype, poison: bool = True):
     aa = _leaf(add, None, bias_grad) if add is not None else None
     bias = _bias(case, aa)
     inp = make_inputs(qq, kk, vv, bias, requires_grad=backward)
-    oper = ba.ops.get(op)
-    why = oper.not_supported_reasons(inp, backward=backward)
-    assert not why, f"{op} declares {case.name} but refuses it: {why}"
-    out, lse = autograd.run(inp, oper, oper if backward else None)
+    if op == "auto":
+        fwd_op, bwd_op = dispatch.choose(inp)
+    else:
+        fwd_op = ba.ops.get(op)
+        why = fwd_op.not_supported_reasons(inp, backward=backward)
+        assert not why, f"{op} declares {case.name} but refuses it: {why}"
+        bwd_op = fwd_op if backward else None
+    out, lse = autograd.run(inp, fwd_op, bwd_op)
     ref_out, ref_lse, ref_grads = refs["ref"]
     low_out, low_lse, low_grads = refs["low"]
     assert_close_to_reference(out, ref_out, low_out, atol=ATOL, name=f"{op} {case.name} out")
@@ -275,3 +280,25 @@ def test_cudnn_nan_grad_q_regression(M):
         assert bool(torch.isfinite(dq).all())
     else:
         assert M % 128 == 64
+
+
+HEAD_DIMS = (64, 80, 96, 128, 192, 256)
+
+
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("op", ["cutlass", "flash2", "cudnn", "triton", "auto"])
+@pytest.mark.parametrize("bias", ["causal", "window"])
+def test_every_head_dim_runs_or_is_refused_up_front(D, op, bias):
+    """Each head dim: an operator that declares it matches the reference forward and backward; one that
+    does not refuses before launch. ``auto`` runs every case (at D > 128 its backward is flash2's where it runs)."""
+    make = (lambda a: ba.LowerTriangularMask()) if bias == "causal" else (lambda a: ba.LocalAttentionMask(31, 0))
+    case = Case(f"{bias}_d{D}", (op,), 2, 8, 2, 203, 203, D, make)
+    if op != "auto":
+        q = torch.empty(2, 8, 203, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.empty(2, 2, 203, D, device=DEV, dtype=torch.bfloat16)
+        why = ba.ops.get(op).not_supported_reasons(make_inputs(q, k, k, make(None)), backward=True)
+        if why:
+            with pytest.raises(ba.NotSupportedError):
+                ba.attention(q, k, k, make(None), op=op)
+            return
+    _check_case(case, op, torch.bfloat16)
