@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...bias import atoms
+from ...bias.atoms import to_device
 from ...bias.spec import BAND_UNBOUNDED, BiasSpec
 
 
@@ -231,9 +231,4 @@ def key_index(layout: SequenceLayout, device) -> tuple[torch.Tensor, torch.Tenso
     for b, start, n in layout.gather:
         bs.extend([b] * n)
         js.extend(range(start, start + n))
-    return to_device(bs, device), to_device(js, device)
-
-
-def to_device(values, device, dtype=torch.int64) -> torch.Tensor:
-    """A host list on ``device`` (int64 by default) without waiting for the GPU (see :func:`biasattn.bias.atoms.to_device`)."""
-    return atoms.to_device(values, device, dtype)
+    return to_device(bs, device, torch.int64), to_device(js, device, torch.int64)

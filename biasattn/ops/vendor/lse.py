@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .layout import SequenceLayout, round_up, to_device
+from ...bias.atoms import to_device
+from .layout import SequenceLayout, round_up
 
 LSE_FORMATS = ("bhm", "bhm1", "h_total", "total_h1", "seq_h_m")
 
@@ -89,4 +90,4 @@ def _packed_row_index(layout: SequenceLayout, device) -> tuple[torch.Tensor, tor
     for n, s in enumerate(layout.seqs):
         seg.extend([n] * s.Lq)
         pos.extend(range(s.Lq))
-    return to_device(seg, device), to_device(pos, device)
+    return to_device(seg, device, torch.int64), to_device(pos, device, torch.int64)
