@@ -66,7 +66,8 @@ def tensor_version(t: torch.Tensor) -> int:
 
 
 def to_device(t, device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``t`` (a tensor, or a list of numbers made a tensor of ``dtype``) on ``device``.
+    """``t`` (a tensor, or a list of numbers made a tensor of ``dtype``) on ``device`` (None: where it is,
+    torch's default device for a list).
 
     From the host to a GPU the copy goes through pinned memory without waiting: a plain copy from
     pageable memory waits until every kernel queued on the stream has run, so the host stops

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from ..errors import InputError
@@ -73,18 +74,16 @@ class SegmentsAtom(Atom):
         """Per segment, bounds on ``d = j - i`` in global coordinates (band local to each segment)."""
         if self.band is None:
             return None
-        alignment, left, right = self.band
-        qs, ks = self.q_host, self.k_host
-        los, his = [], []
         from .spec import BAND_UNBOUNDED
 
-        for s in range(len(qs) - 1):
-            shift = ks[s] - qs[s]
-            if alignment == BOTTOM_RIGHT:
-                shift += (ks[s + 1] - ks[s]) - (qs[s + 1] - qs[s])
-            los.append(-BAND_UNBOUNDED if left is None else shift - left)
-            his.append(BAND_UNBOUNDED if right is None else shift + right)
-        return los, his
+        alignment, left, right = self.band
+        qs, ks = np.asarray(self.q_host, dtype=np.int64), np.asarray(self.k_host, dtype=np.int64)
+        shift = ks[:-1] - qs[:-1]  # each segment's diagonal: its first key against its first query
+        if alignment == BOTTOM_RIGHT:  # ... or its last key against its last query
+            shift = shift + np.diff(ks) - np.diff(qs)
+        los = np.full(shift.shape, -BAND_UNBOUNDED) if left is None else shift - left
+        his = np.full(shift.shape, BAND_UNBOUNDED) if right is None else shift + right
+        return los.tolist(), his.tolist()
 
     def dense(self, g: Geometry, dtype, device) -> torch.Tensor:
         qs = torch.tensor(self.q_host, device=device)
@@ -148,8 +147,7 @@ class BlockDiagonalMask(AttentionBias):
     def _from_host(cls, q, k, band, device) -> BlockDiagonalMask:
         qh = tuple([0] + list(accumulate(q)))
         kh = tuple([0] + list(accumulate(k)))
-        dev = device if device is not None else torch.get_default_device()
-        tensors = tuple(to_device(values, dev, torch.int32) for values in (qh, kh, k))
+        tensors = tuple(to_device(values, device, torch.int32) for values in (qh, kh, k))
         if not torch.compiler.is_compiling():
             # The number of documents is data: under torch.compile a new count must not be a new graph.
             # (The first call imports torch.distributed.tensor, which torch.compile imports anyway.)

@@ -77,7 +77,7 @@ class PaddedKeysMask(AttentionBias):
             t = kv_seqlens.to(device=device, dtype=torch.int32)
             return cls._create([PaddedKeysAtom(t)], device=t.device)
         host = as_lengths("kv_seqlens", kv_seqlens)
-        t = to_device(host, device if device is not None else torch.get_default_device(), torch.int32)
+        t = to_device(host, device, torch.int32)
         return cls._create([PaddedKeysAtom(t, tuple(host), from_lists=device is None)], device=device)
 
     @classmethod

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 
 from ..errors import InputError
@@ -244,24 +245,21 @@ class SpecBuilder:
         kw: dict = {}
         host: dict = {}
 
-        def local(v: int, unbounded: int) -> int:
-            return v if abs(v) >= BAND_UNBOUNDED else v + shift
-
         if self.segments is not None:
-            qs, ks, kl = self.segments
-            kl = list(kl)
+            qs, ks, kl = (np.asarray(x, dtype=np.int64) for x in self.segments)
             if self.kv_seqlens is not None:
                 if len(self.kv_seqlens) != 1:
                     raise InputError(
                         f"packed (block-diagonal) biases need batch size 1, padded keys give {len(self.kv_seqlens)}"
                     )
-                L = self.kv_seqlens[0]
-                kl = [max(0, min(n, L - s)) for s, n in zip(ks, kl)]
-            lq = [min(max(s - g.q_off, 0), g.Mq) for s in qs]
-            lks = [min(max(s - g.k_off, 0), g.Mk) for s in ks]
-            kend = [min(max(s + n - g.k_off, 0), g.Mk) for s, n in zip(ks, kl)]
-            lkl = [max(e - s, 0) for s, e in zip(lks, kend)]
-            if lq == qs and lks == ks and lkl == list(self.segments[2]) and self.segment_tensors is not None:
+                kl = np.maximum(np.minimum(kl, self.kv_seqlens[0] - ks[: len(kl)]), 0)
+            lq = np.clip(qs - g.q_off, 0, g.Mq)
+            lks = np.clip(ks - g.k_off, 0, g.Mk)
+            kend = np.clip(ks[: len(kl)] + kl - g.k_off, 0, g.Mk)
+            lkl = np.maximum(kend - lks[: len(kl)], 0)
+            lq, lks, lkl = lq.tolist(), lks.tolist(), lkl.tolist()
+            unchanged = (lq, lks, lkl) == tuple(map(list, self.segments))
+            if unchanged and self.segment_tensors is not None:
                 kw["q_seqstart"], kw["k_seqstart"], kw["k_seqlen"] = self.segment_tensors
             else:
                 kw["q_seqstart"] = _int_tensor(lq, dev)
@@ -281,12 +279,13 @@ class SpecBuilder:
         if self.has_band or self.segment_band is not None:
             lo_g, hi_g = self.band
             if self.segment_band is not None:
-                los = [max(lo, lo_g) for lo in self.segment_band[0]]
-                his = [min(hi, hi_g) for hi in self.segment_band[1]]
+                los = np.maximum(np.asarray(self.segment_band[0], dtype=np.int64), lo_g)
+                his = np.minimum(np.asarray(self.segment_band[1], dtype=np.int64), hi_g)
             else:
-                los, his = [lo_g], [hi_g]
-            los = [local(v, -BAND_UNBOUNDED) for v in los]
-            his = [local(v, BAND_UNBOUNDED) for v in his]
+                los, his = np.array([lo_g], dtype=np.int64), np.array([hi_g], dtype=np.int64)
+            # to the call's coordinates; an unbounded side stays unbounded
+            los = np.where(np.abs(los) >= BAND_UNBOUNDED, los, los + shift).tolist()
+            his = np.where(np.abs(his) >= BAND_UNBOUNDED, his, his + shift).tolist()
             if len(set(los)) == 1 and len(set(his)) == 1:
                 los, his = los[:1], his[:1]
             # a uniform band around every (row, key) pair of the call hides nothing: no band
