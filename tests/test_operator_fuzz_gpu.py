@@ -218,7 +218,7 @@ def _references(case: FuzzCase, q, k, v, dout):
         dense = case.bias.materialize((case.B, case.Hq, case.Mq, case.Mk), dtype=torch.float64, device=DEV)
     for name, cd in (("ref", torch.float64), ("low", case.dtype)):
         leaves = [t.detach().to(cd).requires_grad_(True) for t in (q, k, v)]
-        bias = None if dense is None else dense.to(cd)
+        bias = None if dense is None else dense.to(cd).detach()
         if case.additive is not None and case.additive.requires_grad:
             # the gradient of the additive term equals the gradient of the dense bias, summed over broadcast dims
             bias = bias.requires_grad_(True)
