@@ -66,3 +66,27 @@ def test_schedules_of_a_packed_call():
     ks = key_schedule(spec, 4, q.device)  # key tiles by their documents' query counts (10, 9, 5)
     assert ks.table.tolist() == [[22, 24, 2], [18, 22, 2], [14, 18, 2], [10, 14, 2], [7, 10, 1], [4, 7, 0], [0, 4, 0]]
     assert (qs.starts, qs.ends) == tuple(zip(*[(a, e) for a, e, _ in qs.table.tolist()]))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_hidden_keys_matches_a_plain_scan(seed):
+    """Whether packed segments leave a key that no query sees (then masked tiles may not read whole tiles)."""
+    from biasattn.ops.triton.flash import hidden_keys
+
+    rng = random.Random(seed)
+    n = rng.randint(1, 6)
+    q = [rng.choice([0, 1, 3]) for _ in range(n)]
+    k = [rng.choice([0, 2, 5]) for _ in range(n)]
+    if sum(q) == 0:
+        q[0] = 1
+    if sum(k) == 0:
+        k[0] = 1
+    x = torch.zeros(1, 1, sum(q), 8)
+    y = torch.zeros(1, 1, sum(k), 8)
+    spec = make_inputs(x, y, y, ba.BlockDiagonalMask.from_seqlens(q, k)).spec
+    covered, hidden = 0, False
+    for a, length, m in zip(spec.host.k_seqstart, spec.host.k_seqlen, q):
+        if length and m:
+            hidden = hidden or a > covered
+            covered = max(covered, a + length)
+    assert hidden_keys(spec) == (hidden or covered < sum(k))

@@ -71,14 +71,14 @@ def hidden_keys(spec: BiasSpec) -> bool:
     if spec.q_seqstart is None:
         return False
     h = spec.host
-    queries = np.diff(np.asarray(h.q_seqstart))
-    seen = sorted((a, a + n) for a, n, m in zip(h.k_seqstart, h.k_seqlen, queries) if n > 0 and m > 0)
-    covered = 0
-    for a, b in seen:
-        if a > covered:
-            return True
-        covered = max(covered, b)
-    return covered < spec.Mk
+    lengths = np.asarray(h.k_seqlen, dtype=np.int64)
+    seen = (lengths > 0) & (np.diff(np.asarray(h.q_seqstart, dtype=np.int64)) > 0)
+    starts = np.asarray(h.k_seqstart[: len(lengths)], dtype=np.int64)[seen]
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], (starts + lengths[seen])[order]
+    covered = np.maximum.accumulate(ends) if ends.size else ends  # keys seen up to each segment
+    gap = bool((starts > np.concatenate([[0], covered[:-1]])).any())
+    return gap or (int(covered[-1]) if covered.size else 0) < spec.Mk
 
 
 class _SpecArgs:
