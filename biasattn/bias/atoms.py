@@ -80,7 +80,10 @@ def to_device(t, device, dtype: torch.dtype | None = None) -> torch.Tensor:
         t = t.to(dtype)
     device = torch.device(device) if device is not None else t.device
     if t.device.type == "cpu" and device.type == "cuda" and not torch.compiler.is_compiling():
-        return t.pin_memory().to(device, non_blocking=True)
+        # a graph captured now would read the pinned block at every replay, after it has been reused:
+        # while capturing, the plain copy (which capture refuses) keeps that from happening silently
+        if not torch.cuda.is_current_stream_capturing():
+            return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 
 
