@@ -187,6 +187,17 @@ def test_flash_window_top_left_is_a_right_window():
     assert vmasks.flash_window(p) == (-1, 0)
 
 
+def test_flash_window_refuses_a_left_window_over_more_queries_than_keys_plus_one():
+    """With a left window, FlashAttention reads an unbounded right window as ``max_k`` keys: exact up to
+    ``Mq = Mk + 1``, and hiding keys from the first rows beyond (wrong outputs before this refusal)."""
+    _, p = _layout(ba.LocalAttentionMask(0, 5), 1, 1, 3, 2)
+    assert vmasks.flash_window(p) == (0, -1)
+    _, p = _layout(ba.LocalAttentionMask(0, 5), 1, 1, 5, 2)
+    assert vmasks.flash_window(p) is None
+    _, p = _layout(ba.LowerTriangularFromBottomRightMask(), 1, 1, 5, 2)
+    assert vmasks.flash_window(p) == (-1, 0)  # no left window: an unbounded left stays exact
+
+
 def test_plan_segments():
     bias = ba.BlockDiagonalMask.from_seqlens([3, 5, 7], [4, 1, 6]).make_causal_from_bottom_right()
     spec, p = _layout(bias, 1, 2, 15, 11)

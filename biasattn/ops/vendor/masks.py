@@ -93,7 +93,12 @@ def flash_window(layout: SequenceLayout) -> tuple[int, int] | None:
         if w < floor or w >= max_k:  # would hide keys elsewhere, or the kernel would read it as unbounded
             return None
         result.append(w)
-    return result[0], result[1]
+    left, right = result
+    if left >= 0 and right < 0 and any(s.Lq > max_k + 1 for s in layout.seqs if s.Lk):
+        # With a left window, the kernel reads an unbounded right one as ``max_k`` keys, which hides
+        # keys from the first rows of a sequence with more than ``max_k + 1`` queries.
+        return None
+    return left, right
 
 
 def alibi_matches(layout: SequenceLayout) -> bool:
