@@ -14,6 +14,7 @@ import biasattn as ba
 from biasattn.testing import assert_close_to_reference, reference_attention
 
 STEPS = 50
+CAUSAL_BR = ba.LowerTriangularFromBottomRightMask()
 
 
 @pytest.fixture(autouse=True)
@@ -119,8 +120,52 @@ def test_lengths_from_a_tensor_are_not_read_when_the_mask_is_built():
     assert "4 lengths" in repr(bias)
 
 
+@pytest.mark.parametrize("op", ["reference", "chunked", "triton", "auto"])
+def test_key_lengths_only_the_device_holds_are_never_read_on_the_call_path(monkeypatch, op):
+    """A GPU tensor's key lengths reach the kernels as they are: no operator reads a value on the host (here a
+    CPU tensor plays the GPU's part: its host copy is withheld and any read raises). Out-of-range values act
+    as clamped to [0, Mk]; composition, slicing and a batch of one length stay on the device; the vendor
+    kernels, which need host lengths, refuse with that reason."""
+    from biasattn.bias.atoms import Atom
+    from biasattn.bias.padded import PaddedKeysAtom
+    from biasattn.inputs import make_inputs
+
+    def no_read(*args):
+        raise AssertionError("a length was read on the host")
+
+    monkeypatch.setattr(PaddedKeysAtom, "known_lengths", lambda self: None)
+    monkeypatch.setattr(Atom, "host_copy", no_read)
+    dtype = torch.float64 if op != "triton" else torch.float32
+    q, k, v = (t.to(dtype) for t in _qkv(3, 7, 0))
+    run = dict(op=None if op == "auto" else op)
+    cases = [
+        (torch.tensor([7, -2, 30]), [7, 0, 7], None),
+        (torch.tensor([4]), [4, 4, 4], None),
+        (torch.tensor([5, 1, 7]), [5, 1, 3], CAUSAL_BR & ba.PaddedKeysMask(torch.tensor([6, 9, 3]))),
+    ]
+    for lengths, clamped, extra in cases:
+        bias = ba.PaddedKeysMask(lengths)
+        bias = bias if extra is None else bias & extra
+        out = ba.attention(q, k, v, bias, **run)
+        monkeypatch.undo()
+        expected = ba.PaddedKeysMask(clamped)
+        expected = expected if extra is None else CAUSAL_BR & expected
+        _check(out, q, k, v, expected)
+        monkeypatch.setattr(PaddedKeysAtom, "known_lengths", lambda self: None)
+        monkeypatch.setattr(Atom, "host_copy", no_read)
+    sliced = ba.PaddedKeysMask(torch.tensor([6, 2, 7]))[:, :, :, 1:]
+    out = ba.attention(q, k[:, :, 1:], v[:, :, 1:], sliced, **run)
+    monkeypatch.undo()
+    _check(out, q, k[:, :, 1:], v[:, :, 1:], ba.PaddedKeysMask([5, 1, 6]))
+    monkeypatch.setattr(PaddedKeysAtom, "known_lengths", lambda self: None)
+    inp = make_inputs(q.half(), k.half(), v.half(), ba.PaddedKeysMask(torch.tensor([3, 4, 5])))
+    for name in ("cutlass", "flash2"):
+        why = ba.ops.get(name).extra_reasons(inp, backward=False)
+        assert any("on the device only" in r for r in why), why
+
+
 def test_negative_lengths_from_a_tensor_are_an_error_at_call_time():
-    """Values are checked when the mask is used, with the message a list gets at construction."""
+    """Values the host holds are checked when the mask is used, with the message a list gets at construction."""
     q, k, v = _qkv(2, 5, 0)
     with pytest.raises(ba.errors.InputError, match=r"kv_seqlens\[1\] must be >= 0"):
         ba.attention(q, k, v, ba.PaddedKeysMask(torch.tensor([2, -1])))

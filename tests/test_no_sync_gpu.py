@@ -2,9 +2,10 @@
 forward and backward under ``torch.cuda.set_sync_debug_mode("error")``, which raises on any
 synchronizing CUDA call (a blocking copy, a read of a device value on the host).
 
-Masks built from device tensors still read their lengths on the host once per mask (the operators
-plan launches from host copies); those cases are strict expected failures until the launches depend
-on shapes only, so the marker must go when they pass.
+Key lengths built from a device tensor are never read: fresh padded-key masks from device lengths,
+alone and composed, run without a wait, and a write into the lengths shows in the next call. Packed
+documents built from device tensors still read their starts on the host once per mask (their tiles
+are planned from host copies): a strict expected failure until their launches depend on shapes only.
 """
 
 from __future__ import annotations
@@ -105,17 +106,40 @@ def test_reused_masks_never_wait_for_the_gpu(name):
     _check_against_reference(q, k, v, bias, out)
 
 
-@pytest.mark.xfail(raises=RuntimeError, strict=True, reason="masks from device tensors read their lengths on the host")
-@pytest.mark.parametrize("name", ["padded", "documents"])
-def test_fresh_masks_from_device_tensors_never_wait_for_the_gpu(name):
-    """The contract's goal, not reached yet: a mask built from device lengths adds no wait."""
-    q, k, v = _tensors(name == "documents")
-    if name == "padded":
-        lengths = torch.tensor(LENS[0], device=DEV, dtype=torch.int32)
-        make = lambda: ba.PaddedKeysMask(lengths)  # noqa: E731
-    else:
-        lengths = torch.tensor(DOCS[0] * B, device=DEV, dtype=torch.int32)
-        make = lambda: ba.BlockDiagonalMask.from_seqlens(lengths).make_causal()  # noqa: E731
+DEVICE_PADDED = {
+    "padded": lambda t: ba.PaddedKeysMask(t),
+    "causal_padded": lambda t: ba.LowerTriangularFromBottomRightMask() & ba.PaddedKeysMask(t),
+    "window_padded": lambda t: ba.PaddedKeysMask(t) & ba.LocalAttentionMask(40, 0),
+}
+
+
+@pytest.mark.parametrize("op", [None, "triton"], ids=["auto", "triton"])
+@pytest.mark.parametrize("name", list(DEVICE_PADDED))
+def test_fresh_padded_masks_from_device_lengths_never_wait_for_the_gpu(name, op):
+    """A new mask each step from a device tensor of lengths, written in place between steps (one out of range,
+    which acts clamped): no synchronizing call, and each step's result is that step's lengths'."""
+    q, k, v = _tensors(False)
+    lengths = torch.tensor(LENS[0], device=DEV, dtype=torch.int32)
+    _step(q, k, v, DEVICE_PADDED[name](lengths), op)
+    torch.cuda.synchronize()
+    steps = [*LENS, [-3, 500]]
+    outs = []
+    with _sync_debug("error"):
+        for values in steps:
+            lengths.copy_(torch.tensor(values, dtype=torch.int32).pin_memory(), non_blocking=True)
+            outs.append(_step(q, k, v, DEVICE_PADDED[name](lengths), op)[0])
+    torch.cuda.synchronize()
+    for values, out in zip(steps, outs):
+        clamped = [min(max(n, 0), M) for n in values]
+        _check_against_reference(q, k, v, DEVICE_PADDED[name](torch.tensor(clamped, device=DEV)), out)
+
+
+@pytest.mark.xfail(raises=RuntimeError, strict=True, reason="packed documents from device tensors read their starts")
+def test_fresh_documents_from_device_tensors_never_wait_for_the_gpu():
+    """The contract's goal, not reached yet for packed documents: a mask built from device lengths adds no wait."""
+    q, k, v = _tensors(True)
+    lengths = torch.tensor(DOCS[0] * B, device=DEV, dtype=torch.int32)
+    make = lambda: ba.BlockDiagonalMask.from_seqlens(lengths).make_causal()  # noqa: E731
     _step(q, k, v, make(), None)
     torch.cuda.synchronize()
     with _sync_debug("error"):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
-from .atoms import Atom, Geometry, as_lengths, check_length_tensor, readable, to_device, visible_to_additive
+from .atoms import Atom, Geometry, as_lengths, check_length_tensor, readable, tensor_version, to_device, visible_to_additive
 from .base import AttentionBias
 
 
@@ -35,6 +35,14 @@ class PaddedKeysAtom(Atom):
         """The lengths on the host (read from the tensor when it was built on a device or written since)."""
         return self.host_copy(self.kv_seqlens, self.host)
 
+    def known_lengths(self) -> tuple[int, ...] | None:
+        """The lengths where the host has them for free (given as a list and not written since, or held
+        by a CPU tensor), else None: the attention path never reads a GPU tensor's values."""
+        t = self.kv_seqlens
+        if t.device.type == "cpu" or (self.host is not None and tensor_version(t) in (0, -1)):
+            return self.lengths()
+        return None
+
     def sizes(self):
         n = self.kv_seqlens.shape[0]
         return (n if n > 1 else None, None, None, None)
@@ -48,8 +56,8 @@ class PaddedKeysAtom(Atom):
 
     def lower(self, builder) -> None:
         g = builder.g
-        host = self.lengths()
-        for b, n in enumerate(host):
+        host = self.known_lengths()
+        for b, n in enumerate(host or ()):
             if n < 0:
                 raise InputError(f"kv_seqlens[{b}] must be >= 0, got {n}")
             if n > g.Mk_full and g.full_known[1]:
@@ -68,7 +76,9 @@ class PaddedKeysMask(AttentionBias):
     ``kv_seqlens``: ``[B]`` ints (list or tensor). A tensor is kept as the lengths (int32, on its
     device) without being read, so building the mask costs no device sync and works inside
     ``torch.compile``; an in-place write to :attr:`kv_seqlens` takes effect on the next call.
-    Negative lengths and lengths above Mk are an error at call time.
+    Lengths the host holds (a list, a CPU tensor) must lie in ``[0, Mk]``, checked at call time;
+    a GPU tensor's values are never read on the call path, so there a negative length hides every
+    key and a length above Mk shows every key.
     """
 
     def __new__(cls, kv_seqlens, *, device=None):

@@ -211,18 +211,20 @@ class SpecBuilder:
             self.segment_band = (list(band[0]), list(band[1]))
 
     def add_kv_seqlens(self, lengths, tensor) -> None:
-        if self.kv_seqlens is None:
-            self.kv_seqlens, self.kv_tensor = list(lengths), tensor
-        else:
+        """Key lengths: ``tensor`` on the device, ``lengths`` its values when the host has them (else None)."""
+        if self.kv_tensor is None:
+            self.kv_seqlens, self.kv_tensor = (None if lengths is None else list(lengths)), tensor
+            return
+        n, m = self.kv_tensor.shape[0], tensor.shape[0]
+        if n != m and 1 not in (n, m):
+            raise InputError(f"cannot compose PaddedKeysMask with {n} and {m} lengths")
+        if self.kv_seqlens is not None and lengths is not None:
             a, b = list(self.kv_seqlens), list(lengths)
-            if len(a) == 1:
-                a = a * len(b)
-            if len(b) == 1:
-                b = b * len(a)
-            if len(a) != len(b):
-                raise InputError(f"cannot compose PaddedKeysMask with {len(a)} and {len(b)} lengths")
+            a, b = a * (len(b) if len(a) == 1 else 1), b * (len(a) if len(b) == 1 else 1)
             self.kv_seqlens = [min(x, y) for x, y in zip(a, b)]
-            self.kv_tensor = torch.minimum(self.kv_tensor, tensor)
+        else:
+            self.kv_seqlens = None
+        self.kv_tensor = torch.minimum(self.kv_tensor, tensor)
 
     def add_layout(self, layout: torch.Tensor, bq: int, bk: int) -> None:
         if self.layout is None:
@@ -247,6 +249,8 @@ class SpecBuilder:
 
         if self.segments is not None:
             qs, ks, kl = (np.asarray(x, dtype=np.int64) for x in self.segments)
+            if self.kv_tensor is not None and self.kv_seqlens is None:  # packed segments are planned on the host
+                self.kv_seqlens = self.kv_tensor.tolist()
             if self.kv_seqlens is not None:
                 if len(self.kv_seqlens) != 1:
                     raise InputError(
@@ -266,15 +270,20 @@ class SpecBuilder:
                 kw["k_seqstart"] = _int_tensor(lks, dev)
                 kw["k_seqlen"] = _int_tensor(lkl, dev)
             host.update(q_seqstart=tuple(lq), k_seqstart=tuple(lks), k_seqlen=tuple(lkl))
-        elif self.kv_seqlens is not None:
-            kv = [min(max(n - g.k_off, 0), g.Mk) for n in self.kv_seqlens]
-            if len(kv) == 1 and g.B != 1:
-                kv = kv * g.B
-            if len(kv) != g.B:
-                raise InputError(f"PaddedKeysMask has {len(kv)} lengths, q has batch size B={g.B}")
-            same = kv == self.kv_seqlens and self.kv_tensor is not None
-            kw["kv_seqlens"] = self.kv_tensor if same else _int_tensor(kv, dev)
-            host["kv_seqlens"] = tuple(kv)
+        elif self.kv_tensor is not None:
+            n = self.kv_tensor.shape[0]
+            if n != g.B and n != 1:
+                raise InputError(f"PaddedKeysMask has {n} lengths, q has batch size B={g.B}")
+            if self.kv_seqlens is not None:
+                kv = [min(max(x - g.k_off, 0), g.Mk) for x in self.kv_seqlens] * (g.B if n == 1 else 1)
+                same = kv == self.kv_seqlens
+                kw["kv_seqlens"] = self.kv_tensor if same else _int_tensor(kv, dev)
+                host["kv_seqlens"] = tuple(kv)
+            else:
+                # Values only the device holds: shifted there, never read. Kernels hide key j >= length,
+                # so a negative length hides every key and one above Mk none.
+                t = self.kv_tensor if g.k_off == 0 else self.kv_tensor - g.k_off
+                kw["kv_seqlens"] = t.expand(g.B).contiguous() if n != g.B else t
 
         if self.has_band or self.segment_band is not None:
             lo_g, hi_g = self.band

@@ -186,7 +186,7 @@ class ChunkedOperator(Operator):
                 seen = ~torch.isneginf(tb)
             if not full:
                 keys = seen.any(-2).any(2)[..., None]  # [B|1, Hkv|1, bk, 1]
-                rows = seen.any(-1).expand(-1, -1, inp.groups, -1).reshape(*seen.shape[:2], inp.groups * (i1 - i0), 1)
+                rows = seen.any(-1).expand(-1, -1, inp.groups, i1 - i0).reshape(*seen.shape[:2], inp.groups * (i1 - i0), 1)
                 k, v, qs = torch.where(keys, k, 0.0), torch.where(keys, v, 0.0), torch.where(rows, qs, 0.0)
         s = qs @ k.transpose(-1, -2)
         if tb is None:
@@ -196,7 +196,8 @@ class ChunkedOperator(Operator):
         if seen is None or not nonfinite:
             return s, qs, k, v, None
         s5.masked_fill_(~seen, float("-inf"))
-        seen = seen.expand(*seen.shape[:2], inp.groups, -1, -1).reshape(*seen.shape[:2], inp.groups * (i1 - i0), j1 - j0)
+        lead = seen.shape[:2]
+        seen = seen.expand(*lead, inp.groups, i1 - i0, j1 - j0).reshape(*lead, inp.groups * (i1 - i0), j1 - j0)
         return s, qs, k, v, seen
 
     def _queries(self, q5, i0, i1, scale, dtype):
@@ -377,7 +378,7 @@ def _sub_inputs(inp: AttentionInputs, bs: slice, hs: slice, hk: slice) -> Attent
     q = inp.q[bs, hs]
     kv_seqlens, host_kv = spec.kv_seqlens, host.kv_seqlens
     if kv_seqlens is not None and bs != slice(None):
-        kv_seqlens, host_kv = kv_seqlens[bs], host_kv[bs]
+        kv_seqlens, host_kv = kv_seqlens[bs], (None if host_kv is None else host_kv[bs])
 
     def part(t):
         return None if t is None else t[_lead(t, bs, hs)]

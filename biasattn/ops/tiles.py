@@ -89,7 +89,7 @@ def tile_fully_visible(spec: BiasSpec, i0: int, i1: int, j0: int, j1: int) -> bo
         k = 0 if len(h.band_lo) == 1 else s
         if j0 - (i1 - 1) < h.band_lo[k] or (j1 - 1) - i0 > h.band_hi[k]:
             return False
-    if h.kv_seqlens is not None and j1 > min(h.kv_seqlens, default=0):
+    if spec.kv_seqlens is not None and (h.kv_seqlens is None or j1 > min(h.kv_seqlens, default=0)):
         return False
     if h.layout is not None:
         qb0 = (i0 + spec.layout_q_off) // spec.block_q

@@ -132,6 +132,8 @@ def _seq(spec: BiasSpec, b: int, q0: int, Lq: int, k0: int, Lk: int, band_index:
 def sequence_layout(spec: BiasSpec) -> SequenceLayout:
     """The kernel layout for ``spec`` (see :class:`SequenceLayout`); pure Python on host metadata."""
     h = spec.host
+    if spec.q_seqstart is None and spec.kv_seqlens is not None and h.kv_seqlens is None:
+        return SequenceLayout("padded", (), reason="needs the key lengths on the host; these live on the device only")
     if spec.q_seqstart is None and h.kv_seqlens is None:
         return SequenceLayout("batched", (_seq(spec, 0, 0, spec.Mq, 0, spec.Mk, 0),))
     if spec.q_seqstart is None:  # padded keys: B sequences of Mq queries and kv_seqlens[b] keys
