@@ -13,6 +13,7 @@ cost of that layer and everything beneath it:
 - ``sdpa ...``: torch's SDPA flash backend on the same shapes, for scale.
 
     PYTHONPATH=. python benchmarks/host_overhead.py --cases none causal varlen --profile causal
+    PYTHONPATH=. python benchmarks/host_overhead.py --targets   # the target rows against SDPA
 
 ``--threads`` splits a forward+backward call into the forward, the backward's body (timed and profiled
 on whichever thread autograd runs it) and the rest (autograd's engine and its thread hand-off), with
@@ -204,6 +205,52 @@ def ab_plans(calls: dict, rounds: int, iters: int) -> None:
         print(f"  plans on {on:8.1f}  off {off:8.1f}  ({off / on:.2f}x)  {n}")
 
 
+def target_rows(iters: int, D: int) -> None:
+    """Host µs per call of the rows the host-path targets name, each next to SDPA on the same tensors:
+    tiny prefill (causal), decode at B=1 and B=8, and a padded-key mask reused, built per call from a
+    device tensor of lengths, and as SDPA's dense bool mask."""
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rand(*shape, grad=False):
+        return torch.randn(*shape, device=dev, dtype=dt, generator=g).requires_grad_(grad)
+
+    q, k, v = rand(1, 2, 128, D), rand(1, 2, 128, D), rand(1, 2, 128, D)
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    dout = torch.randn_like(q)
+    causal = ba.LowerTriangularMask()
+
+    def ours_fb():
+        return torch.autograd.grad(ba.attention(qg, kg, vg, causal), (qg, kg, vg), dout)
+
+    def sdpa_fb():
+        return torch.autograd.grad(F.scaled_dot_product_attention(qg, kg, vg, is_causal=True), (qg, kg, vg), dout)
+
+    rows = [("prefill fwd, causal, M=128", lambda: ba.attention(q, k, v, causal),
+             lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+            ("prefill fwd+bwd, causal, M=128", ours_fb, sdpa_fb)]
+    for B in (1, 8):
+        dq, dk, dv = rand(B, 8, 1, D), rand(B, 8, 512, D), rand(B, 8, 512, D)
+        lengths = torch.randint(1, 513, (B,), device=dev, dtype=torch.int32, generator=g)
+        reused = ba.PaddedKeysMask(lengths)
+        dense = torch.arange(512, device=dev)[None, None, None, :] < lengths[:, None, None, None]
+        rows += [
+            (f"decode fwd, B={B}, 512 keys", lambda dq=dq, dk=dk, dv=dv: ba.attention(dq, dk, dv),
+             lambda dq=dq, dk=dk, dv=dv: F.scaled_dot_product_attention(dq, dk, dv)),
+            (f"decode fwd, B={B}, padded keys, mask reused", lambda dq=dq, dk=dk, dv=dv, m=reused: ba.attention(dq, dk, dv, m),
+             lambda dq=dq, dk=dk, dv=dv, m=dense: F.scaled_dot_product_attention(dq, dk, dv, attn_mask=m)),
+            (f"decode fwd, B={B}, padded keys, mask built per call from device lengths",
+             lambda dq=dq, dk=dk, dv=dv, n=lengths: ba.attention(dq, dk, dv, ba.PaddedKeysMask(n)),
+             lambda dq=dq, dk=dk, dv=dv, n=lengths: F.scaled_dot_product_attention(
+                 dq, dk, dv, attn_mask=torch.arange(512, device=dev)[None, None, None, :] < n[:, None, None, None])),
+        ]
+    print(f"\n== host µs per call (D={D}, bf16; SDPA with its own backend choice, a bool mask where ours has one)")
+    print(f"  {'ours':>8} {'sdpa':>8} {'ratio':>6}  row")
+    for name, ours, sdpa in rows:
+        a, b = per_call_us(ours, iters), per_call_us(sdpa, iters)
+        print(f"  {a:8.1f} {b:8.1f} {a / b:6.2f}  {name}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", default=["none", "causal", "varlen", "block_sparse", "additive"], choices=CASE_NAMES)
@@ -215,7 +262,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", action="store_true", help="split fwd+bwd host time by thread (see above)")
     p.add_argument("--ab-plans", type=int, default=0, metavar="ROUNDS",
                    help="time the forced-operator layers with launch plans on and off in ROUNDS alternating rounds")
+    p.add_argument("--targets", action="store_true", help="only the target rows against SDPA (prefill, decode, padded masks)")
     args = p.parse_args(argv)
+    if args.targets:
+        target_rows(args.iters, args.D)
+        return 0
     for name in args.cases:
         case = make_case(name, B=1, H=2, M=args.M, D=args.D, docs=(2, 4))
         print(f"\n== {name}, B=1 H=2 M={args.M} D={args.D} bf16: host µs per call")

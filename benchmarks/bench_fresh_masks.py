@@ -1,0 +1,101 @@
+"""Packed documents with a mask built fresh every step, against the same mask reused and FlashAttention-2 varlen.
+
+Training on packed documents builds ``BlockDiagonalMask.from_seqlens(lengths, device=...).make_causal()``
+from each batch's lengths. This times causal forward+backward per step, bf16, three ways on the same
+tensors, every step with new random document lengths (none repeats):
+
+- ``fresh``: the mask built from the step's Python list of lengths inside the timed step;
+- ``reused``: one mask object per step built before timing (what a cached mask costs);
+- ``flash2 varlen``: ``aten._flash_attention_forward/backward`` with ``cu_seqlens`` made from the same
+  lengths each step (``torch.tensor(..., device=...)``), as FlashAttention-2 users write it.
+
+    PYTHONPATH=. python benchmarks/bench_fresh_masks.py            # 16k/14 docs, 16k/64 docs, 4k/16 docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+
+import biasattn as ba
+
+CASES = ((16384, 14), (16384, 64), (4096, 16))
+
+
+def _split(rng: random.Random, total: int, parts: int) -> list[int]:
+    cuts = sorted(rng.sample(range(1, total), parts - 1))
+    return [b - a for a, b in zip([0, *cuts], [*cuts, total])]
+
+
+def _timed(step, batches, warmup: int = 3) -> float:
+    """Mean ms per step over ``batches`` (one step per batch), CUDA events around the whole loop."""
+    for b in batches[:warmup]:
+        step(b)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for b in batches[warmup:]:
+        step(b)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (len(batches) - warmup)
+
+
+def run(M: int, docs: int, H: int, D: int, steps: int, seed: int) -> dict[str, float]:
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(seed)
+    q, k, v = (torch.randn(1, H, M, D, device=dev, dtype=dt, generator=g).requires_grad_() for _ in range(3))
+    dout = torch.randn(1, H, M, D, device=dev, dtype=dt, generator=g)
+    rng = random.Random(seed)
+    batches = [_split(rng, M, docs) for _ in range(steps)]
+    masks = [ba.BlockDiagonalMask.from_seqlens(lens, device=dev).make_causal() for lens in batches]
+    by_id = {id(lens): m for lens, m in zip(batches, masks)}
+
+    def ours(mask):
+        out = ba.attention(q, k, v, mask)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    def fresh(lens):
+        ours(ba.BlockDiagonalMask.from_seqlens(lens, device=dev).make_causal())
+
+    def reused(lens):
+        ours(by_id[id(lens)])
+
+    qf, kf, vf, df = (t.detach()[0].transpose(0, 1).contiguous() for t in (q, k, v, dout))  # [M, H, D]
+
+    def flash2(lens):
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=dev, dtype=torch.int32)
+        longest = max(lens)
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            qf, kf, vf, cu, cu, longest, longest, 0.0, True, False)
+        torch.ops.aten._flash_attention_backward(df, qf, kf, vf, out, lse, cu, cu, longest, longest, 0.0, True,
+                                                 rng_state, unused)
+
+    flops = 3.5 * 4 * H * D * sum(n * (n + 1) / 2 for lens in batches for n in lens) / len(batches)
+    result = {}
+    for name, step in (("fresh", fresh), ("reused", reused), ("flash2 varlen", flash2)):
+        ms = _timed(step, batches)
+        result[name] = flops / (ms * 1e-3) / 1e12
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--H", type=int, default=16)
+    p.add_argument("--D", type=int, default=128)
+    p.add_argument("--steps", type=int, default=40)
+    args = p.parse_args(argv)
+    print(f"{torch.cuda.get_device_name()}, bf16, H={args.H}, D={args.D}, causal fwd+bwd, TFLOP/s "
+          f"(new document lengths every step, {args.steps} steps)")
+    print(f"{'tokens':>7} {'docs':>5} {'fresh':>7} {'reused':>7} {'flash2':>7}  fresh/reused  fresh/flash2")
+    for M, docs in CASES:
+        r = run(M, docs, args.H, args.D, args.steps, seed=M + docs)
+        print(f"{M:7d} {docs:5d} {r['fresh']:7.1f} {r['reused']:7.1f} {r['flash2 varlen']:7.1f}"
+              f"  {r['fresh'] / r['reused']:12.2f}  {r['fresh'] / r['flash2 varlen']:12.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
