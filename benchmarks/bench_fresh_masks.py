@@ -2,10 +2,11 @@
 
 Training on packed documents builds ``BlockDiagonalMask.from_seqlens(lengths, device=...).make_causal()``
 from each batch's lengths. This times causal forward+backward per step, bf16, three ways on the same
-tensors, every step with new random document lengths (none repeats):
+tensors, every step with new random document lengths (none repeats; 12 other batches warm up first):
 
 - ``fresh``: the mask built from the step's Python list of lengths inside the timed step;
-- ``reused``: one mask object per step built before timing (what a cached mask costs);
+- ``prebuilt``: one mask object per step, built before timing (new lengths, the mask's cost left out);
+- ``same``: one mask object and the same lengths every step (the mask reused);
 - ``flash2 varlen``: ``aten._flash_attention_forward/backward`` with ``cu_seqlens`` made from the same
   lengths each step (``torch.tensor(..., device=...)``), as FlashAttention-2 users write it.
 
@@ -22,6 +23,7 @@ import torch
 import biasattn as ba
 
 CASES = ((16384, 14), (16384, 64), (4096, 16))
+WARMUP = 12  # batches run before timing, with lengths of their own
 
 
 def _split(rng: random.Random, total: int, parts: int) -> list[int]:
@@ -29,18 +31,19 @@ def _split(rng: random.Random, total: int, parts: int) -> list[int]:
     return [b - a for a, b in zip([0, *cuts], [*cuts, total])]
 
 
-def _timed(step, batches, warmup: int = 3) -> float:
-    """Mean ms per step over ``batches`` (one step per batch), CUDA events around the whole loop."""
-    for b in batches[:warmup]:
+def _timed(step, batches, warmup) -> float:
+    """Mean ms per step over ``batches`` (one step per batch), CUDA events around the whole loop, after
+    steps on the ``warmup`` batches (other lengths: every kernel variant the lengths select is compiled)."""
+    for b in warmup:
         step(b)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for b in batches[warmup:]:
+    for b in batches:
         step(b)
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / (len(batches) - warmup)
+    return start.elapsed_time(end) / len(batches)
 
 
 def run(M: int, docs: int, H: int, D: int, steps: int, seed: int) -> dict[str, float]:
@@ -49,7 +52,7 @@ def run(M: int, docs: int, H: int, D: int, steps: int, seed: int) -> dict[str, f
     q, k, v = (torch.randn(1, H, M, D, device=dev, dtype=dt, generator=g).requires_grad_() for _ in range(3))
     dout = torch.randn(1, H, M, D, device=dev, dtype=dt, generator=g)
     rng = random.Random(seed)
-    batches = [_split(rng, M, docs) for _ in range(steps)]
+    batches = [_split(rng, M, docs) for _ in range(steps + WARMUP)]
     masks = [ba.BlockDiagonalMask.from_seqlens(lens, device=dev).make_causal() for lens in batches]
     by_id = {id(lens): m for lens, m in zip(batches, masks)}
 
@@ -60,8 +63,11 @@ def run(M: int, docs: int, H: int, D: int, steps: int, seed: int) -> dict[str, f
     def fresh(lens):
         ours(ba.BlockDiagonalMask.from_seqlens(lens, device=dev).make_causal())
 
-    def reused(lens):
+    def prebuilt(lens):
         ours(by_id[id(lens)])
+
+    def same(lens):
+        ours(masks[0])
 
     qf, kf, vf, df = (t.detach()[0].transpose(0, 1).contiguous() for t in (q, k, v, dout))  # [M, H, D]
 
@@ -73,11 +79,12 @@ def run(M: int, docs: int, H: int, D: int, steps: int, seed: int) -> dict[str, f
         torch.ops.aten._flash_attention_backward(df, qf, kf, vf, out, lse, cu, cu, longest, longest, 0.0, True,
                                                  rng_state, unused)
 
-    flops = 3.5 * 4 * H * D * sum(n * (n + 1) / 2 for lens in batches for n in lens) / len(batches)
+    flops = 3.5 * 4 * H * D * sum(n * (n + 1) / 2 for lens in batches[WARMUP:] for n in lens) / steps
     result = {}
-    for name, step in (("fresh", fresh), ("reused", reused), ("flash2 varlen", flash2)):
-        ms = _timed(step, batches)
-        result[name] = flops / (ms * 1e-3) / 1e12
+    same_flops = 3.5 * 4 * H * D * sum(n * (n + 1) / 2 for n in batches[0])
+    for name, step in (("fresh", fresh), ("prebuilt", prebuilt), ("same", same), ("flash2 varlen", flash2)):
+        ms = _timed(step, batches[WARMUP:], batches[:WARMUP])
+        result[name] = (same_flops if name == "same" else flops) / (ms * 1e-3) / 1e12
     return result
 
 
@@ -89,11 +96,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     print(f"{torch.cuda.get_device_name()}, bf16, H={args.H}, D={args.D}, causal fwd+bwd, TFLOP/s "
           f"(new document lengths every step, {args.steps} steps)")
-    print(f"{'tokens':>7} {'docs':>5} {'fresh':>7} {'reused':>7} {'flash2':>7}  fresh/reused  fresh/flash2")
+    print(f"{'tokens':>7} {'docs':>5} {'fresh':>7} {'prebuilt':>8} {'same':>7} {'flash2':>7}  fresh/same  fresh/flash2")
     for M, docs in CASES:
         r = run(M, docs, args.H, args.D, args.steps, seed=M + docs)
-        print(f"{M:7d} {docs:5d} {r['fresh']:7.1f} {r['reused']:7.1f} {r['flash2 varlen']:7.1f}"
-              f"  {r['fresh'] / r['reused']:12.2f}  {r['fresh'] / r['flash2 varlen']:12.2f}")
+        print(f"{M:7d} {docs:5d} {r['fresh']:7.1f} {r['prebuilt']:8.1f} {r['same']:7.1f} {r['flash2 varlen']:7.1f}"
+              f"  {r['fresh'] / r['same']:10.2f}  {r['fresh'] / r['flash2 varlen']:12.2f}")
     return 0
 
 

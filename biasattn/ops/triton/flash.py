@@ -8,6 +8,8 @@ time, so :data:`INTERPRETED` records whether these kernels run on the CPU.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -189,19 +191,25 @@ SHORT_SPAN_KEYS_DKDV = 800  # ... and at or under which dK/dV does too
 def mean_visible_keys(spec: BiasSpec, Mq: int, Mk: int) -> float:
     """Mean number of keys a query row sees under the spec's segments, padded keys and band.
 
-    64 rows are sampled per sequence (each packed segment, each padded batch row); the block layout
-    and an additive bias are not counted. An estimate for choosing tiles, never used for results."""
+    64 rows are sampled per sequence (each packed segment, each padded batch row); the block layout,
+    an additive bias and lengths that only the device holds are not counted. An estimate for choosing
+    tiles, never used for results."""
     h = spec.host
-    if h.q_seqstart is not None:
-        nq, nk = np.diff(np.asarray(h.q_seqstart)), np.asarray(h.k_seqlen)
-    elif h.kv_seqlens is not None:
-        nk = np.minimum(np.asarray(h.kv_seqlens), Mk)
+    return _mean_visible_keys(h.q_seqstart, h.k_seqlen, h.kv_seqlens, h.band_lo, h.band_hi, Mq, Mk)
+
+
+@functools.lru_cache(maxsize=256)
+def _mean_visible_keys(q_seqstart, k_seqlen, kv_seqlens, band_lo, band_hi, Mq: int, Mk: int) -> float:
+    if q_seqstart is not None:
+        nq, nk = np.diff(np.asarray(q_seqstart)), np.asarray(k_seqlen)
+    elif kv_seqlens is not None:
+        nk = np.minimum(np.asarray(kv_seqlens), Mk)
         nq = np.full(len(nk), Mq)
     else:
         nq, nk = np.array([Mq]), np.array([Mk])
-    if h.band_lo is not None:
-        lo = np.broadcast_to(np.asarray(h.band_lo, dtype=np.float64), nq.shape)
-        hi = np.broadcast_to(np.asarray(h.band_hi, dtype=np.float64), nq.shape)
+    if band_lo is not None:
+        lo = np.broadcast_to(np.asarray(band_lo, dtype=np.float64), nq.shape)
+        hi = np.broadcast_to(np.asarray(band_hi, dtype=np.float64), nq.shape)
     else:
         lo, hi = np.full(nq.shape, -np.inf), np.full(nq.shape, np.inf)
     rows = np.linspace(0.0, 1.0, 64)[None, :] * np.maximum(nq - 1, 0)[:, None]
