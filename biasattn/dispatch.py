@@ -211,12 +211,13 @@ def choose(inp: AttentionInputs, *, need_lse: bool = False, op=None) -> tuple[Op
     A choice is kept in the spec's store under :func:`_decision_key`, so a call like an earlier one
     (the same spec: a bias reused, or a shared one) skips the walk; refusals are never kept. A
     cache-length mask alone (``PaddedKeysMask``, often built anew every decode step) keeps its choice
-    in one store for all such specs: no operator's verdict reads the length values.
+    in one store for all such specs: no operator's verdict reads the length values, only whether the
+    host has them.
     """
     key = _decision_key(inp, need_lse, op)
     store = inp.spec.derived
-    if inp.spec.key_lengths_only:
-        store = _length_mask_choices
+    if inp.spec.key_lengths_only:  # vendor kernels refuse lengths that only the device holds
+        store, key = _length_mask_choices, (*key, inp.spec.host.kv_seqlens is None)
     try:
         decision = store.get(key)
     except TypeError:  # symbolic sizes (tracing) are unhashable: no caching
