@@ -199,7 +199,13 @@ def splitk_attention_fwd(
     plan = plans.lookup(spec.derived, key)
     shared_key = shape = None
     if plan is None and key is not None and spec.key_lengths_only and min(B, Hq, Mq, Mk) > 0:
-        lengths, shape = spec.kv_seqlens, _launch_shape(inp, B, Mq, None, None)  # one sequence per batch row
+        lengths = spec.kv_seqlens
+        if spec.host.kv_seqlens is None:  # lengths only the device holds: the launch follows from shapes alone
+            shape = _shapes_only.get(key)
+            if shape is None:
+                shape = _shapes_only[key] = _launch_shape(inp, B, Mq, None, None)
+        else:
+            shape = _launch_shape(inp, B, Mq, None, None)  # one sequence per batch row
         shared_key = (key, lengths.dtype, lengths.data_ptr() & 15, shape)
         plan = plans.lookup(_shared_plans, shared_key)
     if plan is not None:
@@ -286,6 +292,7 @@ def splitk_attention_fwd(
 # role of the plan, like q, k and v, and the key holds the launch shape the call's host lengths give
 # (tiles, row blocks, split count): a plan is replayed only by calls that would launch the same.
 _shared_plans = BoundedCache(256)
+_shapes_only = BoundedCache(256)  # the launch shape of a plan key when no host length tunes it
 
 
 @dataclass(frozen=True)
