@@ -50,6 +50,12 @@ def _random_split(rng: random.Random, total: int) -> list[int]:
     return [b - a for a, b in zip([0, *cuts], [*cuts, total])]
 
 
+def _split_into(rng: random.Random, total: int, parts: int) -> list[int]:
+    """``parts`` lengths summing to ``total``, empty ones allowed."""
+    cuts = sorted(rng.choices(range(total + 1), k=parts - 1))
+    return [b - a for a, b in zip([0, *cuts], [*cuts, total])]
+
+
 def test_padded_keys_passed_in_compile_once_for_fifty_sets_of_lengths():
     """A PaddedKeysMask argument used to recompile for every new set of lengths (its lengths were guarded)."""
     cfn, cnt = _compiled(lambda q, k, v, bias: ba.attention(q, k, v, bias & ba.LowerTriangularFromBottomRightMask()))
@@ -91,6 +97,38 @@ def test_packed_documents_passed_in_compile_once_for_fifty_sets_of_documents():
         if step == 0:
             frames = cnt.frame_count
     assert _graphs(cnt) == 1 and cnt.frame_count == frames
+
+
+def test_packed_documents_built_inside_from_tensors_compile_once_for_fifty_sets_of_documents():
+    """BlockDiagonalMask.from_seqlens(tensor) inside the compiled function used to fail to trace (it read the
+    lengths); it now keeps them as tensors, and fifty packings (2 to 6 documents: torch specializes a dim of
+    size 1) compile one graph, with queries and keys packed apart."""
+    def fn(q, k, v, q_lens, k_lens):
+        return ba.attention(q, k, v, ba.BlockDiagonalMask.from_seqlens(q_lens, k_lens).make_causal_from_bottom_right())
+
+    cfn, cnt = _compiled(fn)
+    frames = None
+    rng = random.Random(3)
+    for step in range(STEPS):
+        n = rng.randint(2, 6)
+        q_lens, k_lens = (_split_into(rng, total, n) for total in (23, 31))
+        q = _qkv(1, 23, step)[0]
+        k, v = _qkv(1, 31, step)[1:]
+        bias = ba.BlockDiagonalMask.from_seqlens(q_lens, k_lens).make_causal_from_bottom_right()
+        _check(cfn(q, k, v, torch.tensor(q_lens), torch.tensor(k_lens)), q, k, v, bias)
+        if step == 0:
+            frames = cnt.frame_count
+    assert _graphs(cnt) == 1 and cnt.frame_count == frames
+
+
+def test_packed_lengths_traced_as_tensors_are_checked_when_the_compiled_call_runs():
+    """Lengths that were not read while tracing must still sum to the call's M and be non-negative."""
+    cfn, _ = _compiled(lambda q, k, v, lens: ba.attention(q, k, v, ba.BlockDiagonalMask.from_seqlens(lens)))
+    q, k, v = _qkv(1, 9, 0)
+    with pytest.raises(ba.errors.InputError, match=r"q_seqlens sum to 8, q has Mq=9"):
+        cfn(q, k, v, torch.tensor([3, 5]))
+    with pytest.raises(ba.errors.InputError, match=r"q_seqlens\[1\] must be >= 0, got -2"):
+        cfn(q, k, v, torch.tensor([11, -2]))
 
 
 @pytest.mark.parametrize("op", ["chunked", "reference"])

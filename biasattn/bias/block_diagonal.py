@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
-from .atoms import Atom, Geometry, as_lengths, readable, to_device, visible_to_additive
+from .atoms import Atom, Geometry, as_lengths, check_length_tensor, readable, to_device, visible_to_additive
 from .band import BOTTOM_RIGHT, TOP_LEFT
 from .base import AttentionBias
 from .local import check_window
@@ -30,8 +30,8 @@ class SegmentsAtom(Atom):
     q_seqstart: torch.Tensor  # [S+1] int32
     k_seqstart: torch.Tensor  # [S+1] int32
     k_seqlen: torch.Tensor  # [S] int32
-    Mq: int  # total queries and keys: the bias' size
-    Mk: int
+    Mq: int | None  # total queries and keys: the bias' size (None: the call's, for lengths not read yet)
+    Mk: int | None
     band: tuple[str, int | None, int | None] | None = None  # (alignment, left, right) per segment
     q_given: tuple[int, ...] | None = None  # host copies of q_seqstart / k_seqstart, as given
     k_given: tuple[int, ...] | None = None
@@ -107,6 +107,15 @@ class SegmentsAtom(Atom):
             raise InputError(
                 f"{self.family} describes a packed batch: q must have batch size B=1, got B={builder.g.B}"
             )
+        if self.Mq is None:  # built from tensors without reading them: their values are checked now
+            for name, starts, total in (("q_seqlens", self.q_host, builder.g.Mq_full),
+                                        ("kv_seqlens", self.k_host, builder.g.Mk_full)):
+                for n, (a, b) in enumerate(zip(starts, starts[1:])):
+                    if b < a:
+                        raise InputError(f"{name}[{n}] must be >= 0, got {b - a}")
+                if starts[-1] != total:
+                    side = "q has Mq" if name == "q_seqlens" else "k has Mk"
+                    raise InputError(f"{name} sum to {starts[-1]}, {side}={total}")
         builder.add_segments(
             self.q_host, self.k_host, [b - a for a, b in zip(self.k_host, self.k_host[1:])],
             tuple(to_device(t, builder.device) for t in (self.q_seqstart, self.k_seqstart, self.k_seqlen)),
@@ -134,7 +143,14 @@ class BlockDiagonalMask(AttentionBias):
 
     @classmethod
     def from_seqlens(cls, q_seqlens, kv_seqlens=None, *, device=None) -> BlockDiagonalMask:
-        """From per-sequence query lengths and key lengths (defaults to the query lengths)."""
+        """From per-sequence query lengths and key lengths (defaults to the query lengths).
+
+        Inside ``torch.compile``, lengths given as tensors are not read: the mask holds their running
+        sums as tensors and covers whatever q and k the call has (their lengths must sum to Mq and Mk,
+        checked when the compiled call runs), so new lengths never trace a new graph."""
+        if torch.compiler.is_compiling() and isinstance(q_seqlens, torch.Tensor) and (
+                kv_seqlens is None or isinstance(kv_seqlens, torch.Tensor)):
+            return cls._from_tensors(q_seqlens, kv_seqlens, device)
         q = as_lengths("q_seqlens", q_seqlens)
         k = q if kv_seqlens is None else as_lengths("kv_seqlens", kv_seqlens)
         if len(k) != len(q):
@@ -142,6 +158,25 @@ class BlockDiagonalMask(AttentionBias):
         if device is None:
             device = next((t.device for t in (q_seqlens, kv_seqlens) if isinstance(t, torch.Tensor)), None)
         return cls._from_host(q, k, None, device)
+
+    @classmethod
+    def _from_tensors(cls, q_seqlens: torch.Tensor, kv_seqlens: torch.Tensor | None, device) -> BlockDiagonalMask:
+        """A mask on length tensors, none of them read (while tracing): its size is the call's."""
+        check_length_tensor("q_seqlens", q_seqlens)
+        if kv_seqlens is not None:
+            check_length_tensor("kv_seqlens", kv_seqlens)
+            if kv_seqlens.shape[0] != q_seqlens.shape[0]:
+                raise InputError(f"kv_seqlens has {kv_seqlens.shape[0]} sequences, q_seqlens has {q_seqlens.shape[0]}")
+        device = q_seqlens.device if device is None else torch.device(device)
+
+        def starts(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            lengths = lengths.to(device=device, dtype=torch.int32)
+            return torch.cat([lengths.new_zeros(1), lengths.cumsum(0).to(torch.int32)]), lengths
+
+        qs, _ = starts(q_seqlens)
+        ks, kl = starts(q_seqlens if kv_seqlens is None else kv_seqlens)
+        atom = SegmentsAtom(qs, ks, kl, None, None, family=cls.__name__)
+        return cls._create([atom], device=device)
 
     @classmethod
     def _from_host(cls, q, k, band, device) -> BlockDiagonalMask:

@@ -144,9 +144,8 @@ def _packed_sequences(attention_mask, kwargs: dict, B: int, L: int, S: int) -> B
         return None
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None and cu_k is not None:
-        q = (cu_q[1:] - cu_q[:-1]).tolist()
-        k = (cu_k[1:] - cu_k[:-1]).tolist()
-        return BlockDiagonalMask.from_seqlens(q, k, device=cu_q.device)
+        # as tensors: under torch.compile the mask keeps them unread, so new packings never retrace
+        return BlockDiagonalMask.from_seqlens(cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1], device=cu_q.device)
     position_ids = kwargs.get("position_ids")
     if position_ids is None or L != S or L < 2 or torch.compiler.is_compiling():
         return None
