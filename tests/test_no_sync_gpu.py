@@ -134,6 +134,29 @@ def test_fresh_padded_masks_from_device_lengths_never_wait_for_the_gpu(name, op)
         _check_against_reference(q, k, v, DEVICE_PADDED[name](torch.tensor(clamped, device=DEV)), out)
 
 
+@pytest.mark.parametrize("name", list(DEVICE_PADDED))
+def test_a_cuda_graph_replays_the_lengths_written_into_its_mask(name):
+    """Captured once, replayed after each in-place write of new lengths: every replay is that step's attention."""
+    q, k, v = (t.detach() for t in _tensors(False))
+    lengths = torch.tensor(LENS[0], device=DEV, dtype=torch.int32)
+    bias = DEVICE_PADDED[name](lengths)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            ba.attention(q, k, v, bias)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ba.attention(q, k, v, bias)
+    for values in [*LENS, [-3, 500]]:
+        lengths.copy_(torch.tensor(values, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        clamped = [min(max(n, 0), M) for n in values]
+        _check_against_reference(q, k, v, DEVICE_PADDED[name](torch.tensor(clamped, device=DEV)), out.clone())
+
+
 @pytest.mark.xfail(raises=RuntimeError, strict=True, reason="packed documents from device tensors read their starts")
 def test_fresh_documents_from_device_tensors_never_wait_for_the_gpu():
     """The contract's goal, not reached yet for packed documents: a mask built from device lengths adds no wait."""
