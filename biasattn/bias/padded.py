@@ -104,7 +104,7 @@ class PaddedKeysMask(AttentionBias):
                 f"mask row {bad} is not a right-padding mask (True then False); "
                 "use AdditiveBias(mask) for arbitrary bool masks"
             )
-        return cls(lengths, device=mask.device)
+        return cls(lengths.tolist(), device=mask.device)  # read once the check above has waited for the GPU
 
     @property
     def kv_seqlens(self) -> torch.Tensor:

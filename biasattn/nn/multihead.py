@@ -38,8 +38,8 @@ def key_padding_bias(keep: Tensor) -> AttentionBias:
     """
     if not torch.compiler.is_compiling():
         lengths = right_padding_lengths(keep)
-        if lengths is not None:
-            return PaddedKeysMask(lengths)
+        if lengths is not None:  # the check has waited for the GPU already: the host keeps the lengths
+            return PaddedKeysMask(lengths.tolist(), device=keep.device)
     return AdditiveBias(keep[:, None, None, :])
 
 
