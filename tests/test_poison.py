@@ -185,7 +185,8 @@ def _program_rows(name, seen, q, k, bias):
     spec = lower(bias, q.shape[0], q.shape[1], Mq, Mk, q.device)
     sched = query_schedule(spec, INTERPRETER_BLOCK_M, q.device)
     prog = torch.empty(Mq, dtype=torch.long)
-    for n, (a, e) in enumerate(zip(sched.starts, sched.ends)):
+    for n, (a, e, _) in enumerate(sched.table.tolist() if sched.table is not None else
+                                  [(a, min(a + sched.block, Mq), 0) for a in range(0, Mq, sched.block)]):
         prog[a:e] = n
     return prog[:, None] == prog[None, :]
 

@@ -1,5 +1,7 @@
-"""The per-segment tile tables of the Triton kernels: every line in exactly one program, no program
-straddling two segments, longest spans first and later tiles first, as a plain loop would build them."""
+"""The per-segment tile tables of the Triton kernels (built on the device, here under the interpreter):
+every line in exactly one program, no program straddling two segments, longest spans first and later
+tiles first, as a plain loop would build them, then programs with no lines up to a row count that
+follows from shapes alone."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import torch
 
 import biasattn as ba
 from biasattn.inputs import make_inputs
-from biasattn.ops.triton.schedule import _segment_programs, key_schedule, query_schedule
+from biasattn.ops.triton.schedule import key_schedule, query_schedule, segment_table
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _plain(starts, ends, total, block, spans):
@@ -41,31 +45,52 @@ def _random_segments(rng: random.Random, total: int, n: int, holes: bool):
     return bounds[:-1], bounds[1:]
 
 
+def _rows(table: torch.Tensor) -> list[tuple[int, int, int]]:
+    return [tuple(row) for row in table.tolist()]
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_tables_match_the_plain_loops(seed):
     rng = random.Random(seed)
     total = rng.choice([0, 1, 17, 64, 300, 1000])
-    n = rng.randint(1, 9)
+    n = rng.randint(1, 150 if seed % 10 == 0 else 9)  # more than one program of the table kernel at times
     starts, ends = _random_segments(rng, total, n, holes=seed % 2 == 1)
     block = rng.choice([16, 32, 64, 128])
-    spans = tuple(rng.randint(0, 500) for _ in starts) if rng.random() < 0.8 else ()
-    got = [tuple(row) for row in _segment_programs(tuple(starts), tuple(ends), total, block, spans).tolist()]
-    assert got == _plain(starts, ends, total, block, spans)
+    spans = [rng.randint(0, 500) for _ in starts]
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    lens = [e - a for a, e in zip(starts, ends)]
+    sched = segment_table(torch.tensor(starts, **i32), torch.tensor(lens, **i32), torch.tensor(spans, **i32), total, block,
+                          spans_from_starts=False)
+    got, want = _rows(sched.table), _plain(starts, ends, total, block, spans)
+    assert sched.n == total // block + 2 * len(starts) + 2
+    assert got == want + [(0, 0, -1)] * (sched.n - len(want))
     covered = sorted(line for a, e, _ in got for line in range(a, e))
     assert covered == list(range(total))
 
 
 def test_schedules_of_a_packed_call():
     """Three documents of 5, 9 and 10 queries over 7, 3 and 14 keys, tiles of 4."""
-    q = torch.zeros(1, 1, 24, 8)
+    q = torch.zeros(1, 1, 24, 8, device=DEVICE)
     spec = make_inputs(q, q, q, ba.BlockDiagonalMask.from_seqlens([5, 9, 10], [7, 3, 14])).spec
     qs = query_schedule(spec, 4, q.device)
     # query tiles by their documents' key counts (14, 7, 3), later tiles first
-    assert qs.table.tolist() == [[22, 24, 2], [18, 22, 2], [14, 18, 2], [4, 5, 0], [0, 4, 0], [13, 14, 1], [9, 13, 1],
-                                 [5, 9, 1]]
+    assert _rows(qs.table) == [(22, 24, 2), (18, 22, 2), (14, 18, 2), (4, 5, 0), (0, 4, 0), (13, 14, 1), (9, 13, 1),
+                               (5, 9, 1)] + [(0, 0, -1)] * 6
     ks = key_schedule(spec, 4, q.device)  # key tiles by their documents' query counts (10, 9, 5)
-    assert ks.table.tolist() == [[22, 24, 2], [18, 22, 2], [14, 18, 2], [10, 14, 2], [7, 10, 1], [4, 7, 0], [0, 4, 0]]
-    assert (qs.starts, qs.ends) == tuple(zip(*[(a, e) for a, e, _ in qs.table.tolist()]))
+    assert _rows(ks.table) == [(22, 24, 2), (18, 22, 2), (14, 18, 2), (10, 14, 2), (7, 10, 1), (4, 7, 0), (0, 4, 0)] + [
+        (0, 0, -1)] * 7
+    assert query_schedule(spec, 4, q.device) is qs  # built once per spec
+
+
+def test_a_table_needs_no_host_copy_of_the_lengths():
+    """A spec whose segments only the device holds (no host copies at all) gets the same table."""
+    from biasattn.bias.spec import BiasSpec
+
+    qs = torch.tensor([0, 5, 14, 24], dtype=torch.int32, device=DEVICE)
+    spec = BiasSpec(B=1, H=1, Mq=24, Mk=24, q_seqstart=qs, k_seqstart=qs, k_seqlen=qs.diff())
+    assert spec.host.q_seqstart is None
+    got = [row for row in _rows(query_schedule(spec, 4, qs.device).table) if row[1] > row[0]]
+    assert got == [(22, 24, 2), (18, 22, 2), (14, 18, 2), (13, 14, 1), (9, 13, 1), (5, 9, 1), (4, 5, 0), (0, 4, 0)]
 
 
 @pytest.mark.parametrize("seed", range(30))

@@ -41,8 +41,10 @@ def _poison(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------- checking
-def assert_close(name: str, got, ref, low, factor: float = 2.0, atol: float = 1e-5) -> None:
-    """``max|got - ref| <= factor · max|low - ref| + atol``; infinities must agree exactly, no NaN."""
+def assert_close(name: str, got, ref, low, factor: float = 2.0, atol: float = 1e-5, flash_err: float = 0.0) -> None:
+    """``max|got - ref| <= factor · max(max|low - ref|, flash_err) + atol``; infinities must agree exactly, no NaN.
+
+    ``flash_err``: how far the rounding of a flash kernel moves the result (:func:`_delta_rounding`)."""
     g, r, lo = (t.detach().double().cpu() for t in (got, ref, low))
     assert not torch.isnan(g).any(), f"{name}: NaN in the result"
     inf = torch.isinf(r)
@@ -53,9 +55,30 @@ def assert_close(name: str, got, ref, low, factor: float = 2.0, atol: float = 1e
         return
     err = float((g - r)[fin].abs().max())
     ok = fin & torch.isfinite(lo)
-    low_err = float((lo - r)[ok].abs().max()) if ok.any() else 0.0
+    low_err = max(float((lo - r)[ok].abs().max()) if ok.any() else 0.0, flash_err)
     bound = factor * low_err + atol
     assert err <= bound, f"{name}: max error {err:.3g} > {factor}·{low_err:.3g} + {atol} (low-precision reference error)"
+
+
+def _delta_rounding(q, k, r_inp, r_out, r_lse, l_out, dout) -> tuple[float, float]:
+    """``(max |moved dq|, max |moved dk|)`` when a flash backward takes ``delta = rowsum(dout * out)`` from
+    the output rounded to the dtype (``l_out``) instead of the exact one: ``dS`` moves by
+    ``-P · (delta_rounded - delta)`` on every row, a rounding every flash kernel has and the textbook
+    low-precision math, which differentiates the softmax, does not (float64; the fuzz test's
+    flash-rounding yardstick for the same reason)."""
+    qd = q.detach().double()
+    kd = k.detach().double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = (qd @ kd.transpose(-1, -2)) * r_inp.scale
+    dense = dense_bias(r_inp, torch.float64, r_inp.additive)
+    if dense is not None:
+        s = s + dense.detach()
+    lse = r_lse.detach().double()[..., None]
+    p = torch.where(torch.isfinite(lse), torch.exp(s - torch.where(torch.isfinite(lse), lse, 0)), 0)
+    moved = ((dout.double() * (l_out.detach().double() - r_out.detach().double())).sum(-1))[..., None]
+    ds = torch.nan_to_num(-p * moved)
+    dq = (ds @ kd) * r_inp.scale
+    dk = (ds.transpose(-1, -2) @ qd) * r_inp.scale
+    return float(dq.abs().max()) if dq.numel() else 0.0, float(dk.abs().max()) if dk.numel() else 0.0
 
 
 def _leaf(t, dtype=None, grad=True):
@@ -104,6 +127,7 @@ def check(q, k, v, make_bias, add=None, *, scale=None, grads=True, add_grad=True
         l_out, l_lse = softmax_attention(*low_in, dense_bias(inp, lo_dtype, inp.additive), inp.scale, lo_dtype,
                                          mask.to(lo_dtype))
     else:
+        r_inp = make_inputs(*ref_in, make_bias(a_ref), scale=scale)
         r_out, r_lse = ba.attention_with_lse(*ref_in, make_bias(a_ref), scale=scale, op="reference")
         l_out, l_lse = softmax_attention(*low_in, dense_bias(inp, lo_dtype, inp.additive), inp.scale, lo_dtype)
     assert out.dtype == dtype
@@ -128,9 +152,10 @@ def check(q, k, v, make_bias, add=None, *, scale=None, grads=True, add_grad=True
     got = grads_of(out, lse, ours, a_ours if ag else None)
     ref = grads_of(r_out, r_lse, ref_in, a_ref if ag else None)
     low = grads_of(l_out, l_lse, low_in, a_low if ag else None)
-    for name, g, r, lo, f in zip(("dq", "dk", "dv", "dadditive"), got, ref, low, (3.0, 2.0, 2.0, 2.0)):
+    moved = (*_delta_rounding(q, k, r_inp, r_out, r_lse, l_out, dout), 0.0, 0.0)
+    for name, g, r, lo, f, m in zip(("dq", "dk", "dv", "dadditive"), got, ref, low, (3.0, 2.0, 2.0, 2.0), moved):
         assert g.shape == r.shape and g.dtype == lo.dtype, f"{name}: shape/dtype {g.shape}/{g.dtype}"
-        assert_close(name, g, r, lo, factor=f)
+        assert_close(name, g, r, lo, factor=f, flash_err=m)
     return out, lse
 
 
@@ -195,8 +220,11 @@ def test_hidden_lines_hold_nan(monkeypatch, case, tma):
     """Keys past a cache length and lines outside every packed segment may hold anything (NaN in an
     uninitialized cache): they stay out of the output and of every gradient, which are 0 there. The
     additive cases run the shared bias-gradient kernel and dQ read back from the bias gradient."""
+    from biasattn.ops.triton import configs
     from biasattn.ops.triton import tma as tma_mod
 
+    if tma and not configs.interpreted():
+        pytest.skip("descriptors are forced only under the interpreter; on the GPU the dtype decides")
     monkeypatch.setattr(tma_mod, "FORCE_INTERPRETED", tma)
     built = record_descriptors(monkeypatch)
     B, Hq, Hkv, Mk = (3, 4, 2, 45) if "gqa" in case else (3, 2, 2, 45)
@@ -704,10 +732,16 @@ def test_short_spans_pick_short_forward_tiles():
         (ba.LowerTriangularMask(), 1, 64, 64),
         (ba.LocalAttentionMask(10, 3), 1, 64, 90),
         (ba.PaddedKeysMask([40, 90, 7]), 3, 64, 90),
-        (ba.BlockDiagonalMask.from_seqlens([64, 64], [30, 70]), 1, 128, 100),
-        (ba.BlockDiagonalMask.from_seqlens([64, 64]).make_causal(), 1, 128, 128),
     ]:
         assert flash.mean_visible_keys(spec(bias, Mq, Mk, B), Mq, Mk) == pytest.approx(brute(bias, Mq, Mk, B)), bias
+    # packed segments count by shape: equal ones twice the mean length, whatever the lengths
+    for q_lens, k_lens in [([64, 64], [30, 70]), ([127, 1], [1, 99])]:
+        bias = ba.BlockDiagonalMask.from_seqlens(q_lens, k_lens)
+        assert flash.mean_visible_keys(spec(bias, 128, 100), 128, 100) == pytest.approx(100.0)
+    for lens in ([64, 64], [5, 123]):
+        bias = ba.BlockDiagonalMask.from_seqlens(lens).make_causal()
+        causal = brute(ba.LowerTriangularMask(), 128, 128)
+        assert flash.mean_visible_keys(spec(bias, 128, 128), 128, 128) == pytest.approx(causal)
     causal = ba.LowerTriangularMask()
     both = ("short_span", "short_span_dkdv")
     assert flash._span_features(spec(causal, 1024, 1024), 1024, 1024) == both

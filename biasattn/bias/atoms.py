@@ -197,6 +197,9 @@ def as_lengths(name: str, values, *, allow_empty: bool = False) -> list[int]:
     if isinstance(values, torch.Tensor):
         check_length_tensor(name, values, allow_empty=True)
         values = values.tolist()
+    if type(values) in (list, tuple) and set(map(type, values)) <= {int}:  # the common case, checked at C speed
+        if values and min(values) >= 0 or not values and allow_empty:
+            return list(values)
     try:
         out = [v if isinstance(v, int) else int(v) if float(v).is_integer() else None for v in values]
     except TypeError:

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from itertools import accumulate
 
-import numpy as np
 import torch
 
 from ..errors import InputError
@@ -77,13 +76,14 @@ class SegmentsAtom(Atom):
         from .spec import BAND_UNBOUNDED
 
         alignment, left, right = self.band
-        qs, ks = np.asarray(self.q_host, dtype=np.int64), np.asarray(self.k_host, dtype=np.int64)
-        shift = ks[:-1] - qs[:-1]  # each segment's diagonal: its first key against its first query
-        if alignment == BOTTOM_RIGHT:  # ... or its last key against its last query
-            shift = shift + np.diff(ks) - np.diff(qs)
-        los = np.full(shift.shape, -BAND_UNBOUNDED) if left is None else shift - left
-        his = np.full(shift.shape, BAND_UNBOUNDED) if right is None else shift + right
-        return los.tolist(), his.tolist()
+        qs, ks = self.q_host, self.k_host
+        if alignment == BOTTOM_RIGHT:  # each segment's diagonal: its last key against its last query
+            shift = [b - a for a, b in zip(qs[1:], ks[1:])]
+        else:  # ... or its first key against its first query
+            shift = [b - a for a, b in zip(qs[:-1], ks[:-1])]
+        los = [-BAND_UNBOUNDED] * len(shift) if left is None else [d - left for d in shift]
+        his = [BAND_UNBOUNDED] * len(shift) if right is None else [d + right for d in shift]
+        return los, his
 
     def dense(self, g: Geometry, dtype, device) -> torch.Tensor:
         qs = torch.tensor(self.q_host, device=device)
@@ -182,7 +182,11 @@ class BlockDiagonalMask(AttentionBias):
     def _from_host(cls, q, k, band, device) -> BlockDiagonalMask:
         qh = tuple([0] + list(accumulate(q)))
         kh = tuple([0] + list(accumulate(k)))
-        tensors = tuple(to_device(values, device, torch.int32) for values in (qh, kh, k))
+        # one copy to the device for the three tensors, each at a 16-byte aligned offset
+        n = -(-len(qh) // 4) * 4
+        pad = (0,) * (n - len(qh))
+        packed = to_device(qh + pad + kh + pad + tuple(k), device, torch.int32)
+        tensors = (packed[: len(qh)], packed[n : n + len(kh)], packed[2 * n :])
         if not torch.compiler.is_compiling():
             # The number of documents is data: under torch.compile a new count must not be a new graph.
             # (The first call imports torch.distributed.tensor, which torch.compile imports anyway.)

@@ -248,20 +248,26 @@ class SpecBuilder:
         host: dict = {}
 
         if self.segments is not None:
-            qs, ks, kl = (np.asarray(x, dtype=np.int64) for x in self.segments)
             if self.kv_tensor is not None and self.kv_seqlens is None:  # packed segments are planned on the host
                 self.kv_seqlens = self.kv_tensor.tolist()
-            if self.kv_seqlens is not None:
-                if len(self.kv_seqlens) != 1:
-                    raise InputError(
-                        f"packed (block-diagonal) biases need batch size 1, padded keys give {len(self.kv_seqlens)}"
-                    )
-                kl = np.maximum(np.minimum(kl, self.kv_seqlens[0] - ks[: len(kl)]), 0)
-            lq = np.clip(qs - g.q_off, 0, g.Mq)
-            lks = np.clip(ks - g.k_off, 0, g.Mk)
-            kend = np.clip(ks[: len(kl)] + kl - g.k_off, 0, g.Mk)
-            lkl = np.maximum(kend - lks[: len(kl)], 0)
-            lq, lks, lkl = lq.tolist(), lks.tolist(), lkl.tolist()
+            if self.kv_seqlens is not None and len(self.kv_seqlens) != 1:
+                raise InputError(
+                    f"packed (block-diagonal) biases need batch size 1, padded keys give {len(self.kv_seqlens)}"
+                )
+            sq, sks, skl = self.segments
+            whole = (g.q_off, g.k_off, g.Mq, g.Mk) == (0, 0, g.Mq_full, g.Mk_full) and self.kv_seqlens is None
+            if whole and 0 <= min(sq) and max(sq) <= g.Mq and 0 <= min(sks) and min(skl, default=0) >= 0 and all(
+                    a + n <= g.Mk for a, n in zip(sks, skl)):  # the call covers the whole mask: nothing to clip
+                lq, lks, lkl = sq, sks, skl
+            else:
+                qs, ks, kl = (np.asarray(x, dtype=np.int64) for x in self.segments)
+                if self.kv_seqlens is not None:
+                    kl = np.maximum(np.minimum(kl, self.kv_seqlens[0] - ks[: len(kl)]), 0)
+                lq = np.clip(qs - g.q_off, 0, g.Mq)
+                lks = np.clip(ks - g.k_off, 0, g.Mk)
+                kend = np.clip(ks[: len(kl)] + kl - g.k_off, 0, g.Mk)
+                lkl = np.maximum(kend - lks[: len(kl)], 0)
+                lq, lks, lkl = lq.tolist(), lks.tolist(), lkl.tolist()
             unchanged = (lq, lks, lkl) == tuple(map(list, self.segments))
             if unchanged and self.segment_tensors is not None:
                 kw["q_seqstart"], kw["k_seqstart"], kw["k_seqlen"] = self.segment_tensors

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ...bias.spec import BiasSpec
+from ...memo import BoundedCache
 from ..common import cdiv, next_power_of_2, num_sms, slice_span, tile_size
 from . import configs, launch, plans, schedule, tma
 from .dropout_kernels import _dropout_mask_kernel
@@ -42,6 +43,30 @@ def _plan_key(kind: str, tensors: tuple, spec: BiasSpec, scale: float, switches:
             tma.ENABLED, tma.FORCE_INTERPRETED, launch.DIRECT, bool(configs._overrides))
 
 
+_SHARED_PLANS = BoundedCache(256)  # launch plans that every spec of one structure shares
+
+
+def plan_home(spec: BiasSpec, device, key) -> tuple[dict, object, tuple]:
+    """``(store, key, roles)``: where a call's launch plan lives, and the spec's tensors a replay fills in.
+
+    A spec whose only tensors are lengths (segments, padded keys, a band), already int32 on ``device``,
+    shares its plans with every spec of the same structure: the lengths and the tile tables are roles
+    of the plan, and the key holds every decision a launch takes from the spec (features, hidden
+    keys, span buckets, the tensors' shapes). So a mask built fresh every step replays a plan. Other
+    specs (an additive bias, ALiBi slopes, a block layout) keep their plans on themselves."""
+    if key is None:
+        return spec.derived, None, ()
+    lengths = (spec.q_seqstart, spec.k_seqstart, spec.k_seqlen, spec.kv_seqlens, spec.band_lo, spec.band_hi)
+    if (spec.additive is not None or spec.alibi_slopes is not None or spec.layout is not None
+            or any(t is not None and (t.dtype != torch.int32 or t.device != device) for t in lengths)):
+        return spec.derived, key, ()
+    d32 = _dummy(device)
+    roles = tuple(d32 if t is None else t for t in lengths)
+    structure = (spec.features, _hidden_keys(spec), _span_features(spec, spec.Mq, spec.Mk), plans.tensor_key(*roles),
+                 spec.block_q, spec.block_k, spec.layout_q_off, spec.layout_k_off, spec.alibi_shift)
+    return _SHARED_PLANS, (key, structure), roles
+
+
 def _new(shape, dtype, device, zero: bool = False) -> torch.Tensor:
     if zero:
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -65,7 +90,8 @@ def _bcast_strides(t: torch.Tensor | None, shape) -> tuple[int, ...]:
 
 
 def hidden_keys(spec: BiasSpec) -> bool:
-    """Whether a cache length or the packed segments can hide a key from every query. Such keys may
+    """Whether a cache length or the packed segments can hide a key from every query (assumed for
+    segments the host does not hold). Such keys may
     hold anything (NaN in an uninitialized cache), so the kernels read them nowhere: masked tiles
     load only the keys their rows see, never a whole tile through a descriptor."""
     if spec.kv_seqlens is not None:
@@ -73,6 +99,8 @@ def hidden_keys(spec: BiasSpec) -> bool:
     if spec.q_seqstart is None:
         return False
     h = spec.host
+    if h.k_seqlen is None:  # segments only the device holds
+        return True
     lengths = np.asarray(h.k_seqlen, dtype=np.int64)
     seen = (lengths > 0) & (np.diff(np.asarray(h.q_seqstart, dtype=np.int64)) > 0)
     starts = np.asarray(h.k_seqstart[: len(lengths)], dtype=np.int64)[seen]
@@ -81,6 +109,10 @@ def hidden_keys(spec: BiasSpec) -> bool:
     covered = np.maximum.accumulate(ends) if ends.size else ends  # keys seen up to each segment
     gap = bool((starts > np.concatenate([[0], covered[:-1]])).any())
     return gap or (int(covered[-1]) if covered.size else 0) < spec.Mk
+
+
+def _hidden_keys(spec: BiasSpec) -> bool:
+    return spec.cached("hidden keys", lambda: hidden_keys(spec))
 
 
 class _SpecArgs:
@@ -99,7 +131,7 @@ class _SpecArgs:
         self.kl = spec.k_seqlen.to(**i32) if self.has_segments else d32
         self.has_padded = spec.kv_seqlens is not None
         self.kv = spec.kv_seqlens.to(**i32) if self.has_padded else d32
-        self.hidden_keys = hidden_keys(spec)
+        self.hidden_keys = _hidden_keys(spec)
         self.has_band = spec.band_lo is not None
         self.band_lo = spec.band_lo.to(**i32) if self.has_band else d32
         self.band_hi = spec.band_hi.to(**i32) if self.has_band else d32
@@ -191,11 +223,21 @@ SHORT_SPAN_KEYS_DKDV = 800  # ... and at or under which dK/dV does too
 def mean_visible_keys(spec: BiasSpec, Mq: int, Mk: int) -> float:
     """Mean number of keys a query row sees under the spec's segments, padded keys and band.
 
-    64 rows are sampled per sequence (each packed segment, each padded batch row); the block layout,
-    an additive bias and lengths that only the device holds are not counted. An estimate for choosing
-    tiles, never used for results."""
+    Packed segments count by shape alone: S segments over Mq queries and Mk keys are taken as equal
+    ones of twice the mean length (the document a random row belongs to, when documents are cut at
+    random points, is twice as long as the mean one), and a band per segment as causal; so a new set
+    of lengths never changes the estimate. Padded lengths count where the host holds them. 64 rows
+    are sampled per sequence; the block layout and an additive bias are not counted. An estimate for
+    choosing tiles, never used for results."""
     h = spec.host
-    return _mean_visible_keys(h.q_seqstart, h.k_seqlen, h.kv_seqlens, h.band_lo, h.band_hi, Mq, Mk)
+    band_lo, band_hi = h.band_lo, h.band_hi
+    if spec.q_seqstart is not None:
+        S = max(spec.k_seqlen.numel(), 1)
+        if spec.band_lo is not None and (band_lo is None or len(band_lo) != 1):
+            band_lo, band_hi = (-(2**31),), (0,)
+        return _mean_visible_keys((0, min(Mq, cdiv(2 * Mq, S))), (min(Mk, cdiv(2 * Mk, S)),), None, band_lo, band_hi,
+                                  Mq, Mk)
+    return _mean_visible_keys(None, None, h.kv_seqlens, band_lo, band_hi, Mq, Mk)
 
 
 @functools.lru_cache(maxsize=256)
@@ -228,10 +270,8 @@ def _span_features(spec: BiasSpec, Mq: int, Mk: int) -> tuple[str, ...]:
     finish sooner: on an H200 the forward's 64x64 tiles gain 25% on packed documents and 4-10% on a 1k
     window or 1k-key rows, and lose 2-7% once rows see 2k keys or more; the dK/dV kernel's 32x64 tiles
     gain 17% on packed documents but lose 1.7% on a 1k window at 8k (961 keys per row on average) and
-    tie at 2k (769). Lengths enter only through these buckets, so a
-    new sequence length changes the config key at most twice. Block layouts keep their tiles. Traced
-    calls (``torch.compile``) carry only the segments' host lengths, so there a band or padded lengths
-    do not count: the tiles may differ from an eager call's, the results do not."""
+    tie at 2k (769). Packed segments enter by their number only, so a
+    new set of document lengths never changes the tiles. Block layouts keep their tiles."""
     if spec.layout is not None:
         return ()
 
@@ -299,12 +339,15 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
     if Mk == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     hd, hdv = tile_size(D), tile_size(Dv)
-    key = _plan_key("fwd", (q, k, v), spec, scale) if dropout_p == 0 else None
-    plan = plans.lookup(spec.derived, key)
-    descs = tma.kv_descriptors(k, v, plan.note, hd, hdv) if plan is not None and plan.note else ()
-    if plan is not None and descs is not None:
-        plan.run((q, k, v, out, lse, *descs))
-        return out, lse
+    store, key, roles = plan_home(spec, q.device, _plan_key("fwd", (q, k, v), spec, scale) if dropout_p == 0 else None)
+    plan = plans.lookup(store, key)
+    if plan is not None:
+        block_n, block_m = plan.note
+        descs = tma.kv_descriptors(k, v, block_n, hd, hdv) if block_n else ()
+        if descs is not None:
+            table = schedule.query_schedule(spec, block_m, q.device).table if block_m else None
+            plan.run((q, k, v, out, lse, *descs, *roles, *((table,) if roles and table is not None else ())))
+            return out, lse
     args = _spec_args(spec, q.device)
     batch_inner = args.batch_shared_bias and B > 1
     index_64 = _index_64(slice_span(q), slice_span(k), slice_span(v), slice_span(out), args.add_span)
@@ -318,7 +361,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
         grid = (sched.n * B, H) if batch_inner else (sched.n, B * H)
         chunk = program_chunk(B * H, sched.n, num_sms(q.device), kv_bytes, args.has_band)
         descs = tma.kv_descriptors(k, v, cfg.block_n, hd, hdv)
-        made[:] = [descs or (), cfg.block_n if descs else 0]
+        made[:] = [descs or (), (cfg.block_n if descs else 0, cfg.block_m if sched.table is not None else 0), sched.table]
         _fwd[grid](
             q, *(descs or (k, v)), k, v, out, lse,
             args.add, args.slopes, args.layout, args.qs, args.ks, args.kl, args.kv, args.band_lo, args.band_hi,
@@ -339,5 +382,6 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
     feats = args.features + (("dropout",) if dropout_p > 0 else ()) + _span_features(spec, Mq, Mk)
     with plans.recording() as rec:
         configs.launch("fwd", max(hd, hdv), q.dtype, q.device, feats, run)
-    plans.settle(spec.derived, key, rec, (q, k, v, out, lse, *made[0]), made[1])
+    table = (made[2],) if roles and made[2] is not None else ()
+    plans.settle(store, key, rec, (q, k, v, out, lse, *made[0], *roles, *table), made[1])
     return out, lse

@@ -83,6 +83,15 @@ def _dq_reads_dbias(spec: BiasSpec, reduction: str | None, B: int, H: int, dtype
             and add.dtype in (dtype, torch.float32) and spec.q_seqstart is None and spec.layout is None)
 
 
+def _tables(spec: BiasSpec, blocks: tuple[int, int], device, roles: tuple) -> tuple:
+    """The tile tables a shared backward plan takes as roles: dQ's (query tiles) and dK/dV's (key tiles)."""
+    if not roles:
+        return ()
+    bm, bn = blocks
+    return ((schedule.query_schedule(spec, bm, device).table,) if bm else ()) + (
+        (schedule.key_schedule(spec, bn, device).table,) if bn else ())
+
+
 def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_dbias: bool,
              dropout_p: float = 0.0, seed: int = 0):
     """``(dq, dk, dv, dadditive or None)``; ``dlse`` (or None) enters as ``delta = rowsum(dout * out) - dlse``.
@@ -104,9 +113,10 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     plannable = dlse is None and not need_dbias and dropout_p == 0
     switches = (CONCURRENT_BWD, FUSED_DELTA, DQ_FROM_DS)
     key = _plan_key("bwd", (q, k, v, out, lse, dout), spec, scale, switches) if plannable else None
-    planned = plans.lookup(spec.derived, key)
+    store, key, roles = flash.plan_home(spec, dev, key)
+    planned = plans.lookup(store, key)
     if planned is not None:
-        planned.run((q, k, v, out, lse, dout, delta, dq, dk, dv))
+        planned.run((q, k, v, out, lse, dout, delta, dq, dk, dv, *roles, *_tables(spec, planned.note, dev, roles)))
         return dq, dk, dv, None
     args = _spec_args(spec, dev)
     hd, hdv = tile_size(D), tile_size(Dv)
@@ -151,10 +161,13 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     drop = dropout_args(dropout_p, seed)
     has_dropout = dropout_p > 0
 
+    blocks = [0, 0]  # the tiles of the tables dQ and dK/dV ran with: (query tile, key tile)
+
     def run_dkdv(cfg: configs.TileConfig) -> None:
         if kv_reduction == "full" and nb_loop * nhk_loop > 1:
             dbias.zero_()
         sched = schedule.key_schedule(spec, cfg.block_n, dev)
+        blocks[1] = cfg.block_n if sched.table is not None else 0
         count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_m, False, dev)
         grid = (sched.n, (B // nb_loop) * (Hkv // nhk_loop))
         _dkdv[grid](
@@ -178,6 +191,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
 
     def run_dq(cfg: configs.TileConfig) -> None:
         sched = schedule.query_schedule(spec, cfg.block_m, dev)
+        blocks[0] = cfg.block_m if sched.table is not None else 0
         count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_n, True, dev)
         grid = (sched.n * B, H) if batch_inner else (sched.n, B * H)
         _dq[grid](
@@ -250,7 +264,8 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             configs.launch("dbias", hmax, q.dtype, dev, feats, run_dbias)
         if concurrent:
             main.wait_stream(side)
-    plans.settle(spec.derived, key, rec, (q, k, v, out, lse, dout, delta, dq, dk, dv))
+    note = tuple(blocks)
+    plans.settle(store, key, rec, (q, k, v, out, lse, dout, delta, dq, dk, dv, *roles, *_tables(spec, note, dev, roles)), note)
     dadd = None
     if reduction == "full":
         dadd = dbias

@@ -125,6 +125,11 @@ class _Direct:
         if rec is not None:
             rec.launches.append((self, grid, args, meta, entry))
 
+    def unrecorded(self, grid, *args, **meta):
+        """Launch on ``grid`` without recording it into a launch plan: for work that a plan's replay
+        does itself before it launches (the tile table a replay passes as a role)."""
+        self._launch(grid, args, meta)
+
     def _launch(self, grid, args, meta):
         """Launch; return the table entry ``(compiled, constexpr tail)`` that ran, or None when
         the launch went through ``kernel[grid]``."""

@@ -1,9 +1,10 @@
-"""Host-side scheduling for the Triton kernels: per-segment tile tables and block-layout tile lists.
+"""Scheduling for the Triton kernels: per-segment tile tables and block-layout tile lists.
 
 Packed (block-diagonal) inputs are tiled per segment, so no tile straddles two sequences: the table
-``[programs, 3]`` (int32) holds ``(first line, end line, segment)`` for every program, built from
-the spec's host copies (no device sync) and cached. Lines that belong to no segment get programs
-with segment ``-1``, which write zeros.
+``[programs, 3]`` (int32) holds ``(first line, end line, segment)`` for every program. One launch
+builds it on the device from the segments' tensors, without reading a value, and the number of
+programs follows from shapes alone (lines, tile, number of segments): a new set of lengths changes
+no grid. Lines that belong to no segment get programs with segment ``-1``, which write zeros.
 
 A block layout becomes, per (batch, head, program), the ascending list of kernel tiles along the
 other axis that hold at least one visible layout block, computed on the device with torch ops
@@ -15,12 +16,14 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from ...bias.atoms import to_device
 from ...bias.spec import BiasSpec
 from ...memo import BoundedCache
+from .launch import direct
+from .schedule_kernels import _segment_table_kernel
+
+_table_kernel = direct(_segment_table_kernel)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -30,92 +33,76 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Programs along one axis: ``table`` (device int32 ``[n, 3]``) or None for the regular grid of ``n`` tiles."""
+    """Programs along one axis of ``total`` lines in tiles of ``block``: the regular grid of ``n`` tiles
+    (``table`` None), or the device table ``[n, 3]`` (int32) of packed segments, whose ``n`` follows
+    from shapes alone (rows past the last tile are programs with no lines)."""
 
     n: int
     table: torch.Tensor | None
-    starts: tuple[int, ...]
-    ends: tuple[int, ...]
+    total: int
+    block: int
 
 
-def _gaps(starts: np.ndarray, ends: np.ndarray, total: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(starts, ends)`` of the parts of ``[0, total)`` that no interval ``[starts[i], ends[i])`` covers."""
-    keep = ends > starts
-    order = np.argsort(starts[keep], kind="stable")
-    a, b = starts[keep][order], ends[keep][order]
-    covered = np.maximum.accumulate(b) if b.size else b  # the end of what is covered so far
-    before = np.concatenate([[0], covered])  # covered up to interval i (and after the last one)
-    gap_start = before
-    gap_end = np.concatenate([a, [total]])
-    kept = gap_end > gap_start
-    return gap_start[kept], gap_end[kept]
+def table_rows(total: int, block: int, segments: int) -> int:
+    """Rows of a segment table: every line in one tile, each of the ``segments`` segments and of
+    the ``segments + 1`` runs of uncovered lines ending at most one partial tile."""
+    return total // block + 2 * segments + 2
 
 
-def _segment_programs(starts: tuple[int, ...], ends: tuple[int, ...], total: int, block: int,
-                      spans: tuple[int, ...]) -> np.ndarray:
-    """``[programs, 3]`` int32: tiles ``(first, end, segment)`` of each segment's lines (segment ``-1``
-    for the lines no segment covers); longest spans first, and within them later tiles first."""
-    a = np.asarray(starts, dtype=np.int64)
-    e = np.asarray(ends, dtype=np.int64)
-    ga, ge = _gaps(a, e, total)
-    piece_a = np.concatenate([a, ga])
-    piece_e = np.concatenate([e, ge])
-    seg = np.concatenate([np.arange(len(a)), np.full(len(ga), -1)])
-    span = np.concatenate([np.asarray(spans, dtype=np.int64) if spans else np.zeros(len(a), np.int64),
-                           np.full(len(ga), -1)])
-    tiles = np.maximum(piece_e - piece_a + block - 1, 0) // block
-    piece = np.repeat(np.arange(len(tiles)), tiles)
-    offset = np.arange(piece.size) - np.repeat(np.cumsum(tiles) - tiles, tiles)
-    first = piece_a[piece] + offset * block
-    table = np.stack([first, np.minimum(first + block, piece_e[piece]), seg[piece]], axis=1)
-    order = np.lexsort((-first, -span[piece]))  # stable: descending (span, first)
-    return table[order].astype(np.int32)
+TABLE_BLOCK = 64  # segments each program of the table kernel places
 
 
-_SEGMENTED = BoundedCache(64)
-
-
-def _segmented(key, make, device) -> Schedule:
-    """The schedule of the programs ``make()`` returns, built and copied to ``device`` once per key (a bounded cache)."""
-    k = (key, str(device))
-    sched = _SEGMENTED.get(k)
-    if sched is None:
-        progs = make()
-        table = to_device(torch.from_numpy(progs), device)
-        sched = Schedule(len(progs), table, tuple(progs[:, 0].tolist()), tuple(progs[:, 1].tolist()))
-        _SEGMENTED[k] = sched
-    return sched
+def segment_table(starts: torch.Tensor, lens: torch.Tensor | None, spans: torch.Tensor, total: int, block: int,
+                  *, spans_from_starts: bool) -> Schedule:
+    """The tile table of segments ``[starts[s], starts[s] + lens[s])`` over ``total`` lines, built on the
+    device without reading a value (``lens`` None: the lengths are the differences of ``starts``, one
+    longer). Tiles of a segment with a larger span come first (``spans[s]``, or the differences of
+    ``spans`` with ``spans_from_starts``), later tiles first within it; see ``_segment_table_kernel``."""
+    S = lens.numel() if lens is not None else starts.numel() - 1
+    rows = table_rows(total, block, S)
+    table = torch.empty((rows, 3), dtype=torch.int32, device=starts.device)
+    _table_kernel.unrecorded(
+        (cdiv(S + 1, TABLE_BLOCK),), table, starts, lens if lens is not None else starts, spans, S, total, block, rows,
+        LENS_FROM_STARTS=lens is None, SPANS_FROM_STARTS=spans_from_starts, BLOCK=TABLE_BLOCK,
+    )
+    return Schedule(rows, table, total, block)
 
 
 @functools.lru_cache(maxsize=256)
 def _regular(total: int, block: int) -> Schedule:
-    starts = tuple(range(0, total, block))
-    return Schedule(cdiv(total, block), None, starts, tuple(min(a + block, total) for a in starts))
+    return Schedule(cdiv(total, block), None, total, block)
+
+
+def _int32(t: torch.Tensor, device) -> torch.Tensor:
+    return t.to(device=device, dtype=torch.int32)
 
 
 def query_schedule(spec: BiasSpec, block_m: int, device) -> Schedule:
-    """Query-tile programs: the regular grid, or per-segment tiles when the spec has segments."""
+    """Query-tile programs: the regular grid, or per-segment tiles when the spec has segments (ordered by
+    each segment's key count), built once per spec."""
     if spec.q_seqstart is None:
         return _regular(spec.Mq, block_m)
-    h = spec.host
-    qs = h.q_seqstart
-    return _segmented(("q", qs, spec.Mq, block_m, h.k_seqlen),
-                      lambda: _segment_programs(qs[:-1], qs[1:], spec.Mq, block_m, h.k_seqlen), device)
+    return spec.cached(("query schedule", block_m, str(device)), lambda: segment_table(
+        _int32(spec.q_seqstart, device), None, _int32(spec.k_seqlen, device), spec.Mq, block_m,
+        spans_from_starts=False))
 
 
 def key_schedule(spec: BiasSpec, block_n: int, device) -> Schedule:
-    """Key-tile programs: the regular grid, or per-segment tiles when the spec has segments."""
+    """Key-tile programs: the regular grid, or per-segment tiles when the spec has segments (ordered by
+    each segment's query count), built once per spec."""
     if spec.q_seqstart is None:
         return _regular(spec.Mk, block_n)
-    h = spec.host
-    qs, ks, kl = h.q_seqstart, h.k_seqstart, h.k_seqlen
+    return spec.cached(("key schedule", block_n, str(device)), lambda: segment_table(
+        _int32(spec.k_seqstart, device), _int32(spec.k_seqlen, device), _int32(spec.q_seqstart, device), spec.Mk,
+        block_n, spans_from_starts=True))
 
-    def make():
-        starts = ks[: len(kl)]
-        ends = tuple(a + n for a, n in zip(starts, kl))
-        return _segment_programs(starts, ends, spec.Mk, block_n, tuple(b - a for a, b in zip(qs, qs[1:])))
 
-    return _segmented(("k", ks, kl, qs, spec.Mk, block_n), make, device)
+def line_ranges(sched: Schedule, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(first, end)`` line of each program (int64, on ``device``)."""
+    if sched.table is not None:
+        return sched.table[:, 0].to(torch.int64), sched.table[:, 1].to(torch.int64)
+    first = torch.arange(0, sched.n * sched.block, sched.block, dtype=torch.int64, device=device)
+    return first, torch.clamp(first + sched.block, max=sched.total)
 
 
 def segments_disjoint(spec: BiasSpec) -> bool:
@@ -138,7 +125,10 @@ def _segments_disjoint(spec: BiasSpec) -> bool:
 
 
 def layout_exact(spec: BiasSpec, sched: Schedule, block_other: int, along_keys: bool) -> bool:
-    """True when every (program, tile) pair lies inside one layout block (no element mask needed)."""
+    """True when every (program, tile) pair lies inside one layout block (no element mask needed); never
+    claimed for segment tables, whose lines only the device knows."""
+    if sched.table is not None:
+        return False
     return _layout_exact(spec.block_q, spec.block_k, spec.layout_q_off, spec.layout_k_off, spec.Mq, spec.Mk,
                          sched, block_other, along_keys)
 
@@ -149,8 +139,9 @@ def _layout_exact(bq, bk, qo, ko, Mq, Mk, sched: Schedule, block_other: int, alo
         pb, po, tb, to, tlen = bq, qo, bk, ko, Mk
     else:
         pb, po, tb, to, tlen = bk, ko, bq, qo, Mq
-    for a, e in zip(sched.starts, sched.ends):
-        if e > a and (a + po) // pb != (e - 1 + po) // pb:
+    for a in range(0, sched.total, sched.block):
+        e = min(a + sched.block, sched.total)
+        if (a + po) // pb != (e - 1 + po) // pb:
             return False
     for a in range(0, tlen, block_other):
         e = min(a + block_other, tlen)
@@ -171,11 +162,11 @@ def layout_tile_lists(spec: BiasSpec, sched: Schedule, block_other: int, along_k
     layout = spec.layout
     key = (
         id(layout), layout._version, layout.data_ptr(), spec.layout_q_off, spec.layout_k_off, spec.block_q, spec.block_k,
-        spec.Mq, spec.Mk, sched.starts, sched.ends, block_other, along_keys, str(device),
+        spec.Mq, spec.Mk, sched.n, sched.total, sched.block, id(sched.table), block_other, along_keys, str(device),
     )
     hit = _LIST_CACHE.get(key)
-    if hit is not None and hit[0] is layout:
-        return hit[1]
+    if hit is not None and hit[0] is layout and hit[1] is sched.table:
+        return hit[2]
     lay = layout.to(device=device, dtype=torch.int32)
     if along_keys:
         p_off, p_blk, o_off, o_blk, o_len = spec.layout_q_off, spec.block_q, spec.layout_k_off, spec.block_k, spec.Mk
@@ -186,8 +177,7 @@ def layout_tile_lists(spec: BiasSpec, sched: Schedule, block_other: int, along_k
     pre = torch.zeros((Bl, Hl, R + 1, C + 1), dtype=torch.int32, device=device)
     pre[:, :, 1:, 1:] = lay.cumsum(2).cumsum(3)
     i64 = dict(dtype=torch.int64, device=device)
-    starts = to_device(sched.starts, device, torch.int64)
-    ends = to_device(sched.ends, device, torch.int64)
+    starts, ends = line_ranges(sched, device)
     empty = ends <= starts
     r0 = ((starts + p_off) // p_blk).clamp(0, R)
     r1 = ((ends - 1 + p_off) // p_blk + 1).clamp(0, R)
@@ -205,5 +195,5 @@ def layout_tile_lists(spec: BiasSpec, sched: Schedule, block_other: int, along_k
     count = visible.sum(-1, dtype=torch.int32)
     index = torch.argsort((~visible).to(torch.int8), dim=-1, stable=True).to(torch.int32)
     result = (count.contiguous(), index.contiguous())
-    _LIST_CACHE[key] = (layout, result)
+    _LIST_CACHE[key] = (layout, sched.table, result)
     return result
