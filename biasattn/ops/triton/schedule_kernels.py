@@ -24,6 +24,17 @@ def _pieces(idx, Starts, Lens, Spans, S, total, LENS_FROM_STARTS: tl.constexpr, 
 
 
 @triton.jit
+def _put_tile(Table, first_row, t, tiles, a, e, seg, block, n_rows):
+    """Row ``first_row + t`` holds tile ``t`` (counted from the last) of the lines ``[a, e)``, where ``t < tiles``."""
+    row = first_row + t
+    put = (t < tiles) & (row < n_rows)
+    first = a + (tiles - 1 - t) * block
+    tl.store(Table + row * 3, first, mask=put)
+    tl.store(Table + row * 3 + 1, tl.minimum(first + block, e), mask=put)
+    tl.store(Table + row * 3 + 2, seg, mask=put)
+
+
+@triton.jit
 def _segment_table_kernel(
     Table, Starts, Lens, Spans, S, total, block, n_rows,
     LENS_FROM_STARTS: tl.constexpr, SPANS_FROM_STARTS: tl.constexpr, BLOCK: tl.constexpr,
@@ -78,20 +89,8 @@ def _segment_table_kernel(
 
     most = tl.maximum(tl.max(seg_tiles_m, axis=0), tl.max(gap_tiles_m, axis=0))
     for t in range(0, most):  # later tiles first within a piece
-        put = t < seg_tiles_m
-        row = seg_row + t
-        first_line = a_m + (seg_tiles_m - 1 - t) * block
-        put = put & (row < n_rows)
-        tl.store(Table + row * 3, first_line, mask=put)
-        tl.store(Table + row * 3 + 1, tl.minimum(first_line + block, e_m), mask=put)
-        tl.store(Table + row * 3 + 2, mine, mask=put)
-        put = t < gap_tiles_m
-        row = gap_row + t
-        first_line = gap_m + (gap_tiles_m - 1 - t) * block
-        put = put & (row < n_rows)
-        tl.store(Table + row * 3, first_line, mask=put)
-        tl.store(Table + row * 3 + 1, tl.minimum(first_line + block, a_m), mask=put)
-        tl.store(Table + row * 3 + 2, tl.full([BLOCK], -1, tl.int32), mask=put)
+        _put_tile(Table, seg_row, t, seg_tiles_m, a_m, e_m, mine, block, n_rows)
+        _put_tile(Table, gap_row, t, gap_tiles_m, gap_m, a_m, tl.full([BLOCK], -1, tl.int32), block, n_rows)
     if pid == 0:
         for r0 in range(seg_total + gap_total, n_rows, BLOCK):
             row = r0 + tl.arange(0, BLOCK)
