@@ -60,8 +60,9 @@ def assert_close(name: str, got, ref, low, factor: float = 2.0, atol: float = 1e
     assert err <= bound, f"{name}: max error {err:.3g} > {factor}·{low_err:.3g} + {atol} (low-precision reference error)"
 
 
-def _delta_rounding(q, k, r_inp, r_out, r_lse, l_out, dout) -> tuple[float, float]:
-    """``(max |moved dq|, max |moved dk|)`` when a flash backward takes ``delta = rowsum(dout * out)`` from
+def _delta_rounding(q, k, r_inp, r_out, r_lse, l_out, dout, add_shape) -> tuple[float, float, float]:
+    """``(max |moved dq|, max |moved dk|, max |moved dadditive|)`` (the additive gradient summed to
+    ``add_shape``, bounded through absolute values) when a flash backward takes ``delta = rowsum(dout * out)`` from
     the output rounded to the dtype (``l_out``) instead of the exact one: ``dS`` moves by
     ``-P · (delta_rounded - delta)`` on every row, a rounding every flash kernel has and the textbook
     low-precision math, which differentiates the softmax, does not (float64; the fuzz test's
@@ -78,7 +79,12 @@ def _delta_rounding(q, k, r_inp, r_out, r_lse, l_out, dout) -> tuple[float, floa
     ds = torch.nan_to_num(-p * moved)
     dq = (ds @ kd) * r_inp.scale
     dk = (ds.transpose(-1, -2) @ qd) * r_inp.scale
-    return float(dq.abs().max()) if dq.numel() else 0.0, float(dk.abs().max()) if dk.numel() else 0.0
+    da = ds.abs()
+    if add_shape is not None:
+        shape = (1,) * (4 - len(add_shape)) + tuple(add_shape)
+        dims = [d for d, n in enumerate(shape) if n == 1 and da.shape[d] != 1]
+        da = da.sum(dims, keepdim=True) if dims else da
+    return tuple(float(t.abs().max()) if t.numel() else 0.0 for t in (dq, dk, da))
 
 
 def _leaf(t, dtype=None, grad=True):
@@ -152,7 +158,8 @@ def check(q, k, v, make_bias, add=None, *, scale=None, grads=True, add_grad=True
     got = grads_of(out, lse, ours, a_ours if ag else None)
     ref = grads_of(r_out, r_lse, ref_in, a_ref if ag else None)
     low = grads_of(l_out, l_lse, low_in, a_low if ag else None)
-    moved = (*_delta_rounding(q, k, r_inp, r_out, r_lse, l_out, dout), 0.0, 0.0)
+    dq_m, dk_m, da_m = _delta_rounding(q, k, r_inp, r_out, r_lse, l_out, dout, add.shape if ag else None)
+    moved = (dq_m, dk_m, 0.0, da_m)
     for name, g, r, lo, f, m in zip(("dq", "dk", "dv", "dadditive"), got, ref, low, (3.0, 2.0, 2.0, 2.0), moved):
         assert g.shape == r.shape and g.dtype == lo.dtype, f"{name}: shape/dtype {g.shape}/{g.dtype}"
         assert_close(name, g, r, lo, factor=f, flash_err=m)
