@@ -168,6 +168,9 @@ def test_key_lengths_only_the_device_holds_are_never_read_on_the_call_path(monke
     from biasattn.bias.padded import PaddedKeysAtom
     from biasattn.inputs import make_inputs
 
+    if op == "triton" and torch.cuda.is_available():
+        pytest.skip("CPU tensors reach the triton kernels only under the interpreter (GPU runs: test_no_sync_gpu.py)")
+
     def no_read(*args):
         raise AssertionError("a length was read on the host")
 
@@ -200,6 +203,49 @@ def test_key_lengths_only_the_device_holds_are_never_read_on_the_call_path(monke
     for name in ("cutlass", "flash2"):
         why = ba.ops.get(name).extra_reasons(inp, backward=False)
         assert any("on the device only" in r for r in why), why
+
+
+@pytest.mark.parametrize("op", ["reference", "triton", "auto"])
+def test_packed_documents_only_the_device_holds_are_never_read_on_the_call_path(monkeypatch, op):
+    """Documents from a GPU tensor reach the kernels as their running sums, computed on the device: the
+    tile tables, the bands of causal, bottom-right and windowed documents, a slice of the mask, forward
+    and backward, and no value read on the host (here CPU tensors play the GPU's part: their host copies
+    are withheld and any read raises). The operators that need the lengths on the host refuse."""
+    from biasattn.bias.atoms import Atom
+    from biasattn.bias.block_diagonal import SegmentsAtom
+    from biasattn.inputs import make_inputs
+
+    if op == "triton" and torch.cuda.is_available():
+        pytest.skip("CPU tensors reach the triton kernels only under the interpreter (GPU runs: test_no_sync_gpu.py)")
+    dtype = torch.float64 if op != "triton" else torch.float32
+    run = dict(op=None if op == "auto" else op)
+    bands = {"plain": lambda m: m, "causal": lambda m: m.make_causal(),
+             "bottom_right": lambda m: m.make_causal_from_bottom_right(),
+             "window": lambda m: m.make_local_attention(3, 1)}
+    for (q_lens, k_lens), band in zip(
+            [([5, 9, 10], None), ([5, 9, 10], [7, 3, 14]), ([3, 0, 12, 9], None), ([8, 16], [20, 4])], bands.values()):
+        Mq, Mk = sum(q_lens), sum(k_lens or q_lens)
+        q, k, v = (t.to(dtype).requires_grad_() for t in _qkv(1, max(Mq, Mk), 0))
+        q, k, v = q[:, :, :Mq], k[:, :, :Mk], v[:, :, :Mk]
+        expected = band(ba.BlockDiagonalMask.from_seqlens(q_lens, k_lens))
+        for rows in (slice(0, Mq), slice(4, Mq - 2)):
+            monkeypatch.setattr(SegmentsAtom, "starts_known", lambda self: False)
+            monkeypatch.setattr(Atom, "host_copy", lambda *a: (_ for _ in ()).throw(AssertionError("read on the host")))
+            k_t = None if k_lens is None else torch.tensor(k_lens)
+            mask = band(ba.BlockDiagonalMask._from_tensors(torch.tensor(q_lens), k_t, None))
+            out = ba.attention(q[:, :, rows], k, v, mask[..., rows, :], **run)
+            grads = torch.autograd.grad(out.sum(), (q, k, v))
+            monkeypatch.undo()
+            ref, _ = reference_attention(q[:, :, rows], k, v, expected[..., rows, :])
+            assert_close_to_reference(out, ref)
+            want = torch.autograd.grad(ref.sum(), (q, k, v))
+            for g, w in zip(grads, want):
+                assert_close_to_reference(g, w)
+    monkeypatch.setattr(SegmentsAtom, "starts_known", lambda self: False)
+    inp = make_inputs(q.half(), k.half(), v.half(), ba.BlockDiagonalMask._from_tensors(torch.tensor([8, 16]), None, None))
+    for name in ("cutlass", "flash2", "chunked", "triton_splitk"):
+        if name in ba.ops.available():
+            assert any("on the device only" in r for r in ba.ops.get(name).not_supported_reasons(inp)), name
 
 
 def test_negative_lengths_from_a_tensor_are_an_error_at_call_time():

@@ -3,9 +3,8 @@ forward and backward under ``torch.cuda.set_sync_debug_mode("error")``, which ra
 synchronizing CUDA call (a blocking copy, a read of a device value on the host).
 
 Key lengths built from a device tensor are never read: fresh padded-key masks from device lengths,
-alone and composed, run without a wait, and a write into the lengths shows in the next call. Packed
-documents built from device tensors still read their starts on the host once per mask (their tiles
-are planned from host copies): a strict expected failure until their launches depend on shapes only.
+alone and composed, run without a wait, and a write into the lengths shows in the next call; so do
+packed documents built from a device tensor of lengths (their tile tables are built on the device).
 """
 
 from __future__ import annotations
@@ -157,13 +156,25 @@ def test_a_cuda_graph_replays_the_lengths_written_into_its_mask(name):
         _check_against_reference(q, k, v, DEVICE_PADDED[name](torch.tensor(clamped, device=DEV)), out.clone())
 
 
-@pytest.mark.xfail(raises=RuntimeError, strict=True, reason="packed documents from device tensors read their starts")
-def test_fresh_documents_from_device_tensors_never_wait_for_the_gpu():
-    """The contract's goal, not reached yet for packed documents: a mask built from device lengths adds no wait."""
+@pytest.mark.parametrize("op", [None, "triton"], ids=["auto", "triton"])
+@pytest.mark.parametrize("band", ["causal", "bottom_right"])
+def test_fresh_documents_from_device_tensors_never_wait_for_the_gpu(band, op):
+    """Packed documents built every step from a device tensor of lengths (as a data loader hands them over):
+    no synchronizing call, forward and backward, and each step's result is that of its own lengths."""
     q, k, v = _tensors(True)
-    lengths = torch.tensor(DOCS[0] * B, device=DEV, dtype=torch.int32)
-    make = lambda: ba.BlockDiagonalMask.from_seqlens(lengths).make_causal()  # noqa: E731
-    _step(q, k, v, make(), None)
+    lengths = [torch.tensor(docs * B, device=DEV, dtype=torch.int32) for docs in DOCS]
+
+    def make(t):
+        mask = ba.BlockDiagonalMask.from_seqlens(t)
+        return mask.make_causal() if band == "causal" else mask.make_causal_from_bottom_right()
+
+    _step(q, k, v, make(lengths[0]), op)
     torch.cuda.synchronize()
+    outs = []
     with _sync_debug("error"):
-        _step(q, k, v, make(), None)
+        for step in range(6):
+            outs.append(_step(q, k, v, make(lengths[step % len(lengths)]), op)[0])
+    for step, out in enumerate(outs):
+        expected = ba.BlockDiagonalMask.from_seqlens(DOCS[step % len(DOCS)] * B)
+        expected = expected.make_causal() if band == "causal" else expected.make_causal_from_bottom_right()
+        _check_against_reference(q, k, v, expected, out)

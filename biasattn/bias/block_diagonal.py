@@ -16,7 +16,7 @@ from itertools import accumulate
 import torch
 
 from ..errors import InputError
-from .atoms import Atom, Geometry, as_lengths, check_length_tensor, readable, to_device, visible_to_additive
+from .atoms import Atom, Geometry, as_lengths, check_length_tensor, readable, tensor_version, to_device, visible_to_additive
 from .band import BOTTOM_RIGHT, TOP_LEFT
 from .base import AttentionBias
 from .local import check_window
@@ -53,6 +53,15 @@ class SegmentsAtom(Atom):
     def follows_q(self) -> bool:
         return self.from_lists
 
+    def starts_known(self) -> bool:
+        """Whether the host has the starts for free: given as lists and not written since, or held by CPU
+        tensors outside ``torch.compile`` (which reads them as it always has). The attention path never
+        reads a GPU tensor's lengths."""
+        if torch.compiler.is_compiling() or self.q_seqstart.device.type == "cpu":
+            return True
+        return self.q_given is not None and all(
+            tensor_version(t) in (0, -1) for t in (self.q_seqstart, self.k_seqstart, self.k_seqlen))
+
     def sizes(self):
         return (None, None, self.Mq, self.Mk)
 
@@ -86,20 +95,21 @@ class SegmentsAtom(Atom):
         return los, his
 
     def dense(self, g: Geometry, dtype, device) -> torch.Tensor:
-        qs = torch.tensor(self.q_host, device=device)
-        ks = torch.tensor(self.k_host, device=device)
+        qs, ks = (t.to(device=device, dtype=torch.int64) for t in (self.q_seqstart, self.k_seqstart))
         i, j = g.rows(device), g.cols(device)
-        seg = torch.searchsorted(qs, i[:, 0], right=True) - 1  # [Mq]
-        nseg = len(self.q_host) - 1
+        seg = torch.searchsorted(qs, i[:, 0].contiguous(), right=True) - 1  # [Mq]
+        nseg = qs.shape[0] - 1
         inside = (seg >= 0) & (seg < nseg)
         seg = seg.clamp(0, max(nseg - 1, 0))
         visible = inside[:, None] & (j >= ks[seg][:, None]) & (j < ks[seg + 1][:, None])
-        bounds = self.segment_bounds()
-        if bounds is not None:
-            lo = torch.tensor(bounds[0], device=device)[seg][:, None]
-            hi = torch.tensor(bounds[1], device=device)[seg][:, None]
+        if self.band is not None:  # the band of segment_bounds, from the tensors
+            alignment, left, right = self.band
+            shift = (ks[1:] - qs[1:]) if alignment == BOTTOM_RIGHT else (ks[:-1] - qs[:-1])
             d = j - i
-            visible &= (d >= lo) & (d <= hi)
+            if left is not None:
+                visible &= d >= (shift - left)[seg][:, None]
+            if right is not None:
+                visible &= d <= (shift + right)[seg][:, None]
         return visible_to_additive(visible, dtype)[None, None]
 
     def lower(self, builder) -> None:
@@ -107,6 +117,10 @@ class SegmentsAtom(Atom):
             raise InputError(
                 f"{self.family} describes a packed batch: q must have batch size B=1, got B={builder.g.B}"
             )
+        if not self.starts_known():
+            builder.add_device_segments(
+                tuple(to_device(t, builder.device) for t in (self.q_seqstart, self.k_seqstart, self.k_seqlen)), self.band)
+            return
         if self.Mq is None:  # built from tensors without reading them: their values are checked now
             for name, starts, total in (("q_seqlens", self.q_host, builder.g.Mq_full),
                                         ("kv_seqlens", self.k_host, builder.g.Mk_full)):
@@ -145,11 +159,15 @@ class BlockDiagonalMask(AttentionBias):
     def from_seqlens(cls, q_seqlens, kv_seqlens=None, *, device=None) -> BlockDiagonalMask:
         """From per-sequence query lengths and key lengths (defaults to the query lengths).
 
-        Inside ``torch.compile``, lengths given as tensors are not read: the mask holds their running
-        sums as tensors and covers whatever q and k the call has (their lengths must sum to Mq and Mk,
-        checked when the compiled call runs), so new lengths never trace a new graph."""
-        if torch.compiler.is_compiling() and isinstance(q_seqlens, torch.Tensor) and (
-                kv_seqlens is None or isinstance(kv_seqlens, torch.Tensor)):
+        Lengths given as GPU tensors are never read, and neither are tensors inside ``torch.compile``: the
+        mask holds their running sums as tensors (computed on their device) and covers whatever q and k
+        the call has, so building it waits for nothing and new lengths never trace a new graph. The
+        lengths must be non-negative and sum to Mq and Mk: inside ``torch.compile`` this is checked
+        when the compiled call runs; from GPU tensors it is not checked at all (lines past the last
+        segment see nothing), and only the operators that take lengths on the device (``triton``,
+        ``reference``) run such a mask."""
+        tensors = isinstance(q_seqlens, torch.Tensor) and (kv_seqlens is None or isinstance(kv_seqlens, torch.Tensor))
+        if tensors and (torch.compiler.is_compiling() or q_seqlens.device.type != "cpu"):
             return cls._from_tensors(q_seqlens, kv_seqlens, device)
         q = as_lengths("q_seqlens", q_seqlens)
         k = q if kv_seqlens is None else as_lengths("kv_seqlens", kv_seqlens)
@@ -182,11 +200,7 @@ class BlockDiagonalMask(AttentionBias):
     def _from_host(cls, q, k, band, device) -> BlockDiagonalMask:
         qh = tuple([0] + list(accumulate(q)))
         kh = tuple([0] + list(accumulate(k)))
-        # one copy to the device for the three tensors, each at a 16-byte aligned offset
-        n = -(-len(qh) // 4) * 4
-        pad = (0,) * (n - len(qh))
-        packed = to_device(qh + pad + kh + pad + tuple(k), device, torch.int32)
-        tensors = (packed[: len(qh)], packed[n : n + len(kh)], packed[2 * n :])
+        tensors = tuple(to_device(values, device, torch.int32) for values in (qh, kh, k))
         if not torch.compiler.is_compiling():
             # The number of documents is data: under torch.compile a new count must not be a new graph.
             # (The first call imports torch.distributed.tensor, which torch.compile imports anyway.)

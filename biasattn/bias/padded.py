@@ -40,8 +40,9 @@ class PaddedKeysAtom(Atom):
         by a CPU tensor outside ``torch.compile``), else None: the attention path never reads a GPU
         tensor's values, nor a traced one's."""
         t = self.kv_seqlens
-        on_host = t.device.type == "cpu" and not torch.compiler.is_compiling()
-        if on_host or (self.host is not None and tensor_version(t) in (0, -1)):
+        if torch.compiler.is_compiling():
+            return None
+        if t.device.type == "cpu" or (self.host is not None and tensor_version(t) in (0, -1)):
             return self.lengths()
         return None
 

@@ -131,7 +131,7 @@ class BiasSpec:
     @property
     def num_segments(self) -> int:
         """Number of packed segments (0 without segments)."""
-        return 0 if self.host.k_seqlen is None or self.q_seqstart is None else len(self.host.k_seqlen)
+        return 0 if self.k_seqlen is None or self.q_seqstart is None else self.k_seqlen.shape[0]
 
     @property
     def band_uniform(self) -> bool:
@@ -179,6 +179,7 @@ class SpecBuilder:
         self.segments: tuple[list[int], list[int], list[int]] | None = None
         self.segment_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.segment_band: tuple[list[int], list[int]] | None = None
+        self.device_segments: tuple | None = None  # (q_seqstart, k_seqstart, k_seqlen, band): lengths not read
         self.band = [-BAND_UNBOUNDED, BAND_UNBOUNDED]
         self.has_band = False
         self.kv_seqlens: list[int] | None = None
@@ -210,6 +211,14 @@ class SpecBuilder:
         if band is not None:
             self.segment_band = (list(band[0]), list(band[1]))
 
+    def add_device_segments(self, tensors, band) -> None:
+        """Segments whose lengths only the device holds: ``(q_seqstart, k_seqstart, k_seqlen)`` and the
+        band ``(alignment, left, right)`` local to each segment (or None); nothing is read."""
+        if self.segments is not None or self.device_segments is not None:
+            raise InputError("a BlockDiagonalMask on lengths that only the device holds cannot be combined with "
+                             "another BlockDiagonalMask")
+        self.device_segments = (*tensors, band)
+
     def add_kv_seqlens(self, lengths, tensor) -> None:
         """Key lengths: ``tensor`` on the device, ``lengths`` its values when the host has them (else None)."""
         if self.kv_tensor is None:
@@ -239,6 +248,43 @@ class SpecBuilder:
     def add_alibi(self, slopes: torch.Tensor, shift: int) -> None:
         self.alibi = slopes if self.alibi is None else self.alibi + slopes
         self.alibi_shift = shift
+
+    def _build_device_segments(self, kw: dict) -> None:
+        """Segment tensors (and their band) shifted to the call's coordinates on the device, no value read:
+        the kernels clip lines to the call, so lines no segment covers see nothing."""
+        g = self.g
+        if self.kv_tensor is not None:
+            raise InputError("a BlockDiagonalMask on lengths that only the device holds cannot be combined with "
+                             "PaddedKeysMask")
+        qs, ks, kl, band = self.device_segments
+        i32 = torch.int32
+        n = kl.shape[0]
+        if g.q_off or g.k_off or g.Mq != g.Mq_full or g.Mk != g.Mk_full:  # a slice: starts move with it, clipped to it
+            end = (ks[:n] + kl - g.k_off).clamp(0, g.Mk)
+            qs, ks = qs - g.q_off, ks - g.k_off  # the band's diagonals follow these, before clipping
+            kw["q_seqstart"] = qs.clamp(0, g.Mq).to(i32)
+            kw["k_seqstart"] = ks.clamp(0, g.Mk).to(i32)
+            kw["k_seqlen"] = (end - kw["k_seqstart"][:n]).clamp(min=0).to(i32)
+        else:
+            kw["q_seqstart"], kw["k_seqstart"], kw["k_seqlen"] = qs, ks, kl
+        if band is None and not self.has_band:
+            return
+        lo_g, hi_g = self.band
+        shift = g.q_off - g.k_off  # local d = global d + shift
+        if band is None:
+            kw["band_lo"] = _int_tensor([lo_g if abs(lo_g) >= BAND_UNBOUNDED else lo_g + shift], self.device)
+            kw["band_hi"] = _int_tensor([hi_g if abs(hi_g) >= BAND_UNBOUNDED else hi_g + shift], self.device)
+            return
+        alignment, left, right = band
+        # each segment's diagonal in the call's coordinates: its first (or last) key against its first (or last) query
+        diag = (ks[1 : n + 1] - qs[1 : n + 1]) if alignment == "bottom_right" else (ks[:n] - qs[:n])
+        lo = diag - left if left is not None else torch.full_like(diag, -BAND_UNBOUNDED)
+        hi = diag + right if right is not None else torch.full_like(diag, BAND_UNBOUNDED)
+        if lo_g > -BAND_UNBOUNDED:
+            lo = torch.clamp(lo, min=lo_g + shift)
+        if hi_g < BAND_UNBOUNDED:
+            hi = torch.clamp(hi, max=hi_g + shift)
+        kw["band_lo"], kw["band_hi"] = lo.to(i32), hi.to(i32)
 
     def build(self) -> BiasSpec:
         g = self.g
@@ -276,6 +322,8 @@ class SpecBuilder:
                 kw["k_seqstart"] = _int_tensor(lks, dev)
                 kw["k_seqlen"] = _int_tensor(lkl, dev)
             host.update(q_seqstart=tuple(lq), k_seqstart=tuple(lks), k_seqlen=tuple(lkl))
+        elif self.device_segments is not None:
+            self._build_device_segments(kw)
         elif self.kv_tensor is not None:
             n = self.kv_tensor.shape[0]
             if n != g.B and n != 1:
@@ -291,7 +339,7 @@ class SpecBuilder:
                 t = self.kv_tensor if g.k_off == 0 else self.kv_tensor - g.k_off
                 kw["kv_seqlens"] = t.expand(g.B).contiguous() if n != g.B else t
 
-        if self.has_band or self.segment_band is not None:
+        if (self.has_band or self.segment_band is not None) and self.device_segments is None:
             lo_g, hi_g = self.band
             if self.segment_band is not None:
                 los = np.maximum(np.asarray(self.segment_band[0], dtype=np.int64), lo_g)

@@ -45,6 +45,7 @@ class Operator:
     MAX_MQ: ClassVar[int | None] = None
     SUPPORTS_EMPTY: ClassVar[bool] = False
     POSITIVE_SCALE_ONLY: ClassVar[bool] = False  # kernels that take row maxima before scaling, or are unverified otherwise
+    DEVICE_SEGMENTS: ClassVar[bool] = False  # runs packed segments whose lengths only the device holds
 
     @property
     def name(self) -> str:
@@ -97,6 +98,8 @@ class Operator:
             yield f"does not support grouped-query attention (Hq={inp.Hq}, Hkv={inp.Hkv})"
         if need_lse and not self.SUPPORTS_LSE:
             yield "does not return the log-sum-exp"
+        if inp.spec.q_seqstart is not None and inp.spec.host.q_seqstart is None and not self.DEVICE_SEGMENTS:
+            yield "needs the packed sequences' lengths on the host; these live on the device only"
         yield from self.query_count_reasons(inp)
         if backward and torch.are_deterministic_algorithms_enabled() and not self.DETERMINISTIC:
             yield "is not deterministic and torch.use_deterministic_algorithms(True) is set"

@@ -89,6 +89,7 @@ class ReferenceOperator(Operator):
     SUPPORTS_BIAS_GRAD = True
     SUPPORTS_GQA = True
     SUPPORTS_EMPTY = True
+    DEVICE_SEGMENTS = True
 
     def _run(self, inp, additive, seed):
         dtype = compute_dtype(inp.dtype)

@@ -138,6 +138,7 @@ class TritonOperator(Operator):
     DETERMINISTIC = True
     POSITIVE_SCALE_ONLY = True  # row maxima are taken before scaling (the scale is applied inside exp2)
     SUPPORTS_EMPTY = True
+    DEVICE_SEGMENTS = True
 
     def environment_reasons(self, device: torch.device | None = None) -> list[str]:
         """Triton must be installed; on the CPU the Triton interpreter must be on."""

@@ -20,10 +20,15 @@ import torch
 
 from ...bias.spec import BiasSpec
 from ...memo import BoundedCache
-from .launch import direct
-from .schedule_kernels import _segment_table_kernel
 
-_table_kernel = direct(_segment_table_kernel)
+
+@functools.cache
+def _table_kernel():
+    """The table kernel's launcher, made on first use (this module's checks run without Triton)."""
+    from .launch import direct
+    from .schedule_kernels import _segment_table_kernel
+
+    return direct(_segment_table_kernel)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -61,7 +66,7 @@ def segment_table(starts: torch.Tensor, lens: torch.Tensor | None, spans: torch.
     S = lens.numel() if lens is not None else starts.numel() - 1
     rows = table_rows(total, block, S)
     table = torch.empty((rows, 3), dtype=torch.int32, device=starts.device)
-    _table_kernel.unrecorded(
+    _table_kernel().unrecorded(
         (cdiv(S + 1, TABLE_BLOCK),), table, starts, lens if lens is not None else starts, spans, S, total, block, rows,
         LENS_FROM_STARTS=lens is None, SPANS_FROM_STARTS=spans_from_starts, BLOCK=TABLE_BLOCK,
     )

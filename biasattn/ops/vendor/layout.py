@@ -145,6 +145,9 @@ def sequence_layout(spec: BiasSpec) -> SequenceLayout:
             gather = None
         return SequenceLayout("padded", seqs, cu_q, cu_k, gather)
     qs, ks, kl = h.q_seqstart, h.k_seqstart, h.k_seqlen
+    if qs is None:
+        return SequenceLayout("segments", (), reason="needs the packed sequences' lengths on the host; these live on "
+                                                     "the device only")
     n = len(kl)
     if qs[0] != 0 or qs[n] != spec.Mq:
         return SequenceLayout(
