@@ -212,12 +212,18 @@ def choose(inp: AttentionInputs, *, need_lse: bool = False, op=None) -> tuple[Op
     (the same spec: a bias reused, or a shared one) skips the walk; refusals are never kept. A
     cache-length mask alone (``PaddedKeysMask``, often built anew every decode step) keeps its choice
     in one store for all such specs: no operator's verdict reads the length values, only whether the
-    host has them.
+    host has them. So do packed documents whose lengths only the device holds (built every step from
+    a data loader's tensor), per number of documents and band shape.
     """
     key = _decision_key(inp, need_lse, op)
     store = inp.spec.derived
-    if inp.spec.key_lengths_only:  # vendor kernels refuse lengths that only the device holds
-        store, key = _length_mask_choices, (*key, inp.spec.host.kv_seqlens is None)
+    spec = inp.spec
+    if spec.key_lengths_only:  # vendor kernels refuse lengths that only the device holds
+        store, key = _length_mask_choices, (*key, spec.host.kv_seqlens is None)
+    elif spec.q_seqstart is not None and spec.host.q_seqstart is None and spec.additive is None and (
+            spec.alibi_slopes is None and spec.layout is None):  # packed lengths no operator can read
+        bands = None if spec.band_lo is None else spec.band_lo.shape
+        store, key = _length_mask_choices, (*key, "device segments", spec.features, spec.k_seqlen.shape, bands)
     try:
         decision = store.get(key)
     except TypeError:  # symbolic sizes (tracing) are unhashable: no caching

@@ -248,6 +248,24 @@ def test_packed_documents_only_the_device_holds_are_never_read_on_the_call_path(
             assert any("on the device only" in r for r in ba.ops.get(name).not_supported_reasons(inp)), name
 
 
+def test_packed_documents_only_the_device_holds_share_their_dispatch_choice(monkeypatch):
+    """Masks built every step from a device tensor of lengths: the dispatcher walks its operators once
+    per number of documents, not once per mask (no verdict can read the lengths)."""
+    from biasattn import dispatch
+    from biasattn.bias.block_diagonal import SegmentsAtom
+
+    monkeypatch.setattr(SegmentsAtom, "starts_known", lambda self: False)
+    monkeypatch.setattr(dispatch, "_length_mask_choices", type(dispatch._length_mask_choices)(16))
+    walks = []
+    real = dispatch._choose
+    monkeypatch.setattr(dispatch, "_choose", lambda *a: walks.append(1) or real(*a))
+    q, k, v = _qkv(1, 24, 0)
+    for lengths in ([5, 9, 10], [20, 2, 2], [1, 1, 22], [12, 12]):
+        mask = ba.BlockDiagonalMask._from_tensors(torch.tensor(lengths), None, None).make_causal()
+        ba.attention(q, k, v, mask)
+    assert len(walks) == 2, "one walk for three documents, one for two"
+
+
 def test_negative_lengths_from_a_tensor_are_an_error_at_call_time():
     """Values the host holds are checked when the mask is used, with the message a list gets at construction."""
     q, k, v = _qkv(2, 5, 0)
