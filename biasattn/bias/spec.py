@@ -100,7 +100,7 @@ class BiasSpec:
     # dataclasses.replace): the backward of a call reuses what its forward built.
     derived: BoundedCache = field(default_factory=lambda: BoundedCache(64), init=False, repr=False, compare=False)
 
-    @property
+    @functools.cached_property
     def features(self) -> frozenset[str]:
         """Names of the fields that are present (a subset of :data:`FEATURES`)."""
         present = {

@@ -56,15 +56,24 @@ def plan_home(spec: BiasSpec, device, key) -> tuple[dict, object, tuple]:
     specs (an additive bias, ALiBi slopes, a block layout) keep their plans on themselves."""
     if key is None:
         return spec.derived, None, ()
+    shared = spec.cached(("plan home", str(device)), lambda: _shared_structure(spec, device))
+    if shared is None:
+        return spec.derived, key, ()
+    structure, roles = shared
+    return _SHARED_PLANS, (key, structure), roles
+
+
+def _shared_structure(spec: BiasSpec, device) -> tuple[tuple, tuple] | None:
+    """``(structure key, roles)`` of a spec whose plans are shared (see :func:`plan_home`), or None."""
     lengths = (spec.q_seqstart, spec.k_seqstart, spec.k_seqlen, spec.kv_seqlens, spec.band_lo, spec.band_hi)
     if (spec.additive is not None or spec.alibi_slopes is not None or spec.layout is not None
             or any(t is not None and (t.dtype != torch.int32 or t.device != device) for t in lengths)):
-        return spec.derived, key, ()
+        return None
     d32 = _dummy(device)
     roles = tuple(d32 if t is None else t for t in lengths)
     structure = (spec.features, _hidden_keys(spec), _span_features(spec, spec.Mq, spec.Mk), plans.tensor_key(*roles),
                  spec.block_q, spec.block_k, spec.layout_q_off, spec.layout_k_off, spec.alibi_shift)
-    return _SHARED_PLANS, (key, structure), roles
+    return structure, roles
 
 
 def _new(shape, dtype, device, zero: bool = False) -> torch.Tensor:
