@@ -12,6 +12,12 @@ TOP_LEFT = "top_left"
 BOTTOM_RIGHT = "bottom_right"
 
 
+def segment_diagonals(q_starts: torch.Tensor, k_starts: torch.Tensor, alignment: str) -> torch.Tensor:
+    """Per packed segment, the ``d = j - i`` of its diagonal, from the ``[S+1]`` start tensors (on their device,
+    nothing read): its first key against its first query, or with ``BOTTOM_RIGHT`` its last against its last."""
+    return (k_starts[1:] - q_starts[1:]) if alignment == BOTTOM_RIGHT else (k_starts[:-1] - q_starts[:-1])
+
+
 @dataclass(frozen=True, eq=False)
 class BandAtom(Atom):
     """Keys with ``i + shift - window_left <= j <= i + shift + window_right`` are visible.

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import InputError
 from .atoms import Atom, Geometry, as_lengths, check_length_tensor, readable, tensor_version, to_device, visible_to_additive
-from .band import BOTTOM_RIGHT, TOP_LEFT
+from .band import BOTTOM_RIGHT, TOP_LEFT, segment_diagonals
 from .base import AttentionBias
 from .local import check_window
 
@@ -104,7 +104,7 @@ class SegmentsAtom(Atom):
         visible = inside[:, None] & (j >= ks[seg][:, None]) & (j < ks[seg + 1][:, None])
         if self.band is not None:  # the band of segment_bounds, from the tensors
             alignment, left, right = self.band
-            shift = (ks[1:] - qs[1:]) if alignment == BOTTOM_RIGHT else (ks[:-1] - qs[:-1])
+            shift = segment_diagonals(qs, ks, alignment)
             d = j - i
             if left is not None:
                 visible &= d >= (shift - left)[seg][:, None]

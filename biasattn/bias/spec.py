@@ -25,6 +25,7 @@ import torch
 from ..errors import InputError
 from ..memo import BoundedCache
 from .atoms import tensor_version, to_device
+from .band import segment_diagonals
 
 BAND_UNBOUNDED = 2**30
 _INT_TENSORS = BoundedCache(256)
@@ -276,8 +277,7 @@ class SpecBuilder:
             kw["band_hi"] = _int_tensor([hi_g if abs(hi_g) >= BAND_UNBOUNDED else hi_g + shift], self.device)
             return
         alignment, left, right = band
-        # each segment's diagonal in the call's coordinates: its first (or last) key against its first (or last) query
-        diag = (ks[1 : n + 1] - qs[1 : n + 1]) if alignment == "bottom_right" else (ks[:n] - qs[:n])
+        diag = segment_diagonals(qs[: n + 1], ks[: n + 1], alignment)  # in the call's coordinates
         lo = diag - left if left is not None else torch.full_like(diag, -BAND_UNBOUNDED)
         hi = diag + right if right is not None else torch.full_like(diag, BAND_UNBOUNDED)
         if lo_g > -BAND_UNBOUNDED:
