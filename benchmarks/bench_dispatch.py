@@ -14,6 +14,8 @@ ratios of the dispatch criterion: auto vs the fastest of our operators (>= 0.95)
 fastest SDPA backend (>= 1.0 within 3% noise).
 
     PYTHONPATH=. python benchmarks/bench_dispatch.py --sizes 2048   # into benchmarks/results/<device>/dispatch
+    PYTHONPATH=. python benchmarks/bench_dispatch.py --sizes 2048,8192 --cases none,causal \
+        --head-dims 64,80,96,128,192,256 --dtypes bf16,fp16             # the head-dim sweep: .../head_dims
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ MODES = ("fwd", "fwd+bwd")
 EXTRA_CASES = ("gqa_causal", "decode", "decode_padded")
 FORWARD_ONLY = ("decode", "decode_padded")
 COMPILED = ("triton", "triton_splitk", "cutlass", "flash2", "cudnn")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def _bench(fn, grads) -> float:
@@ -99,12 +103,12 @@ def _grads(case):
     return out
 
 
-def _extra_case(name, S, D, requires_grad):
-    """One of :data:`EXTRA_CASES` at sequence (or cache) length ``S``, bf16."""
+def _extra_case(name, S, D, requires_grad, dtype=torch.bfloat16):
+    """One of :data:`EXTRA_CASES` at sequence (or cache) length ``S``."""
     from benchmarks.cases import Case
 
     def make(B, H, M):
-        t = torch.randn(B, H, M, D, dtype=torch.bfloat16, device="cuda")
+        t = torch.randn(B, H, M, D, dtype=dtype, device="cuda")
         return t.requires_grad_(requires_grad)
 
     if name == "gqa_causal":
@@ -121,12 +125,12 @@ def _extra_case(name, S, D, requires_grad):
                 dense_mask=lambda: bias.materialize((B, 1, 1, S), device="cuda") == 0)
 
 
-def _time_case(S, B, H, D, name, mode, meta, log):
+def _time_case(S, B, H, D, name, mode, meta, log, dtype=torch.bfloat16):
     if name in EXTRA_CASES:
-        case = _extra_case(name, S, D, requires_grad=mode == "fwd+bwd")
+        case = _extra_case(name, S, D, requires_grad=mode == "fwd+bwd", dtype=dtype)
         B, H = case.q.shape[:2]
     else:
-        case = make_case(name, B=B, H=H, M=S, D=D, requires_grad=mode == "fwd+bwd")
+        case = make_case(name, B=B, H=H, M=S, D=D, dtype=dtype, requires_grad=mode == "fwd+bwd")
     ours, chosen = _our_providers(case, mode)
     calls = {f"op:{n}": (lambda n=n: ba.attention(case.q, case.k, case.v, case.bias, op=n)) for n in ours}
     calls["auto"] = lambda: ba.attention(case.q, case.k, case.v, case.bias)
@@ -154,10 +158,10 @@ def _time_case(S, B, H, D, name, mode, meta, log):
     for provider, ts in times.items():
         ms = sorted(ts)[len(ts) // 2]
         tflops = case.flops(mode) / (ms * 1e-3) / 1e12
-        rows.append(dict(meta, S=S, B=B, H=H, D=D, case=name, mode=mode, provider=provider,
+        rows.append(dict(meta, S=S, B=B, H=H, D=D, dtype=DTYPE_NAMES[dtype], case=name, mode=mode, provider=provider,
                          chosen=chosen if provider == "auto" else "", ms=f"{ms:.4f}", tflops=f"{tflops:.1f}"))
         extra = f"  chosen {chosen}, dispatch {host_us:.0f} us on the host" if provider == "auto" else ""
-        log(f"S={S} {name:<12} {mode:<8} {provider:<16} {ms:8.3f} ms {tflops:7.1f} TFLOP/s"
+        log(f"{DTYPE_NAMES[dtype]} D={D} S={S} {name:<12} {mode:<8} {provider:<16} {ms:8.3f} ms {tflops:7.1f} TFLOP/s"
             f" ({', '.join(f'{t:.3f}' for t in ts)}){extra}")
     return rows
 
@@ -171,47 +175,48 @@ def _dispatch_us(case, mode) -> float:
     return (time.perf_counter() - t0) / 50 * 1e6
 
 
-def run(sizes, modes, cases, H=16, D=128, tokens=16384, budget_s=1e9, log=print):
-    """Time everything (no new case starts after ``budget_s`` seconds); returns the long-format rows."""
+def run(sizes, modes, cases, H=16, D=128, tokens=16384, budget_s=1e9, log=print, head_dims=None, dtypes=None):
+    """Time everything (no new case starts after ``budget_s`` seconds) for each head dim (default ``D``)
+    and dtype (default bf16); returns the long-format rows."""
     start = time.time()
     meta = dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
         commit=_commit(), date=datetime.date.today().isoformat(),
     )
     rows = []
-    for S in sizes:
-        B = max(tokens // S, 1)
-        for name in cases:
-            for mode in modes:
-                if mode != "fwd" and name in FORWARD_ONLY:
-                    continue
-                if time.time() - start > budget_s:
-                    log(f"time budget of {budget_s:.0f}s spent: skipping S={S} {name} {mode}")
-                    continue
-                rows += _time_case(S, B, H, D, name, mode, meta, log)
-                torch.cuda.empty_cache()
+    points = [(dt, d, S, name, mode) for dt in dtypes or [torch.bfloat16] for d in head_dims or [D] for S in sizes
+              for name in cases for mode in modes if mode == "fwd" or name not in FORWARD_ONLY]
+    for dt, d, S, name, mode in points:
+        if time.time() - start > budget_s:
+            log(f"time budget of {budget_s:.0f}s spent: skipping {DTYPE_NAMES[dt]} D={d} S={S} {name} {mode}")
+            continue
+        rows += _time_case(S, max(tokens // S, 1), H, d, name, mode, meta, log, dtype=dt)
+        torch.cuda.empty_cache()
     return rows
 
 
 def summarize(rows) -> str:
-    """Markdown table: per case and mode, the fastest of ours, auto, the fastest SDPA backend, and the ratios."""
+    """Markdown table: per point (dtype, head dim, S, case, mode), the fastest of ours, auto, the fastest SDPA
+    backend, and the ratios."""
     groups: dict = {}
     for r in rows:
-        groups.setdefault((int(r["S"]), r["case"], r["mode"]), []).append(r)
+        key = (r.get("dtype", "bf16"), int(r.get("D", 128)), int(r["S"]), r["case"], r["mode"])
+        groups.setdefault(key, []).append(r)
     meta = rows[0] if rows else {}
     lines = [
         f"Device {meta.get('device')}, torch {meta.get('torch')}, triton {meta.get('triton')}, commit {meta.get('commit')}, "
-        f"{meta.get('date')}. bf16, H={meta.get('H')}, D={meta.get('D')}, B·S = 16384 tokens (gqa_causal: 16 query "
+        f"{meta.get('date')}. H={meta.get('H')}, B·S = 16384 tokens (gqa_causal: 16 query "
         "heads on 2 KV heads; decode: B=16, Mq=1, 32 query heads on 8 KV heads, a cache of S keys; decode_padded: "
         "cache lengths S/8..S). Median ms of "
         "triton.testing.do_bench; TFLOP/s count only visible pairs. auto/ours = fastest of our operators' time / auto's time "
         "(>= 0.95 passes); auto/SDPA = fastest SDPA backend's time / auto's time (>= 0.97 passes).",
         "",
-        "| S | case | mode | our operators (ms) | auto: chosen | auto ms | best SDPA (ms) | auto/ours | auto/SDPA | pass |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| dtype | D | S | case | mode | our operators (ms) | auto: chosen | auto ms | best SDPA (ms) | auto/ours | "
+        "auto/SDPA | pass |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = CASE_NAMES + EXTRA_CASES
-    for (S, case, mode), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]), kv[0][2])):
+    for (dt, D, S, case, mode), rs in sorted(groups.items(), key=lambda kv: (*kv[0][:3], order.index(kv[0][3]), kv[0][4])):
         ours = {r["provider"][3:]: float(r["ms"]) for r in rs if r["provider"].startswith("op:")}
         sdpa = {r["provider"][5:]: float(r["ms"]) for r in rs if r["provider"].startswith("sdpa:")}
         auto = next((r for r in rs if r["provider"] == "auto"), None)
@@ -226,7 +231,7 @@ def summarize(rows) -> str:
         ours_txt = ", ".join(f"{n} {t:.3f}" for n, t in sorted(ours.items(), key=lambda kv: kv[1]))
         sdpa_txt = f"{best_sdpa_name} {sdpa[best_sdpa_name]:.3f}" if sdpa else "none runs it"
         lines.append(
-            f"| {S} | {case} | {mode} | {ours_txt} | {auto['chosen']} | {a:.3f} | {sdpa_txt} | {r1:.2f} | "
+            f"| {dt} | {D} | {S} | {case} | {mode} | {ours_txt} | {auto['chosen']} | {a:.3f} | {sdpa_txt} | {r1:.2f} | "
             f"{'' if not sdpa else f'{r2:.2f}'} | {'yes' if ok else 'NO'} |"
         )
     return "\n".join(lines) + "\n"
@@ -246,12 +251,17 @@ def main(argv=None) -> None:
     p.add_argument("--cases", default=",".join(CASE_NAMES + EXTRA_CASES))
     p.add_argument("--out", default=None, help="path prefix (default: benchmarks/results/<device>/dispatch)")
     p.add_argument("--budget", type=float, default=1e9, help="stop starting new cases after this many seconds")
-    p.add_argument("--head-dim", type=int, default=128, help="D of every case (results go to dispatch_d<D> unless 128)")
+    p.add_argument("--head-dims", default="128",
+                   help="comma-separated head dims (results go to dispatch_d<D> for one D other than 128, "
+                        "head_dims for several)")
+    p.add_argument("--dtypes", default="bf16", help="comma-separated, of " + ", ".join(DTYPES))
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore")
-    a.out = a.out or results_dir("dispatch" if a.head_dim == 128 else f"dispatch_d{a.head_dim}")
-    rows = run([int(s) for s in a.sizes.split(",")], a.modes.split(","), a.cases.split(","), D=a.head_dim,
-               budget_s=a.budget)
+    dims = [int(d) for d in a.head_dims.split(",")]
+    name = "dispatch" if dims == [128] else f"dispatch_d{dims[0]}" if len(dims) == 1 else "head_dims"
+    a.out = a.out or results_dir(name)
+    rows = run([int(s) for s in a.sizes.split(",")], a.modes.split(","), a.cases.split(","), head_dims=dims,
+               dtypes=[DTYPES[d] for d in a.dtypes.split(",")], budget_s=a.budget)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
