@@ -51,11 +51,15 @@ CUDNN_DECODE_MAX_GROUPS = 16
 CUDNN_DECODE_UNGROUPED_MAX_MQ = 4
 CUDNN_DECODE_UNGROUPED_MIN_PAIRS = 512
 CUDNN_DECODE_UNGROUPED_MAX_MK = 8192
-# Above this head dim the triton backward spills registers, and FlashAttention-2's backward goes before it
-# (H200, bf16, S=4096, D=256, forward+backward: triton 119 TFLOP/s against SDPA flash's 263 without a
-# bias and 116 against 232 causal; the triton forward stays ahead, 382 against 316). The forward order
-# is unchanged.
-TRITON_BWD_MAX_HEAD_DIM = 128
+# Head-dim ranges where FlashAttention-2 goes before triton, per pass: (pass, lowest D, highest D, why).
+# Measured on the H200 (benchmarks/results/h200/head_dims.md, bf16 and fp16, no bias and causal, S=2k and 8k):
+#   PYTHONPATH=. python benchmarks/bench_dispatch.py --sizes 2048,8192 --cases none,causal \
+#       --head-dims 64,80,96,128,192,256 --dtypes bf16,fp16
+# Up to D=128, and at D=256 forward, triton is ahead of flash2 (D=256 forward: 1.49 against 1.77 ms).
+HEAD_DIM_ORDER: tuple[tuple[str, int, int, str], ...] = (
+    ("backward", 129, 256, "the triton backward spills registers (forward+backward 2.0-3.0x flash2's time at D=192, 256)"),
+    ("forward", 129, 192, "the triton forward takes 1.11-1.19x flash2's time at D=192"),
+)
 # With dropout, FlashAttention-2 goes before triton: drawing the mask costs our kernels 1.60-1.95x their
 # time without dropout against FA2's 1.09-1.25x, which leaves triton at 0.84-1.00x flash2 on no bias,
 # causal and window 1024 (results/h200/dropout.md at cac0379; cudnn, where it runs, beats both).
@@ -63,7 +67,7 @@ TRITON_BWD_MAX_HEAD_DIM = 128
 
 def priority(device_type: str, inp: AttentionInputs | None = None, *, backward: bool = False) -> tuple[str, ...]:
     """``PRIORITY[device_type]`` adjusted to the inputs and the pass: ``triton_splitk`` is tried first only
-    for decode shapes; the backward of head dims above :data:`TRITON_BWD_MAX_HEAD_DIM` tries ``flash2`` before ``triton``."""
+    for decode shapes; in the head-dim ranges of :data:`HEAD_DIM_ORDER` ``flash2`` goes before ``triton``."""
     return _ordered(device_type, inp, None, backward)
 
 
@@ -104,13 +108,19 @@ def _ordered(device_type: str, inp: AttentionInputs | None, notes: list[str] | N
         order.insert(order.index("triton"), "flash2")
         if notes is not None:
             notes.append(f"flash2 before triton: dropout (p={inp.dropout_p:g}) costs flash2 less")
-    elif backward and max(inp.D, inp.Dv) > TRITON_BWD_MAX_HEAD_DIM and "flash2" in order and "triton" in order:
+    elif (rule := _head_dim_rule(inp, backward)) is not None and "flash2" in order and "triton" in order:
         order.remove("flash2")
         order.insert(order.index("triton"), "flash2")
         if notes is not None:
-            notes.append(f"flash2 before triton for the backward: head dim {max(inp.D, inp.Dv)} is above "
-                         f"{TRITON_BWD_MAX_HEAD_DIM}, where the triton backward spills registers")
+            pass_, lo, hi, why = rule
+            notes.append(f"flash2 before triton for the {pass_}: head dim {max(inp.D, inp.Dv)} is in {lo}..{hi}, where {why}")
     return tuple(order)
+
+
+def _head_dim_rule(inp: AttentionInputs, backward: bool) -> tuple[str, int, int, str] | None:
+    """The :data:`HEAD_DIM_ORDER` rule for this pass and head dim, or None."""
+    d, pass_ = max(inp.D, inp.Dv), "backward" if backward else "forward"
+    return next((r for r in HEAD_DIM_ORDER if r[0] == pass_ and r[1] <= d <= r[2]), None)
 
 
 def _cudnn_first_note(inp: AttentionInputs, longest: int) -> str:
@@ -248,7 +258,7 @@ def _decision_key(inp: AttentionInputs, need_lse: bool, op) -> tuple:
         inp.scale > 0,
         add is not None and add.requires_grad, torch.are_deterministic_algorithms_enabled(), _allowed.get(),
         PRIORITY.get(dev.type), SPLITK_MAX_MQ, CUDNN_DECODE_MAX_GROUPS, CUDNN_DECODE_UNGROUPED_MAX_MQ,
-        CUDNN_DECODE_UNGROUPED_MIN_PAIRS, CUDNN_DECODE_UNGROUPED_MAX_MK, TRITON_BWD_MAX_HEAD_DIM, cuda and graph_capturing(),
+        CUDNN_DECODE_UNGROUPED_MIN_PAIRS, CUDNN_DECODE_UNGROUPED_MAX_MK, HEAD_DIM_ORDER, cuda and graph_capturing(),
         not cuda and interpreted(), ops.generation(), "dispatch",
     )
 

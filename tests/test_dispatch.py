@@ -368,15 +368,20 @@ def test_kept_choices_equal_a_fresh_walk(case):
             assert _choice_or_refusal(inp, need_lse, op) == _walk_or_refusal(inp, need_lse, op)
 
 
-@pytest.mark.parametrize("D, Dv", [(256, 256), (192, 192), (128, 256)])
-def test_cuda_backward_of_large_head_dims_tries_flash2_before_triton(D, Dv):
-    """Above 128 the triton backward spills: flash2 goes first for the backward only, and explain() says why."""
+@pytest.mark.parametrize(("D", "Dv", "forward_flash2_first"), [(256, 256, False), (192, 192, True), (128, 256, False),
+                                                           (160, 160, True), (129, 64, True)])
+def test_cuda_large_head_dims_try_flash2_before_triton_per_pass(D, Dv, forward_flash2_first):
+    """HEAD_DIM_ORDER: flash2 goes first for the backward above D = 128 and for the forward in 129..192, and
+    explain() names the rule; the rest of the order is unchanged."""
     q, k, v = torch.randn(1, 2, 64, D), torch.randn(1, 2, 64, D), torch.randn(1, 2, 64, Dv)
     inp = make_inputs(q.requires_grad_(), k, v, ba.LocalAttentionMask(16, 0))
     forward, backward = dispatch.priority("cuda", inp), dispatch.priority("cuda", inp, backward=True)
-    assert forward.index("triton") < forward.index("flash2")
+    assert (forward.index("flash2") < forward.index("triton")) == forward_flash2_first
     assert backward.index("flash2") < backward.index("triton")
     assert [n for n in backward if n not in ("flash2", "triton")] == [n for n in forward if n not in ("flash2", "triton")]
-    assert any("for the backward: head dim" in note for note in dispatch.priority_notes("cuda", inp))
+    notes = dispatch.priority_notes("cuda", inp)
+    assert any(f"for the backward: head dim {max(D, Dv)} is in 129..256" in note for note in notes)
+    assert any("for the forward: head dim" in note for note in notes) == forward_flash2_first
     small = make_inputs(q[..., :128].detach().requires_grad_(), k[..., :128], v[..., :128], ba.LocalAttentionMask(16, 0))
     assert dispatch.priority("cuda", small, backward=True) == dispatch.priority("cuda", small)
+    assert not any("head dim" in note for note in dispatch.priority_notes("cuda", small))
