@@ -34,7 +34,7 @@ def attention(q, k, v, attn_bias=None, *, scale: float | None = None, dropout_p:
         return custom_ops.attention(q, k, v, attn_bias, scale=scale, dropout_p=dropout_p, op=op)[0]
     inp = make_inputs(q, k, v, attn_bias, scale=scale, dropout_p=dropout_p)
     fwd, bwd = dispatch.choose(inp, op=op)
-    return autograd.run(inp, fwd, bwd)[0]
+    return autograd.run(inp, fwd, bwd, need_lse=False)[0]
 
 
 def attention_with_lse(q, k, v, attn_bias=None, *, scale: float | None = None, op=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -254,11 +254,13 @@ def _decision_key(inp: AttentionInputs, need_lse: bool, op) -> tuple:
     add = inp.spec.additive
     cuda = dev.type == "cuda"
     return (
-        q.shape, k.shape, v.shape[3], q.dtype, dev, _op_key(op), need_lse, inp.requires_grad, inp.dropout_p > 0,
+        q.shape, k.shape, v.shape[3], q.dtype, dev, None if op is None else _op_key(op), need_lse, inp.requires_grad,
+        inp.dropout_p > 0,
         inp.scale > 0,
         add is not None and add.requires_grad, torch.are_deterministic_algorithms_enabled(), _allowed.get(),
         PRIORITY.get(dev.type), SPLITK_MAX_MQ, CUDNN_DECODE_MAX_GROUPS, CUDNN_DECODE_UNGROUPED_MAX_MQ,
-        CUDNN_DECODE_UNGROUPED_MIN_PAIRS, CUDNN_DECODE_UNGROUPED_MAX_MK, HEAD_DIM_ORDER, cuda and graph_capturing(),
+        CUDNN_DECODE_UNGROUPED_MIN_PAIRS, CUDNN_DECODE_UNGROUPED_MAX_MK, HEAD_DIM_ORDER,
+        cuda and torch.cuda.is_current_stream_capturing(),
         not cuda and interpreted(), ops.generation(), "dispatch",
     )
 

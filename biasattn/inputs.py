@@ -9,6 +9,7 @@ import torch
 
 from .bias import AdditiveBias, AttentionBias, BiasSpec, lower
 from .errors import InputError, InputTypeError
+from .memo import BoundedCache
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -92,6 +93,62 @@ class AttentionInputs:
         )
 
 
+def _check_qkv(q, k, v) -> None:
+    """Every check of q, k and v against each other (not against a bias); skipped for a signature seen valid."""
+    plain = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+    if plain:
+        sig = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
+        if sig in _VALID_QKV:
+            return
+    _check_tensor("q", q, "[B, Hq, Mq, D]")
+    _check_tensor("k", k, "[B, Hkv, Mk, D]")
+    _check_tensor("v", v, "[B, Hkv, Mk, Dv]")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise InputTypeError(f"{name} has dtype {t.dtype}, q has {q.dtype}; they must agree")
+        if t.device != q.device:
+            raise InputTypeError(f"{name} is on {t.device}, q is on {q.device}; they must agree")
+    B, Hq, Mq, D = q.shape
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[0] != B:
+            raise InputError(f"{name} has batch size {t.shape[0]}, q has {B}")
+    if k.shape[3] != D:
+        raise InputError(f"k has head dim {k.shape[3]}, q has {D}")
+    if v.shape[1] != k.shape[1]:
+        raise InputError(f"v has {v.shape[1]} heads, k has {k.shape[1]}")
+    if v.shape[2] != k.shape[2]:
+        raise InputError(f"v has Mk={v.shape[2]} keys, k has {k.shape[2]}")
+    if D == 0 or v.shape[3] == 0:
+        raise InputError(f"head dims must be positive, got D={D}, Dv={v.shape[3]}")
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise InputError(f"q has Hq={Hq} heads, which is not a multiple of k's Hkv={Hkv} heads" + _layout_hint(q, k))
+    if plain:
+        _VALID_QKV[sig] = True
+
+
+def _check_bias(bias: AttentionBias, q, k) -> None:
+    """The bias's device and sizes against q and k; skipped for a call size this bias fitted before."""
+    B, Hq, Mq, _ = q.shape
+    fits = bias.__dict__.get("_fits")
+    Mk = k.shape[2]
+    key = (B, Hq, Mq, Mk, q.device)
+    concrete = type(B) is int and type(Hq) is int and type(Mq) is int and type(Mk) is int  # symbolic sizes are unhashable
+    if fits is not None and concrete and key in fits:
+        return
+    if not bias.follows_q and not _same_device(bias.device, q.device):
+        raise InputTypeError(f"attn_bias is on {bias.device}, q is on {q.device}; move it with attn_bias.to(q.device)")
+    bB, bH, bMq, bMk = bias.sizes
+    expected = (("batch size", bB, B, "q"), ("heads", bH, Hq, "q"), ("Mq", bMq, Mq, "q"), ("Mk", bMk, Mk, "k"))
+    for name, got, want, what in expected:
+        if got is not None and got != want:
+            swapped = {"heads": q.shape[2], "Mq": q.shape[1], "Mk": k.shape[1]}.get(name)
+            hint = _layout_hint(q, k) if got == swapped else ""  # the bias fits q and k read as [B, M, H, D]
+            raise InputError(f"attn_bias ({type(bias).__name__}) has {name} {got}, {what} has {want}" + hint)
+    if concrete:
+        bias.__dict__.setdefault("_fits", BoundedCache(16))[key] = True
+
+
 def _check_tensor(name: str, t, expected_rank_text: str) -> None:
     if not isinstance(t, torch.Tensor) or isinstance(t, AttentionBias):
         raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -132,31 +189,17 @@ def as_bias(attn_bias) -> AttentionBias | None:
     raise InputTypeError(f"attn_bias must be a biasattn bias, a tensor or None, got {type(attn_bias).__name__}")
 
 
+#: Signatures (shapes, dtypes, devices) of q, k, v that passed every check of :func:`_check_qkv`.
+_VALID_QKV = BoundedCache(256)
+
+
 def make_inputs(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, requires_grad=None) -> AttentionInputs:
-    """Validate everything and lower the bias; raises InputError / InputTypeError with a clear message."""
-    _check_tensor("q", q, "[B, Hq, Mq, D]")
-    _check_tensor("k", k, "[B, Hkv, Mk, D]")
-    _check_tensor("v", v, "[B, Hkv, Mk, Dv]")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise InputTypeError(f"{name} has dtype {t.dtype}, q has {q.dtype}; they must agree")
-        if t.device != q.device:
-            raise InputTypeError(f"{name} is on {t.device}, q is on {q.device}; they must agree")
+    """Validate everything and lower the bias; raises InputError / InputTypeError with a clear message.
+
+    The checks of q, k, v and of a bias's sizes run once per signature (shapes, dtypes, devices):
+    a call like an earlier valid one only looks its signature up."""
+    _check_qkv(q, k, v)
     B, Hq, Mq, D = q.shape
-    for name, t in (("k", k), ("v", v)):
-        if t.shape[0] != B:
-            raise InputError(f"{name} has batch size {t.shape[0]}, q has {B}")
-    if k.shape[3] != D:
-        raise InputError(f"k has head dim {k.shape[3]}, q has {D}")
-    if v.shape[1] != k.shape[1]:
-        raise InputError(f"v has {v.shape[1]} heads, k has {k.shape[1]}")
-    if v.shape[2] != k.shape[2]:
-        raise InputError(f"v has Mk={v.shape[2]} keys, k has {k.shape[2]}")
-    if D == 0 or v.shape[3] == 0:
-        raise InputError(f"head dims must be positive, got D={D}, Dv={v.shape[3]}")
-    Hkv = k.shape[1]
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise InputError(f"q has Hq={Hq} heads, which is not a multiple of k's Hkv={Hkv} heads" + _layout_hint(q, k))
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
@@ -166,15 +209,7 @@ def make_inputs(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, requires_
 
     bias = as_bias(attn_bias)
     if bias is not None:
-        if not bias.follows_q and not _same_device(bias.device, q.device):
-            raise InputTypeError(f"attn_bias is on {bias.device}, q is on {q.device}; move it with attn_bias.to(q.device)")
-        bB, bH, bMq, bMk = bias.sizes
-        expected = (("batch size", bB, B, "q"), ("heads", bH, Hq, "q"), ("Mq", bMq, Mq, "q"), ("Mk", bMk, k.shape[2], "k"))
-        for name, got, want, what in expected:
-            if got is not None and got != want:
-                swapped = {"heads": q.shape[2], "Mq": q.shape[1], "Mk": k.shape[1]}.get(name)
-                hint = _layout_hint(q, k) if got == swapped else ""  # the bias fits q and k read as [B, M, H, D]
-                raise InputError(f"attn_bias ({type(bias).__name__}) has {name} {got}, {what} has {want}" + hint)
+        _check_bias(bias, q, k)
     spec = lower(bias, B, Hq, Mq, k.shape[2], q.device)
     if requires_grad is None:
         requires_grad = torch.is_grad_enabled() and (

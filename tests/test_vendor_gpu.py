@@ -161,6 +161,13 @@ def _check_case(case: Case, op: str, dtype, poison: bool = True):
         empty = torch.isneginf(ref_lse)
         assert bool(empty.any()), "the case should have rows that see no key"
         assert bool((out[empty] == 0).all()) and bool(torch.isneginf(lse[empty]).all())
+    # the output alone (ba.attention without gradients): operators may skip the lse there
+    plain = make_inputs(qq.detach(), kk.detach(), vv.detach(), bias, requires_grad=False)
+    only, no_lse = autograd.run(plain, fwd_op, None, need_lse=False)
+    assert no_lse is None
+    assert_close_to_reference(only, ref_out, low_out, atol=ATOL, name=f"{op} {case.name} out without lse")
+    if case.empty_rows:
+        assert bool((only[torch.isneginf(ref_lse)] == 0).all())
     if not backward:
         return
     wrt = [qq, kk, vv] + ([aa] if bias_grad else [])

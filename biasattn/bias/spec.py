@@ -413,11 +413,15 @@ def lower(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasSpec:
     """
     if bias is None:
         return _plain_spec(B, H, Mq, Mk)
-    tensors = [t for a in bias.atoms for t in a.tensors().values()]
+    tensors = bias.__dict__.get("_lowered_tensors")
+    if tensors is None:  # a bias's terms never change: its tensors are listed once
+        tensors = bias.__dict__["_lowered_tensors"] = tuple(t for a in bias.atoms for t in a.tensors().values())
     # an in-place write to a length tensor makes a new spec (its host copies are read again)
-    key = (B, H, Mq, Mk, str(device), *(tensor_version(t) for t in tensors))
+    key = (B, H, Mq, Mk, device, *(tensor_version(t) for t in tensors)) if tensors else (B, H, Mq, Mk, device)
     cacheable = not any(t.requires_grad for t in tensors)
-    cache = bias.__dict__.setdefault("_spec_cache", BoundedCache(16)) if cacheable else {}
+    cache = bias.__dict__.get("_spec_cache") if cacheable else {}
+    if cache is None:
+        cache = bias.__dict__["_spec_cache"] = BoundedCache(16)
     spec = cache.get(key)
     if spec is None:
         g = bias.geometry(B, H, Mq, Mk)

@@ -34,10 +34,15 @@ class _AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, dadd, None, None, None
 
 
-def run(inp: AttentionInputs, fwd_op: Operator, bwd_op: Operator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` through ``fwd_op``; gradients through ``bwd_op`` when ``inp.requires_grad``."""
+def run(
+    inp: AttentionInputs, fwd_op: Operator, bwd_op: Operator | None, *, need_lse: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(out, lse)`` through ``fwd_op``; gradients through ``bwd_op`` when ``inp.requires_grad``. Without
+    gradients and ``need_lse=False`` the lse is None and the operator may skip it."""
     if not inp.requires_grad:  # inference loops usually run under no_grad already
         with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
+            if not need_lse:
+                return fwd_op.fwd_out(inp), None
             out, lse, _ = fwd_op.fwd(inp)
         return out, lse
     return _AttentionFunction.apply(inp.q, inp.k, inp.v, inp.additive, inp, fwd_op, bwd_op)

@@ -128,6 +128,11 @@ class Operator:
     def fwd(self, inp: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor, Any]:
         raise NotImplementedError
 
+    def fwd_out(self, inp: AttentionInputs) -> torch.Tensor:
+        """The forward's output alone, for a call that needs neither the log-sum-exp nor gradients
+        (operators whose kernel can skip the log-sum-exp override it)."""
+        return self.fwd(inp)[0]
+
     def bwd(self, inp, out, lse, ctx, dout, dlse):
         raise NotImplementedError
 

@@ -119,6 +119,12 @@ class VendorOperator(Operator):
             return out, torch.full((inp.B, inp.Hq, inp.Mq), float("-inf"), device=inp.device), None
         return self.kernel_fwd(inp, layout)
 
+    def fwd_out(self, inp: AttentionInputs) -> torch.Tensor:
+        layout = self.layout(inp)
+        if not layout.has_work or self.rows_may_be_hidden(inp, layout):  # rows are fixed up from the lse
+            return self.fwd(inp)[0]
+        return self.kernel_out(inp, layout)
+
     def bwd(self, inp, out, lse, ctx, dout, dlse):
         layout = self.layout(inp)
         if not layout.has_work:
@@ -131,6 +137,10 @@ class VendorOperator(Operator):
     def kernel_fwd(self, inp: AttentionInputs, layout: SequenceLayout):
         """:meth:`fwd` for a layout with work: ``(out, lse, ctx)``."""
         raise NotImplementedError
+
+    def kernel_out(self, inp: AttentionInputs, layout: SequenceLayout) -> torch.Tensor:
+        """:meth:`fwd_out` for a layout with work in which every row sees a key."""
+        return self.kernel_fwd(inp, layout)[0]
 
     def kernel_bwd(self, inp: AttentionInputs, layout: SequenceLayout, out, lse, ctx, dout):
         """:meth:`bwd` for a layout with work: ``(dq, dk, dv, dadditive)``."""

@@ -111,19 +111,26 @@ class CudnnOperator(VendorOperator):
 
     # ----------------------------------------------------------------------------- compute
     def kernel_fwd(self, inp: AttentionInputs, layout):
-        q, k, v, bias = inp.q, inp.k, inp.v, self._bias(inp)
-        causal = bool(cudnn_causal(layout))
-        if _entry_points() == RAGGED:
-            res = aten_entry(RAGGED[0])(
-                q, k, v, bias, None, None, inp.Mq, inp.Mk, True, inp.dropout_p, causal, False, scale=inp.scale
-            )
-        else:
-            res = aten_entry(DENSE[0])(q, k, v, bias, True, inp.dropout_p, causal, False, scale=inp.scale)
-        out, lse_raw, seed, offset = res[0], res[1], res[6], res[7]
+        out, lse_raw, seed, offset = self._launch_fwd(inp, layout, compute_lse=True)
         lse_fmt = lse_format(lse_raw, layout, inp.B, inp.Hq, inp.Mq)
         lse = self.kernel_lse(lse_raw, inp, layout, lse_fmt)
         out = self.fix_empty_rows(inp, layout, out, lse)
         return out, lse, VendorCtx(self.NAME, lse_raw, lse_fmt, (seed, offset))
+
+    def kernel_out(self, inp: AttentionInputs, layout):
+        return self._launch_fwd(inp, layout, compute_lse=False)[0]
+
+    def _launch_fwd(self, inp: AttentionInputs, layout, compute_lse: bool):
+        """``(out, raw lse, dropout seed, offset)`` of cuDNN's forward (the lse only with ``compute_lse``)."""
+        q, k, v, bias = inp.q, inp.k, inp.v, self._bias(inp)
+        causal = bool(cudnn_causal(layout))
+        if _entry_points() == RAGGED:
+            res = aten_entry(RAGGED[0])(
+                q, k, v, bias, None, None, inp.Mq, inp.Mk, compute_lse, inp.dropout_p, causal, False, scale=inp.scale
+            )
+        else:
+            res = aten_entry(DENSE[0])(q, k, v, bias, compute_lse, inp.dropout_p, causal, False, scale=inp.scale)
+        return res[0], res[1], res[6], res[7]
 
     def kernel_bwd(self, inp, layout, out, lse, ctx, dout):
         q, k, v, bias = inp.q, inp.k, inp.v, self._bias(inp)
