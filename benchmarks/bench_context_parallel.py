@@ -132,11 +132,12 @@ def torch_context_parallel(args, M: int, rotate: str | None):
     q, k, v, dout = (t.detach() for t in inputs(1, args.heads, args.kv_heads, M, args.head_dim, "cuda"))
     rep = args.heads // args.kv_heads  # KV heads repeated: SDPA under context_parallel takes no enable_gqa
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    # context_parallel shards its buffers in place (a resize), which torch refuses for tensors that require grad
+    # context_parallel shards its buffers in place (a resize, undone on exit), which torch refuses for
+    # tensors that require grad: the timed leaves are copies of the sharded buffers
     try:
         with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2]):
-            q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-            run = fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), q, k, v, dout)
+            leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+            run = fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), *leaves, dout)
             return (timed(run, args.warmup, args.reps), peak_gib(run)), ""
     except Exception as e:  # noqa: BLE001 - an experimental API: report, do not stop the other rows
         return None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"

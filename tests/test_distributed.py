@@ -270,14 +270,16 @@ def test_operators_without_a_global_lse_backward_give_the_same_gradients(pool):
 @pytest.mark.parametrize("method", ["ring", "allgather"])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_hidden_pairs_launch_nothing(pool, layout, method):
-    """Under a causal mask only the (query chunk, key chunk) pairs on or below the diagonal are launched."""
+    """Under a causal mask only the (query chunk, key chunk) pairs on or below the diagonal are launched (ring),
+    or per query piece the keys before it and its diagonal square (all-gather)."""
     R = pool.world
     counts = pool.run("count_launches", layout, method, 4 * R)
     n = 2 * R if layout == "zigzag" else R
     if method == "ring":
         expected = n * (n + 1) // 2  # one launch per visible chunk pair
-    else:
-        expected = R * (2 if layout == "zigzag" else 1)  # one launch per query piece, all keys at once
+    else:  # per query piece: the keys before it at once, and its causal square (the first piece has no keys before)
+        pieces_ = R * (2 if layout == "zigzag" else 1)
+        expected = 2 * pieces_ - 1
     assert sum(c["fwd"] for c in counts) == expected
     assert sum(c["bwd"] for c in counts) == expected
 

@@ -84,13 +84,14 @@ def plan_pair(q, k, v, bias, qp: Piece, kp: Piece, *, scale: float, requires_gra
         return None
     if additive is not None:
         inp = inp.with_tensors(inp.q, inp.k, inp.v, slice_additive(additive, qp, kp).detach().requires_grad_(True))
-    fwd_op, bwd_op = dispatch.choose(inp, need_lse=True)
+    # Every operator's forward gives the lse the merge needs, and a backward that takes the merged out
+    # and lse needs no gradient through the pair's own lse: the choice is the one of a plain call.
+    fwd_op, bwd_op = dispatch.choose(inp)
+    if bwd_op is not None and bwd_op.NAME not in GLOBAL_LSE_BACKWARD:  # prefer one that takes the merged out and lse
+        merged = (op for op in dispatch.candidates(inp.device.type, inp, backward=True)
+                  if op.NAME in GLOBAL_LSE_BACKWARD and op.supports(inp, backward=True))
+        bwd_op = next(merged, None) or dispatch.choose(inp, need_lse=True)[1]  # else: a gradient through its own lse
     global_lse = bwd_op is not None and bwd_op.NAME in GLOBAL_LSE_BACKWARD
-    if bwd_op is not None and not global_lse:  # prefer a candidate that takes the merged out and lse
-        for op in dispatch.candidates(inp.device.type, inp, backward=True):
-            if op.NAME in GLOBAL_LSE_BACKWARD and op.supports(inp, need_lse=True, backward=True):
-                bwd_op, global_lse = op, True
-                break
     return Pair(qp, kp, sliced, inp.spec, fwd_op, bwd_op, global_lse)
 
 

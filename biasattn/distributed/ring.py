@@ -37,12 +37,20 @@ class Call:
         return pieces(self.layout, self.world, self.rank, self.Mq_full)
 
     def plan(self, q, k, v, k_pieces, additive) -> list[Pair]:
-        """The pairs of this rank's query pieces with ``k_pieces`` of the K/V block ``k``, ``v`` (skipped ones left out)."""
+        """The pairs of this rank's query pieces with ``k_pieces`` of the K/V block ``k``, ``v`` (skipped ones
+        left out); ``k_pieces`` may be a function of the query piece."""
         planned = (
             plan_pair(q, k, v, self.bias, qp, kp, scale=self.scale, requires_grad=self.requires_grad, additive=additive)
-            for qp in self.q_pieces() for kp in k_pieces
+            for qp in self.q_pieces() for kp in (k_pieces(qp) if callable(k_pieces) else k_pieces)
         )
         return [p for p in planned if p is not None]
+
+    def keys_cut_at(self, qp: Piece) -> tuple[Piece, ...]:
+        """The gathered keys in up to three pieces, cut where the query piece ``qp`` starts and ends: with
+        a causal mask the first is fully visible and the second is a plain causal square, which the
+        fastest kernels take, where one pair over all keys would be a band with an offset."""
+        cuts = sorted({0, min(qp.start, self.Mk_full), min(qp.start + qp.length, self.Mk_full), self.Mk_full})
+        return tuple(Piece(a, b - a, a) for a, b in zip(cuts, cuts[1:]))
 
 
 class Gradients:
@@ -123,7 +131,7 @@ class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, additive, call: Call):
         k_all, v_all = AllGatherAttention._gather(k, call), AllGatherAttention._gather(v, call)
-        plan = call.plan(q, k_all, v_all, (Piece(0, call.Mk_full, 0),), additive)
+        plan = call.plan(q, k_all, v_all, call.keys_cut_at, additive)
         acc = Accumulator(q, v.shape[3], compute_dtype(q.dtype))
         for pair in plan:
             pair_forward(pair, q, k_all, v_all, call.scale, acc)
