@@ -180,12 +180,11 @@ def _warm(job) -> str:
     index_64 = bool(rest and rest[0])
     forced = rest[1] if len(rest) > 1 else {}
     try:
-        from biasattn.ops.triton import configs, flash
+        from biasattn.ops.triton import configs, options
 
-        flash.FORCE_INDEX_64 = index_64
         case = make_case(case_name, B=B, H=2, M=512, D=D, requires_grad=True)
         bias = case.bias.to(case.q.device) if case.bias is not None else None
-        with configs.override(**forced):
+        with configs.override(**forced), options.use(force_index_64=index_64):
             out = ba.attention(case.q, case.k, case.v, bias, op="triton")
             out.sum().backward()
         torch.cuda.synchronize()
@@ -402,26 +401,23 @@ def _tune_call(case, dout, fwd_only: bool):
     return lambda: torch.autograd.grad(ba.attention(q, k, v, case.bias, op="triton"), wrt, dout)
 
 
-AB_SWITCHES = {  # name: (module.attribute, state A, state B, value A, value B)
-    "offsets": ("flash.FORCE_INDEX_64", "32-bit in-slice offsets", "64-bit in-slice offsets", False, True),
-    "concurrent": ("flash_bwd.CONCURRENT_BWD", "dQ beside dK/dV on a side stream", "dQ after dK/dV", True, False),
-    "direct": ("launch.DIRECT", "direct launches of compiled kernels", "Triton's kernel[grid] launches", True, False),
-    "delta": ("flash_bwd.FUSED_DELTA", "delta computed by dQ", "delta preprocessing launch", True, False),
-    "tma": ("tma.ENABLED", "forward K/V tiles through tensor descriptors", "forward K/V through pointer loads", True, False),
-    "order": ("flash.ORDER_TAIL_WAVES", "last pairs started rank by rank", "plain order", 4, 0),
-    "dq_from_ds": ("flash_bwd.DQ_FROM_DS", "dQ read back from a per-(batch, head) bias gradient", "dQ recomputing S and dP",
+AB_SWITCHES = {  # name: (launch option, state A, state B, value A, value B)
+    "offsets": ("force_index_64", "32-bit in-slice offsets", "64-bit in-slice offsets", False, True),
+    "concurrent": ("concurrent_bwd", "dQ beside dK/dV on a side stream", "dQ after dK/dV", True, False),
+    "direct": ("direct_launch", "direct launches of compiled kernels", "Triton's kernel[grid] launches", True, False),
+    "delta": ("fused_delta", "delta computed by dQ", "delta preprocessing launch", True, False),
+    "tma": ("descriptors", "forward K/V tiles through tensor descriptors", "forward K/V through pointer loads", True, False),
+    "order": ("order_tail_waves", "last pairs started rank by rank", "plain order", 4, 0),
+    "dq_from_ds": ("dq_from_ds", "dQ read back from a per-(batch, head) bias gradient", "dQ recomputing S and dP",
                    True, False),
 }
 
 
 def ab_switch(args) -> None:
     """``triton`` with a launcher switch in state A against state B, same process, same inputs, rounds alternated."""
-    from biasattn.ops.triton import flash, flash_bwd, launch, tma
+    from biasattn.ops.triton import options
 
-    path, name_a, name_b, a, b = AB_SWITCHES[args.ab]
-    modules = {"flash": flash, "flash_bwd": flash_bwd, "launch": launch, "tma": tma}
-    module, attr = modules[path.split(".")[0]], path.split(".")[1]
-    default = getattr(module, attr)
+    field, name_a, name_b, a, b = AB_SWITCHES[args.ab]
     precompile(args.cases, args.head_dims, args.precompile or 8, index_64=(False, True) if args.ab == "offsets" else (False,))
     for D in args.head_dims:
         for M in args.seqlens:
@@ -435,9 +431,8 @@ def ab_switch(args) -> None:
                     ms = {a: [], b: []}
                     for _ in range(args.rounds):
                         for flag in (a, b):
-                            setattr(module, attr, flag)
-                            ms[flag].append(measure(fn, inputs, mode)[0])
-                    setattr(module, attr, default)
+                            with options.use(**{field: flag}):
+                                ms[flag].append(measure(fn, inputs, mode)[0])
                     ta, tb = sorted(ms[a])[args.rounds // 2], sorted(ms[b])[args.rounds // 2]
                     print(f"ab D={D} M={M} {case_name} {mode}: {name_a} {ta:.3f} ms, {name_b} {tb:.3f} ms, "
                           f"B/A time {tb / ta:.3f}", flush=True)

@@ -355,14 +355,31 @@ def operators(grid, eager: bool = False, bias: str | None = None, grow: int = 0)
 
 # --ab name -> (setting of biasattn.ops.triton.splitk, its default "on", the variant "off", whether it
 # acts only through the launch shape: points where both values launch the same are then skipped)
-AB_SWITCHES = {"pdl": ("PDL", True, False, False), "warpgroup": ("PAD_TO_WARPGROUP", True, False, False),
+AB_SWITCHES = {"pdl": ("split_kv_pdl", True, False, False), "warpgroup": ("pad_to_warpgroup", True, False, False),
                "merge8": ("MERGE_OVERHEAD_TILES", 4.0, 8.0, True),
                "warpgroup_merge": ("WARPGROUP_MERGE_ROW_TILES", 0.4, 0.0, True),
-               "rows64": ("MANY_ROWS_WARPGROUP", True, False, True),
+               "rows64": ("many_rows_warpgroup", True, False, True),
                "slack1": ("SPLIT_SLACK", 0.05, 0.01, True),
-               "rows16": ("SHORT_ROW_BLOCKS", True, False, True),
+               "rows16": ("short_row_blocks", True, False, True),
                "one_tile_stages": ("SHORT_PIECE_TILES", 1, 0, True),
                "piece_stages3": ("SHORT_PIECE_TILES", 1, 3, True)}
+
+
+@contextlib.contextmanager
+def _setting(name: str, value):
+    """A ``triton_splitk`` setting for the block: a launch option (lower case) or a tuning constant of the module."""
+    from biasattn.ops.triton import options, splitk
+
+    if name.islower():
+        with options.use(**{name: value}):
+            yield
+        return
+    saved = getattr(splitk, name)
+    setattr(splitk, name, value)
+    try:
+        yield
+    finally:
+        setattr(splitk, name, saved)
 
 
 def ab_switch(grid, name: str, rounds: int) -> None:
@@ -377,9 +394,8 @@ def ab_switch(grid, name: str, rounds: int) -> None:
         if shape_only:
             shapes = []
             for value in (on, off):
-                setattr(splitk, attr, value)
-                shapes.append(splitk.launch_shape(make_inputs(*sets[0])))
-            setattr(splitk, attr, on)
+                with _setting(attr, value):
+                    shapes.append(splitk.launch_shape(make_inputs(*sets[0])))
             if shapes[0] == shapes[1]:
                 print(f"B={B:<3} {Hq}/{Hkv:<3} Mq={Mq} Mk={Mk:<7} same launch either way: {shapes[0].describe()}")
                 continue
@@ -388,10 +404,9 @@ def ab_switch(grid, name: str, rounds: int) -> None:
         times = {"on": [], "off": [], "sdpa_cudnn": []}
         for _ in range(rounds):
             for variant in times:
-                setattr(splitk, attr, off if variant == "off" else on)
-                fn = provider_fn("sdpa_cudnn" if variant == "sdpa_cudnn" else "triton_splitk", Hq, Hkv)
-                times[variant].append(graph_time(fn, sets))
-        setattr(splitk, attr, on)
+                with _setting(attr, off if variant == "off" else on):
+                    fn = provider_fn("sdpa_cudnn" if variant == "sdpa_cudnn" else "triton_splitk", Hq, Hkv)
+                    times[variant].append(graph_time(fn, sets))
         med = {n: statistics.median(t) for n, t in times.items()}
         ratios.append(med["off"] / med["on"])
         print(f"B={B:<3} {Hq}/{Hkv:<3} Mq={Mq} Mk={Mk:<7} GB/s: {name} on {kv_bytes / med['on'] / 1e6:6.0f}  "
@@ -432,7 +447,7 @@ def main(argv=None):
                     help="with --operators --eager: each call sees up to N keys fewer, cycling (a cache "
                          "growing by one key per step: new sizes on every call)")
     ap.add_argument("--ab", choices=list(AB_SWITCHES), help="only A/B a triton_splitk setting: " + ", ".join(
-        f"{k} (splitk.{a} {on} against {off})" for k, (a, on, off, _) in AB_SWITCHES.items()))
+        f"{k} ({a} {on} against {off})" for k, (a, on, off, _) in AB_SWITCHES.items()))
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of --ab (medians reported)")
     ap.add_argument("--floor", action="store_true", help="also time the read floor of every point (tools/read_floor.py)")
     args = ap.parse_args(argv)

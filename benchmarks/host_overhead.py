@@ -188,18 +188,15 @@ def thread_split(case, iters: int, top: int) -> None:
 
 def ab_plans(calls: dict, rounds: int, iters: int) -> None:
     """Host µs of the forced-operator layers with launch plans on and off, alternating rounds (medians)."""
-    from biasattn.ops.triton import plans
+    from biasattn.ops.triton import options
 
     names = [n for n in calls if "op=triton" in n]
     times: dict = {(n, on): [] for n in names for on in (True, False)}
-    try:
-        for _ in range(rounds):
-            for on in (True, False):
-                plans.ENABLED = on
+    for _ in range(rounds):
+        for on in (True, False):
+            with options.use(plans=on):
                 for n in names:
                     times[(n, on)].append(per_call_us(calls[n], iters))
-    finally:
-        plans.ENABLED = True
     for n in names:
         on, off = (sorted(times[(n, s)])[rounds // 2] for s in (True, False))
         print(f"  plans on {on:8.1f}  off {off:8.1f}  ({off / on:.2f}x)  {n}")

@@ -67,3 +67,16 @@ def attention_spy(monkeypatch):
         return seen
 
     return install
+
+
+@pytest.fixture
+def triton_options(monkeypatch):
+    """Change the Triton launch options for the rest of a test: ``triton_options(fused_delta=False)``."""
+    import dataclasses
+
+    from biasattn.ops.triton import options
+
+    def change(**changes):
+        monkeypatch.setattr(options, "_current", dataclasses.replace(options.current(), **changes))
+
+    return change

@@ -83,7 +83,7 @@ def _biases():
 
 
 @pytest.mark.parametrize("name", list(_biases()))
-def test_replays_equal_the_launches_they_replace(plans, monkeypatch, name):
+def test_replays_equal_the_launches_they_replace(triton_options, plans, monkeypatch, name):
     bias = _biases()[name]
     bias = bias.to(DEVICE) if bias is not None else None
     replays = []
@@ -94,9 +94,9 @@ def test_replays_equal_the_launches_they_replace(plans, monkeypatch, name):
         before = len(replays)
         planned = _fwd_bwd(q, k, v, dout, bias)
         replayed = len(replays) - before
-        monkeypatch.setattr(plans, "ENABLED", False)
+        triton_options(plans=False)
         plain = _fwd_bwd(q, k, v, dout, bias)
-        monkeypatch.setattr(plans, "ENABLED", True)
+        triton_options(plans=True)
         for what, a, b in zip(("out", "dq", "dk", "dv"), planned, plain):
             assert torch.equal(a, b), f"call {call}: {what} differs from the unplanned launches"
         if call >= 4:  # a call that marks the signature, two recordings (after a first launch that may
@@ -107,7 +107,7 @@ def test_replays_equal_the_launches_they_replace(plans, monkeypatch, name):
 
 
 @pytest.mark.parametrize("case", ["causal", "bottom_right", "padded"])
-def test_plans_serve_packed_documents_built_anew_every_step(plans, monkeypatch, case):
+def test_plans_serve_packed_documents_built_anew_every_step(triton_options, plans, monkeypatch, case):
     """Training on packed documents builds the mask from each batch's lengths: every step is a new spec,
     yet from the fifth step the forward and backward replay plans shared by those specs, with the
     step's own lengths and tile tables (the same bits as the full path)."""
@@ -124,9 +124,9 @@ def test_plans_serve_packed_documents_built_anew_every_step(plans, monkeypatch, 
             bias = bias.make_causal() if case == "causal" else bias.make_causal_from_bottom_right()
         before = len(replays)
         planned = _fwd_bwd(q, k, v, dout, bias)
-        monkeypatch.setattr(plans, "ENABLED", False)
+        triton_options(plans=False)
         plain = _fwd_bwd(q, k, v, dout, bias)
-        monkeypatch.setattr(plans, "ENABLED", True)
+        triton_options(plans=True)
         for what, a, b in zip(("out", "dq", "dk", "dv"), planned, plain):
             assert torch.equal(a, b), f"step {step}: {what} differs from the unplanned launches"
         # a first step that may choose configs, one that marks the signature, two recordings, then replays
@@ -254,7 +254,7 @@ def _decode_biases():
                     reason="the triton_splitk operator cannot run here")
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("name", list(_decode_biases()))
-def test_split_kv_replays_equal_the_launches_they_replace(plans, monkeypatch, name, splits):
+def test_split_kv_replays_equal_the_launches_they_replace(triton_options, plans, monkeypatch, name, splits):
     """Decode steps through ``triton_splitk``: from the fourth call of a signature its launches are
     replayed (the merge too, when the keys are split), with the same bits as the full path."""
     from biasattn.ops.triton import splitk
@@ -272,9 +272,9 @@ def test_split_kv_replays_equal_the_launches_they_replace(plans, monkeypatch, na
         k, v = (torch.randn(3, 2, 200, 16, generator=gen).to(DEVICE) for _ in range(2))  # 4+ key tiles on the GPU too
         before = len(replays)
         planned = ba.attention_with_lse(q, k, v, bias, op="triton_splitk")
-        monkeypatch.setattr(plans, "ENABLED", False)
+        triton_options(plans=False)
         plain = ba.attention_with_lse(q, k, v, bias, op="triton_splitk")
-        monkeypatch.setattr(plans, "ENABLED", True)
+        triton_options(plans=True)
         for what, a, b in zip(("out", "lse"), planned, plain):
             assert torch.equal(a, b), f"call {call}: {what} differs from the unplanned launches"
         assert len(replays) - before == (1 if call >= 3 else 0), f"call {call}"
@@ -302,7 +302,7 @@ def test_split_kv_calls_with_forced_splits_are_never_planned(plans):
 @pytest.mark.skipif(SPLITK is None or bool(SPLITK.environment_reasons(torch.device(DEVICE))),
                     reason="the triton_splitk operator cannot run here")
 @pytest.mark.parametrize("causal", [False, True], ids=["padded", "padded+causal"])
-def test_split_kv_plans_serve_a_mask_built_anew_every_step(plans, monkeypatch, causal):
+def test_split_kv_plans_serve_a_mask_built_anew_every_step(triton_options, plans, monkeypatch, causal):
     """A decode loop that builds its cache-length mask every step (a new spec each time) replays a plan
     shared by those specs, with the step's own lengths: the same bits as the full path, and a plan
     only for steps whose lengths give the same launch."""
@@ -322,9 +322,9 @@ def test_split_kv_plans_serve_a_mask_built_anew_every_step(plans, monkeypatch, c
         before = len(replays)
         planned = ba.attention_with_lse(q, k, v, bias, op="triton_splitk")
         shapes.append(splitk.launch_shape(make_inputs(q, k, v, bias)))
-        monkeypatch.setattr(plans, "ENABLED", False)
+        triton_options(plans=False)
         plain = ba.attention_with_lse(q, k, v, bias, op="triton_splitk")
-        monkeypatch.setattr(plans, "ENABLED", True)
+        triton_options(plans=True)
         for what, a, b in zip(("out", "lse"), planned, plain):
             assert torch.equal(a, b), f"step {step}: {what} differs from the unplanned launches"
         if len(replays) > before:
@@ -336,3 +336,21 @@ def test_split_kv_plans_serve_a_mask_built_anew_every_step(plans, monkeypatch, c
         seen[shape] = seen.get(shape, 0) + 1
     expected = sum(max(0, n - 3) for n in seen.values())
     assert expected > 0 and len(replays) == expected
+
+
+def test_launch_options_change_for_a_block_and_key_plans_by_value():
+    """options.use changes choices for a block and restores them; an unknown name raises; equal choices
+    make equal plan keys, so a plan recorded before a block is found again after it."""
+    from biasattn.ops.triton import options
+
+    before = options.current()
+    with options.use(fused_delta=False, plans=False) as inside:
+        assert options.current() is inside and not inside.fused_delta and not inside.plans
+        assert inside != before
+    assert options.current() is before
+    with pytest.raises(TypeError):
+        with options.use(no_such_option=True):
+            pass
+    assert options.current() is before
+    again = options.Options(**{f: getattr(before, f) for f in before.__dataclass_fields__})
+    assert again == before and hash(again) == hash(before) and {before: 1}[again] == 1

@@ -168,10 +168,9 @@ def test_key_tiles_follow_the_cache_length_and_the_grid():
 
 
 @pytest.mark.parametrize("keys", [1024, 8192, 131072])
-def test_hopper_pads_mid_size_row_groups_to_a_warp_group_tile(keys, monkeypatch):
+def test_hopper_pads_mid_size_row_groups_to_a_warp_group_tile(triton_options, keys, monkeypatch):
     """17-64 packed rows (an MQA group of 32 heads) run 64-row blocks on sm90 from 8192 keys per call,
     not on other devices nor with the switch off; 16 rows or fewer, and more than 64, keep their own blocks."""
-    from biasattn.ops.triton import splitk
     from biasattn.ops.triton.splitk import SplitKConfig, default_config
 
     cuda = torch.device("cuda")
@@ -192,18 +191,17 @@ def test_hopper_pads_mid_size_row_groups_to_a_warp_group_tile(keys, monkeypatch)
         assert default_config(128, 128, 128, cuda, keys=keys, pairs=4, capability=(8, 0), sms=108).block_m == 128
     if keys == 1024:  # 4 pairs of 1k keys: a call too small to pad
         assert default_config(32, 128, 128, cuda, keys=keys, pairs=4, capability=(9, 0)).block_m == 32
-    monkeypatch.setattr(splitk, "PAD_TO_WARPGROUP", False)
+    triton_options(pad_to_warpgroup=False)
     assert default_config(32, 128, 128, cuda, keys=keys, pairs=8, capability=(9, 0)).block_m == 32
-    monkeypatch.setattr(splitk, "MANY_ROWS_WARPGROUP", False)
+    triton_options(many_rows_warpgroup=False)
     if keys >= 8192:
         assert default_config(128, 128, 128, cuda, keys=keys, pairs=4, capability=(9, 0), sms=132).block_m == 128
 
 
-def test_hopper_fills_a_wave_with_two_short_row_blocks_on_short_caches(monkeypatch):
+def test_hopper_fills_a_wave_with_two_short_row_blocks_on_short_caches(triton_options, monkeypatch):
     """17-32 packed rows on a short cache run two 16-row blocks of 128-key tiles on sm90 where those
     blocks fill more than two thirds of the SMs and at most all of them; otherwise (fewer or more pairs,
     longer caches, 33+ rows, other devices, the switch off) the other rules decide."""
-    from biasattn.ops.triton import splitk
     from biasattn.ops.triton.splitk import SplitKConfig, default_config
 
     cuda, hopper = torch.device("cuda"), (9, 0)
@@ -216,7 +214,7 @@ def test_hopper_fills_a_wave_with_two_short_row_blocks_on_short_caches(monkeypat
     assert default_config(32, 128, 128, cuda, keys=2048, pairs=64, capability=hopper, sms=132) != short
     assert default_config(64, 128, 128, cuda, keys=1024, pairs=32, capability=hopper, sms=132) != short
     assert default_config(32, 128, 128, cuda, keys=1024, pairs=64, capability=(8, 0), sms=108) != short
-    monkeypatch.setattr(splitk, "SHORT_ROW_BLOCKS", False)
+    triton_options(short_row_blocks=False)
     assert default_config(32, 128, 128, cuda, keys=1024, pairs=64, capability=hopper, sms=132) != short
 
 
@@ -338,11 +336,10 @@ def test_sliding_window_skips_to_the_visible_keys():
     check(q, k, v, band & ba.PaddedKeysMask([60, 30], device=DEVICE), splits=(2,))
 
 
-def test_64_bit_key_offsets(monkeypatch):
+def test_64_bit_key_offsets(triton_options, monkeypatch):
     """The 64-bit key-offset path (a K/V slice past 2**31 elements) computes the same as the 32-bit one."""
-    from biasattn.ops.triton import splitk
 
-    monkeypatch.setattr(splitk, "FORCE_INDEX_64", True)
+    triton_options(force_index_64=True)
     q, k, v = qkv(3, 4, 2, 4, 38, 16, torch.float16)
     bias = ba.LowerTriangularFromBottomRightMask().to(DEVICE) & ba.PaddedKeysMask([38, 3, 0], device=DEVICE)
     check(q, k, v, bias + ba.ALiBi(ba.ALiBi.standard_slopes(4).to(DEVICE)), splits=(None, 5))
@@ -373,7 +370,7 @@ def test_keys_past_the_lengths_are_never_read(case):
     check(q, k, v, bias, splits=(None, 1, 3))
 
 
-def test_programmatic_dependent_launch_only_where_the_device_has_it(monkeypatch):
+def test_programmatic_dependent_launch_only_where_the_device_has_it(triton_options, monkeypatch):
     """The merge runs as a programmatic dependent launch only on CUDA devices of capability 9.0+ (never
     under the interpreter, never when switched off)."""
     from biasattn.ops.triton import splitk
@@ -384,7 +381,7 @@ def test_programmatic_dependent_launch_only_where_the_device_has_it(monkeypatch)
 
         has_gdc = splitk.splitk_kernels.gdc_wait is not None
         assert splitk.pdl_available(DEVICE) == (has_gdc and cuda_capability(DEVICE) >= (9, 0))
-        monkeypatch.setattr(splitk, "PDL", False)
+        triton_options(split_kv_pdl=False)
         assert not splitk.pdl_available(DEVICE)
 
 

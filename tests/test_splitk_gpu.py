@@ -153,7 +153,7 @@ def test_cuda_graph_capture_and_replay_with_new_lengths():
 
 
 @pytest.mark.parametrize("heads", [(32, 1), (32, 8)])
-def test_merge_as_programmatic_dependent_launch(monkeypatch, heads):
+def test_merge_as_programmatic_dependent_launch(triton_options, monkeypatch, heads):
     """On Hopper the merge starts as a programmatic dependent of the split kernel: the same bits as two
     plain launches, eagerly and inside a CUDA graph, with the partials written just before."""
     from biasattn.ops.triton import splitk
@@ -163,9 +163,9 @@ def test_merge_as_programmatic_dependent_launch(monkeypatch, heads):
     q, k, v = decode_inputs(4, *heads, 1, 8192, torch.bfloat16)
     bias = ba.PaddedKeysMask([8192, 3000, 1, 0], device=CUDA)
     inp = make_inputs(q, k, v, bias)
-    monkeypatch.setattr(splitk, "PDL", False)
+    triton_options(split_kv_pdl=False)
     plain = run_poisoned(inp, num_splits=16)
-    monkeypatch.setattr(splitk, "PDL", True)
+    triton_options(split_kv_pdl=True)
     eager = run_poisoned(inp, num_splits=16)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

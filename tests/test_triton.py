@@ -34,10 +34,9 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    from biasattn.ops.triton import flash
+def _poison(triton_options, monkeypatch):
 
-    monkeypatch.setattr(flash, "POISON_OUTPUTS", True)
+    triton_options(poison_outputs=True)
 
 
 # ----------------------------------------------------------------------------------------- checking
@@ -223,16 +222,15 @@ HIDDEN_CASES = ["padded", "padded_causal_br_gqa", "padded_window", "segments", "
 
 @pytest.mark.parametrize("case", HIDDEN_CASES)
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
-def test_hidden_lines_hold_nan(monkeypatch, case, tma):
+def test_hidden_lines_hold_nan(triton_options, monkeypatch, case, tma):
     """Keys past a cache length and lines outside every packed segment may hold anything (NaN in an
     uninitialized cache): they stay out of the output and of every gradient, which are 0 there. The
     additive cases run the shared bias-gradient kernel and dQ read back from the bias gradient."""
     from biasattn.ops.triton import configs
-    from biasattn.ops.triton import tma as tma_mod
 
     if tma and not configs.interpreted():
         pytest.skip("descriptors are forced only under the interpreter; on the GPU the dtype decides")
-    monkeypatch.setattr(tma_mod, "FORCE_INTERPRETED", tma)
+    triton_options(descriptors_interpreted=tma)
     built = record_descriptors(monkeypatch)
     B, Hq, Hkv, Mk = (3, 4, 2, 45) if "gqa" in case else (3, 2, 2, 45)
     padded = ba.PaddedKeysMask([45, 19, 3]).to(DEVICE)
@@ -301,12 +299,12 @@ def test_block_sparse(layout_shape, block):
 
 
 @pytest.mark.parametrize("in_registers", [True, False], ids=["list_in_registers", "list_loaded"])
-def test_block_sparse_list_only(monkeypatch, in_registers):
+def test_block_sparse_list_only(triton_options, monkeypatch, in_registers):
     """Layout alone, kernel tiles inside its blocks, lengths in whole tiles: the branch-free list loops,
     with the tile list held in registers or read entry by entry."""
     from biasattn.ops.triton import configs, flash
 
-    monkeypatch.setattr(flash, "LIST_IN_REGISTERS", in_registers)
+    triton_options(list_in_registers=in_registers)
 
     taken = []
     real = flash._SpecArgs.tile_lists
@@ -327,11 +325,10 @@ def test_block_sparse_list_only(monkeypatch, in_registers):
 
 @pytest.mark.parametrize("fused", [True, False], ids=["delta_in_dq", "delta_preprocessed"])
 @pytest.mark.parametrize("case", ["segments", "causal_gqa"])
-def test_backward_delta_paths(monkeypatch, fused, case):
+def test_backward_delta_paths(triton_options, monkeypatch, fused, case):
     """dQ computing delta for dK/dV (two launches) and the separate preprocessing launch both match."""
-    from biasattn.ops.triton import flash_bwd
 
-    monkeypatch.setattr(flash_bwd, "FUSED_DELTA", fused)
+    triton_options(fused_delta=fused)
     if case == "segments":  # per-segment dQ tiles that end mid-tile, a segment without keys
         bias = ba.BlockDiagonalMask.from_seqlens([10, 0, 19, 7, 1], [12, 5, 3, 25, 0], device=DEVICE)
         check(*qkv(Mq=37, Mk=45), const(bias))
@@ -464,11 +461,10 @@ def test_composition_sliced():
 
 
 @pytest.mark.parametrize("case", ["composed", "additive_grad"])
-def test_64_bit_slice_offsets(monkeypatch, case):
+def test_64_bit_slice_offsets(triton_options, monkeypatch, case):
     """The 64-bit offset path (slices past 2**31 elements) computes the same as the 32-bit one."""
-    from biasattn.ops.triton import flash
 
-    monkeypatch.setattr(flash, "FORCE_INDEX_64", True)
+    triton_options(force_index_64=True)
     if case == "composed":
         layout = (torch.rand(1, 2, 5, 6, generator=torch.Generator().manual_seed(6)) < 0.6).to(DEVICE)
         bias = (ba.BlockSparseMask(layout, 8) & ba.LocalAttentionMask(9, 2)) + ba.ALiBi(ba.ALiBi.standard_slopes(2).to(DEVICE))
@@ -808,11 +804,11 @@ def test_direct_launch_signature_of_descriptors():
     assert sig(t) != sig(t.half()) and sig(t) != sig(t, (1, 1, 32, 16))
 
 
-def test_descriptor_rules(monkeypatch):
+def test_descriptor_rules(triton_options, monkeypatch):
     """K/V qualify for descriptors only with 16-byte aligned strides, a unit last stride and no broadcast or empty dim."""
     from biasattn.ops.triton import tma
 
-    monkeypatch.setattr(tma, "FORCE_INTERPRETED", True)
+    triton_options(descriptors_interpreted=True)
     if not tma.available(torch.device(DEVICE)):
         pytest.skip("no tensor descriptors with this Triton or device")
     x = torch.zeros(2, 4, 40, 16, device=DEVICE, dtype=torch.float16)
@@ -827,7 +823,7 @@ def test_descriptor_rules(monkeypatch):
     assert tma.kv_descriptors(x, narrow, 16, 16, 16) is None
     k, v = tma.kv_descriptors(x, x, 32, 16, 16)
     assert k.block_shape == [1, 1, 32, 16] and list(v.shape) == [2, 4, 40, 16]
-    monkeypatch.setattr(tma, "ENABLED", False)
+    triton_options(descriptors=False)
     assert tma.kv_descriptors(x, x, 32, 16, 16) is None
 
 
@@ -836,14 +832,13 @@ def test_descriptor_rules(monkeypatch):
 def test_random_compositions_through_descriptors(case):
     """The forward with K/V tiles fetched through tensor descriptors (the copy engine on Hopper, its
     emulation under the interpreter) computes what the pointer loads do."""
-    from biasattn.ops.triton import tma
+    from biasattn.ops.triton import options, tma
 
     try:
         case["make"](case["add"])
     except ba.BiasCompositionError:
         return
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tma, "FORCE_INTERPRETED", True)
+    with pytest.MonkeyPatch.context() as mp, options.use(descriptors_interpreted=True):
         if not tma.available(case["q"].device) or not (tma.describable(case["k"]) and tma.describable(case["v"])):
             return  # pointer loads: every other test covers them
         built = record_descriptors(mp)
@@ -876,11 +871,11 @@ def test_chunked_program_order():
 
 
 @pytest.mark.parametrize("waves", [0, 1, 8], ids=["plain_order", "last_pairs_by_rank", "all_pairs_by_rank"])
-def test_program_order_keeps_results(monkeypatch, waves):
+def test_program_order_keeps_results(triton_options, monkeypatch, waves):
     """Banded programs in the plain order, with the last pairs started rank by rank, or every pair so."""
     from biasattn.ops.triton import flash
 
-    monkeypatch.setattr(flash, "ORDER_TAIL_WAVES", waves)
+    triton_options(order_tail_waves=waves)
     assert flash.program_chunk(8, 3, 4, 1) == {0: 1, 1: 2, 8: 8}[waves]  # 4 SMs, 3 tiles per pair
     assert flash.program_chunk(8, 3, 4, 1, banded=False) == 1  # work that does not shrink along the tiles
     check(*qkv(B=2, Hq=4, Hkv=4, Mq=37, Mk=45), const(ba.LowerTriangularMask()))

@@ -239,7 +239,7 @@ def test_calls_never_wait_for_the_gpu(name):
 
 def test_direct_launches_match_tritons_own():
     """Repeated launches call the compiled kernels directly, with the same results as ``kernel[grid]``."""
-    from biasattn.ops.triton import flash, flash_bwd, launch
+    from biasattn.ops.triton import flash, flash_bwd, launch, options
 
     assert launch._triton_run_matches(), "the installed Triton's launch path changed: direct launches are off"
     q, k, v = qkv(B=1, Hq=4, Hkv=2, Mq=300, Mk=300, D=64, dtype=torch.bfloat16)
@@ -255,17 +255,14 @@ def test_direct_launches_match_tritons_own():
     hits = flash._fwd.hits + flash_bwd._dq.hits + flash_bwd._dkdv.hits
     direct = run()
     assert flash._fwd.hits + flash_bwd._dq.hits + flash_bwd._dkdv.hits >= hits + 3
-    launch.DIRECT = False
-    try:
+    with options.use(direct_launch=False):
         plain = run()
-    finally:
-        launch.DIRECT = True
     for a, b in zip(direct, plain):
         assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("name", list(SYNC_FREE))
-def test_planned_launches_match_unplanned(monkeypatch, name):
+def test_planned_launches_match_unplanned(triton_options, monkeypatch, name):
     """Once two calls of a signature are recorded, its launches are replayed from a plan (descriptors rebuilt
     for the call's K and V), bit for bit what the unplanned launches give."""
     from biasattn.ops.triton import plans
@@ -288,9 +285,9 @@ def test_planned_launches_match_unplanned(monkeypatch, name):
         before = len(replays)
         planned = run(*tensors)
         replayed = len(replays) - before
-        monkeypatch.setattr(plans, "ENABLED", False)
+        triton_options(plans=False)
         plain = run(*tensors)
-        monkeypatch.setattr(plans, "ENABLED", True)
+        triton_options(plans=True)
         for a, b in zip(planned, plain):
             assert torch.equal(a, b)
         if call >= 4:  # a first launch choosing configs, one marking the signature, two recordings, replays
@@ -350,10 +347,9 @@ TMA_CASES = {
 
 @pytest.mark.parametrize("layout", ["bhmd", "bmhd"])
 @pytest.mark.parametrize("case", list(TMA_CASES))
-def test_forward_through_tensor_descriptors(monkeypatch, case, layout):
+def test_forward_through_tensor_descriptors(triton_options, monkeypatch, case, layout):
     """On Hopper the forward fetches K/V tiles through tensor descriptors; pointer loads give the same function."""
     from biasattn.ops.common import cuda_capability
-    from biasattn.ops.triton import tma
 
     if cuda_capability(torch.device("cuda")) < (9, 0):
         pytest.skip("tensor descriptors need compute capability 9.0")
@@ -366,7 +362,7 @@ def test_forward_through_tensor_descriptors(monkeypatch, case, layout):
     built = record_descriptors(monkeypatch)
     check(q, k, v, make_bias, add, grads=False)
     assert built and all(d is not None for d in built)
-    monkeypatch.setattr(tma, "ENABLED", False)
+    triton_options(descriptors=False)
     check(q, k, v, make_bias, add, grads=False)
     assert built[-1] is None
 
@@ -385,12 +381,11 @@ HIDDEN_CASES = {
 
 @pytest.mark.parametrize("tma", [True, False], ids=["descriptors", "pointers"])
 @pytest.mark.parametrize("case", list(HIDDEN_CASES))
-def test_hidden_lines_hold_nan(monkeypatch, case, tma):
+def test_hidden_lines_hold_nan(triton_options, monkeypatch, case, tma):
     """NaN in keys past the cache lengths and in lines outside every packed segment stays out of the
     output and of every gradient, with K/V through descriptors (Hopper) and through pointers."""
-    from biasattn.ops.triton import tma as tma_mod
 
-    monkeypatch.setattr(tma_mod, "ENABLED", tma)
+    triton_options(descriptors=tma)
     sizes, make = HIDDEN_CASES[case]
     q, k, v = poison_hidden_lines(*qkv(**sizes, dtype=torch.bfloat16), make())
     assert k.isnan().any()

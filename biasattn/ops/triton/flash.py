@@ -16,7 +16,7 @@ import torch
 from ...bias.spec import BiasSpec
 from ...memo import BoundedCache
 from ..common import cdiv, next_power_of_2, num_sms, slice_span, tile_size
-from . import configs, launch, plans, schedule, tma
+from . import configs, options, plans, schedule, tma
 from .dropout_kernels import _dropout_mask_kernel
 from .fwd_kernels import _attn_fwd_kernel
 from .launch import direct
@@ -26,21 +26,17 @@ _fwd = direct(_attn_fwd_kernel, _SEED)
 
 INTERPRETED = configs.interpreted()
 LOG2E = 1.4426950408889634
-POISON_OUTPUTS = False  # tests set this: fresh outputs start as NaN, so a skipped write shows
-FORCE_INDEX_64 = False  # tests set this: 64-bit offsets inside a (batch, head) slice even when not needed
-LIST_IN_REGISTERS = True  # branch-free tile-list loops keep the program's list in registers
 
 _dummies: dict = {}
 
 
-def _plan_key(kind: str, tensors: tuple, spec: BiasSpec, scale: float, switches: tuple = ()):
+def _plan_key(kind: str, tensors: tuple, spec: BiasSpec, scale: float):
     """The key of a call's launch plan in its spec's store: the tensors' signature, the scale, the
-    block layout's version (its tile lists follow it when it is changed in place) and every module
-    switch a launch reads (``switches``: those of the launcher's own module)."""
+    block layout's version (its tile lists follow it when it is changed in place), the launch
+    :mod:`options` in force and the tuning constants a launch reads."""
     layout = spec.layout._version if spec.layout is not None else -1
-    return ("launch plan", kind, plans.tensor_key(*tensors), scale, layout, FORCE_INDEX_64, *switches,
-            LIST_IN_REGISTERS, ORDER_TAIL_WAVES, SHORT_SPAN_KEYS, SHORT_SPAN_KEYS_DKDV, INTERPRETED,
-            tma.ENABLED, tma.FORCE_INTERPRETED, launch.DIRECT, bool(configs._overrides))
+    return ("launch plan", kind, plans.tensor_key(*tensors), scale, layout, options.current(),
+            SHORT_SPAN_KEYS, SHORT_SPAN_KEYS_DKDV, INTERPRETED, bool(configs._overrides))
 
 
 _SHARED_PLANS = BoundedCache(256)  # launch plans that every spec of one structure shares
@@ -79,7 +75,7 @@ def _shared_structure(spec: BiasSpec, device) -> tuple[tuple, tuple] | None:
 def _new(shape, dtype, device, zero: bool = False) -> torch.Tensor:
     if zero:
         return torch.zeros(shape, dtype=dtype, device=device)
-    if POISON_OUTPUTS and dtype.is_floating_point:
+    if options.current().poison_outputs and dtype.is_floating_point:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
@@ -201,11 +197,10 @@ def _spec_args(spec: BiasSpec, device) -> _SpecArgs:
 
 def _list_tiles(index: torch.Tensor, list_only: bool) -> int:
     """Register slots for a program's tile list in the branch-free list loops (0: read from memory)."""
-    return max(16, next_power_of_2(index.shape[-1])) if list_only and LIST_IN_REGISTERS else 0
+    return max(16, next_power_of_2(index.shape[-1])) if list_only and options.current().list_in_registers else 0
 
 
-ORDER_TAIL_WAVES = 4  # waves of programs at the end of a grid that start rank by rank across pairs; 0: plain order
-L2_CHUNK_BYTES = 16 << 20  # ... within this many bytes of the operand the pairs' programs share
+L2_CHUNK_BYTES = 16 << 20  # the pairs started rank by rank share this many bytes of the operand at most
 
 
 def program_chunk(pairs: int, tiles: int, sms: int, bytes_per_pair: int, banded: bool = True) -> int:
@@ -215,13 +210,14 @@ def program_chunk(pairs: int, tiles: int, sms: int, bytes_per_pair: int, banded:
     a causal or banded span shrinks along them, so when the last pairs start rank by rank the
     lightest tiles of several pairs end the kernel instead of one pair's heaviest tile
     (``_chunked_ids`` in the kernels). Enough pairs to fill
-    ``ORDER_TAIL_WAVES`` waves of one program per multiprocessor, at most as many as keep the K/V
+    ``options.current().order_tail_waves`` waves of one program per multiprocessor, at most as many as keep the K/V
     their programs share within ``L2_CHUNK_BYTES``. The backward kernels keep the plain order: the
     mapping cost them more than the shorter tail gave (causal forward+backward 2.4-2.6% slower on an H200).
     """
-    if not banded or ORDER_TAIL_WAVES <= 0 or pairs <= 1 or tiles <= 1:
+    waves = options.current().order_tail_waves
+    if not banded or waves <= 0 or pairs <= 1 or tiles <= 1:
         return 1
-    fill = cdiv(ORDER_TAIL_WAVES * sms, tiles)
+    fill = cdiv(waves * sms, tiles)
     return max(1, min(pairs, fill, L2_CHUNK_BYTES // max(1, bytes_per_pair)))
 
 
@@ -294,7 +290,7 @@ def _span_features(spec: BiasSpec, Mq: int, Mk: int) -> tuple[str, ...]:
 
 def _index_64(*spans: int) -> bool:
     """Offsets inside a slice need 64 bits when any slice spans 2**31 elements (base offsets always have them)."""
-    return FORCE_INDEX_64 or max(spans, default=0) >= 2**31
+    return options.current().force_index_64 or max(spans, default=0) >= 2**31
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

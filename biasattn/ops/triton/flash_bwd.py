@@ -13,7 +13,7 @@ import torch
 
 from ...bias.spec import BiasSpec
 from ..common import cdiv, reduce_to, slice_span, tile_size
-from . import configs, flash, plans, schedule
+from . import configs, flash, options, plans, schedule
 from .bwd_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from .dbias_kernels import _attn_bwd_dbias_kernel, _attn_bwd_dq_from_ds_kernel
 from .flash import (
@@ -34,9 +34,6 @@ from .launch import direct
 _dkdv, _dq, _dbias = (direct(k, _SEED) for k in (_attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_dbias_kernel))
 _preprocess, _dq_ds = direct(_attn_bwd_preprocess_kernel), direct(_attn_bwd_dq_from_ds_kernel)
 
-CONCURRENT_BWD = True  # dQ runs on a side stream beside dK/dV, so its programs fill the SMs dK/dV's tail leaves idle
-FUSED_DELTA = True  # without the side stream, dQ runs first and computes delta itself: one launch fewer
-DQ_FROM_DS = True  # a bias gradient of its own per (batch, head) is dS: dQ reads it back after dK/dV
 
 _side_streams: dict = {}
 
@@ -111,8 +108,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     delta = torch.empty((B, H, Mq), dtype=torch.float32, device=dev)
     plannable = dlse is None and not need_dbias and dropout_p == 0
-    switches = (CONCURRENT_BWD, FUSED_DELTA, DQ_FROM_DS)
-    key = _plan_key("bwd", (q, k, v, out, lse, dout), spec, scale, switches) if plannable else None
+    key = _plan_key("bwd", (q, k, v, out, lse, dout), spec, scale) if plannable else None
     store, key, roles = flash.plan_home(spec, dev, key)
     planned = plans.lookup(store, key)
     if planned is not None:
@@ -124,10 +120,11 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     batch_inner = args.batch_shared_bias and B > 1
     dlse_t = dlse.to(torch.float32).contiguous() if dlse is not None else args.f32
     reduction = _dbias_reduction(add, B, H, Mq, Mk) if need_dbias else None
-    dq_from_ds = DQ_FROM_DS and _dq_reads_dbias(spec, reduction, B, H, q.dtype)  # dK/dV first, then dQ from dS
-    concurrent = (CONCURRENT_BWD and dev.type == "cuda" and not flash.INTERPRETED and not dq_from_ds
+    opts = options.current()
+    dq_from_ds = opts.dq_from_ds and _dq_reads_dbias(spec, reduction, B, H, q.dtype)  # dK/dV first, then dQ from dS
+    concurrent = (opts.concurrent_bwd and dev.type == "cuda" and not flash.INTERPRETED and not dq_from_ds
                   and _long_backward(spec, B, H, Mq, Mk, max(D, Dv)))
-    fused_delta = FUSED_DELTA and not concurrent and not dq_from_ds  # dQ first, writing delta for dK/dV
+    fused_delta = opts.fused_delta and not concurrent and not dq_from_ds  # dQ first, writing delta for dK/dV
     if concurrent:  # a replay would put both launches on one stream
         key = None
     d32 = args.f32

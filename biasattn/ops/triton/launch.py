@@ -15,7 +15,7 @@ the compiled launcher the way ``JITFunction.run`` does. Two tables lead to a com
   the kernel compiled for the last one instead of going through Triton's binding.
 
 A miss in both, the interpreter, a CPU tensor, a Triton whose ``run`` does not end in that call,
-or ``DIRECT = False`` go through ``kernel[grid](...)`` unchanged.
+or the ``direct_launch`` option off go through ``kernel[grid](...)`` unchanged.
 """
 
 from __future__ import annotations
@@ -27,10 +27,8 @@ import operator
 import torch
 
 from ...memo import BoundedCache
-from . import plans
+from . import options, plans
 
-DIRECT = True  # tests and A/B runs turn the direct path off
-SPECIALIZATIONS = True  # tests and A/B runs turn the second table (by specialization) off
 _MAX_ENTRIES = 512  # signatures kept per kernel and table (the oldest go first)
 
 
@@ -134,15 +132,16 @@ class _Direct:
         """Launch; return the table entry ``(compiled, constexpr tail)`` that ran, or None when
         the launch went through ``kernel[grid]``."""
         device = args[0].device
-        if not (DIRECT and device.type == "cuda" and _triton_run_matches()):
+        opts = options.current()
+        if not (opts.direct_launch and device.type == "cuda" and _triton_run_matches()):
             self.kernel[grid](*args, **meta)
             return None
-        options = tuple(meta.items())
+        constexprs = tuple(meta.items())
         signature = self._signature(args)
-        key = (device.index, options, *signature)
+        key = (device.index, constexprs, *signature)
         entry = self.table.get(key)
         if entry is None:
-            spec_key = (device.index, options, *self._specialization(args, signature)) if SPECIALIZATIONS else None
+            spec_key = (device.index, constexprs, *self._specialization(args, signature)) if opts.specializations else None
             entry = self.specialized.get(spec_key)
             if entry is None:
                 compiled = self.kernel[grid](*args, **meta)

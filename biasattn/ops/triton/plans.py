@@ -22,7 +22,8 @@ from collections.abc import Iterator
 
 import torch
 
-ENABLED = True  # tests and A/B runs turn plans off
+from . import options
+
 _SEEN = "seen"  # one call of the signature so far: the next one is recorded
 _REFUSED = "refused"  # the signature's two recordings differed: this signature runs unplanned
 _local = threading.local()
@@ -126,7 +127,7 @@ def _same(a: Plan, b: Plan) -> bool:
 
 def lookup(store: dict, key) -> Plan | None:
     """The plan kept in ``store`` for ``key`` (None while none is settled, or when plans are off)."""
-    if key is None or not ENABLED:
+    if key is None or not options.current().plans:
         return None
     plan = store.get(key)
     return plan if type(plan) is Plan else None
@@ -136,7 +137,7 @@ def settle(store: dict, key, rec: Recording, roles: tuple, note=None) -> None:
     """Fold a finished recording into ``store``. A signature's first call only marks it as seen, so a
     spec used once (a bias built for one step) pays no more than that; the second becomes a draft,
     and a third that matches the draft makes the plan, one that does not refuses the signature."""
-    if key is None or not ENABLED or not rec.valid or not rec.launches:
+    if key is None or not options.current().plans or not rec.valid or not rec.launches:
         return
     held = store.get(key)
     if held is None:

@@ -18,7 +18,7 @@ import torch
 from ...inputs import AttentionInputs
 from ...memo import BoundedCache
 from ..common import cdiv, cuda_capability, next_power_of_2, num_sms, slice_span, tile_size
-from . import configs, launch, plans, splitk_kernels
+from . import configs, options, plans, splitk_kernels
 from .launch import direct
 
 _split, _merge = direct(splitk_kernels._splitk_fwd_kernel), direct(splitk_kernels._merge_partials_kernel)
@@ -26,8 +26,6 @@ _split, _merge = direct(splitk_kernels._splitk_fwd_kernel), direct(splitk_kernel
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 128
 SPLIT_SLACK = 0.05
-FORCE_INDEX_64 = False  # tests set this: 64-bit key offsets even when every K/V slice spans less than 2**31 elements
-PDL = True  # the merge as a programmatic dependent launch where the device has it (A/B runs turn it off)
 MERGE_BLOCK_S = 128  # splits one merge program loads at once (MAX_SPLITS: always one round of loads) ...
 MERGE_TILE = 8192  # ... within a tile of this many partial elements (fewer columns per program as S grows)
 MERGE_OVERHEAD_TILES = 4.0  # the merge launch, in one program's tile loads (fitted on an H200: bench_decode.py --splits)
@@ -35,8 +33,10 @@ MERGE_OVERHEAD_TILES = 4.0  # the merge launch, in one program's tile loads (fit
 
 def pdl_available(device: torch.device) -> bool:
     """Whether the merge can start as a programmatic dependent launch of the split kernel: a CUDA
-    device of compute capability 9.0 or later, a Triton with grid dependency control, and :data:`PDL`."""
-    return (PDL and device.type == "cuda" and not configs.interpreted() and splitk_kernels.gdc_wait is not None
+    device of compute capability 9.0 or later, a Triton with grid dependency control, and the
+    ``split_kv_pdl`` option."""
+    return (options.current().split_kv_pdl and device.type == "cuda" and not configs.interpreted()
+            and splitk_kernels.gdc_wait is not None
             and cuda_capability(device) >= (9, 0))
 
 
@@ -98,12 +98,9 @@ MID_CACHE_KEYS = 2048  # ... and from which they do on grids of fewer than FULL_
 FULL_GRID_PROGRAMS = 512
 
 
-WARPGROUP_ROWS = 64  # rows of a warp-group MMA tile (sm90): smaller row groups are padded to it ...
-PAD_TO_WARPGROUP = True  # ... where this is on (A/B runs turn it off) ...
-WARPGROUP_MIN_KEYS = 8192  # ... and the call's (sequence, KV head) pairs hold this many keys together
+WARPGROUP_ROWS = 64  # rows of a warp-group MMA tile (sm90): smaller row groups are padded to it (option
+WARPGROUP_MIN_KEYS = 8192  # pad_to_warpgroup) where the call's (sequence, KV head) pairs hold this many keys together
 WARPGROUP_MERGE_ROW_TILES = 0.4  # a warp-group block's merge: tile loads more per wave of merged rows (fitted on an H100)
-MANY_ROWS_WARPGROUP = True  # sm90: groups of 65-128 packed rows on long caches in two 64-row blocks (+2-20% up to B=16)
-SHORT_ROW_BLOCKS = True  # sm90, short caches: 17-32 rows in two 16-row blocks filling 2/3 to all of a wave (+0-10%)
 SHORT_PIECE_TILES = 1  # programs of at most this many key tiles run no more stages than tiles, at least 2 (+4-10%)
 
 
@@ -119,18 +116,19 @@ def default_config(rows: int, head_dim: int, head_dim_v: int, device: torch.devi
         return SplitKConfig(block_m, 16, 4, 1)
     if widest > 128:
         return SplitKConfig(block_m, 32, 4 if block_m <= 64 else 8, 4)
-    if (SHORT_ROW_BLOCKS and 16 < rows <= 32 and capability[0] == 9 and keys < MID_CACHE_KEYS
+    opts = options.current()
+    if (opts.short_row_blocks and 16 < rows <= 32 and capability[0] == 9 and keys < MID_CACHE_KEYS
             and sms < 3 * pairs and 2 * pairs <= sms):
         # Hopper, short caches: two 16-row blocks per pair (the second reads K/V from L2) fill more than
         # two thirds of a wave with no merge, where the padded 64-row block would leave a third of the
         # SMs idle or split the keys (H100: 1.00-1.10x on 20 shapes)
         return SplitKConfig(16, 128, 4, 3)
-    if PAD_TO_WARPGROUP and 16 < rows <= WARPGROUP_ROWS and capability[0] == 9 and pairs * keys >= WARPGROUP_MIN_KEYS:
+    if opts.pad_to_warpgroup and 16 < rows <= WARPGROUP_ROWS and capability[0] == 9 and pairs * keys >= WARPGROUP_MIN_KEYS:
         # Hopper: a 64-row block runs warp-group MMAs fed from shared memory, a shorter per-tile
         # chain than the 32-row block's mma.sync, though half its rows are padding; on smaller
         # calls, whose programs stream a tile or two, the 32-row block's shorter start wins (by 2-3%)
         return SplitKConfig(WARPGROUP_ROWS, 64, 4, 3)
-    if (MANY_ROWS_WARPGROUP and WARPGROUP_ROWS < rows <= 2 * WARPGROUP_ROWS and capability[0] == 9
+    if (opts.many_rows_warpgroup and WARPGROUP_ROWS < rows <= 2 * WARPGROUP_ROWS and capability[0] == 9
             and keys >= LONG_CACHE_KEYS and 0 < 4 * pairs <= sms):
         # Hopper, 65-128 rows: two 64-row warp-group blocks per pair; the second reads the pair's
         # K/V tiles from L2. Only while the call still splits each pair in one wave: on grids that
@@ -270,7 +268,7 @@ def splitk_attention_fwd(
             HAS_ADDITIVE=add is not None, HAS_ALIBI=slopes is not None,
             EVEN_D=head_dim == D, EVEN_DV=head_dim_v == Dv,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            INDEX_64=FORCE_INDEX_64 or max(slice_span(k), slice_span(v)) >= 2**31, PDL=pdl,
+            INDEX_64=options.current().force_index_64 or max(slice_span(k), slice_span(v)) >= 2**31, PDL=pdl,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if num_splits > 1:
@@ -388,12 +386,10 @@ def merge_overhead(cfg: SplitKConfig, rows: int, merged_rows: int, sms: int) -> 
 
 
 def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """The key of a call's launch plan in its spec's store: the tensors' signature, the scale and
-    every module switch the launches read."""
-    return ("split-KV plan", plans.tensor_key(q, k, v), scale, FORCE_INDEX_64, PDL, PAD_TO_WARPGROUP, MERGE_BLOCK_S,
-            MERGE_TILE, MERGE_OVERHEAD_TILES, WARPGROUP_MERGE_ROW_TILES, SPLIT_SLACK, MANY_ROWS_WARPGROUP, SHORT_ROW_BLOCKS,
-            SHORT_PIECE_TILES, launch.DIRECT,
-            configs.interpreted())
+    """The key of a call's launch plan in its spec's store: the tensors' signature, the scale, the
+    launch :mod:`options` in force and the tuning constants the launches read."""
+    return ("split-KV plan", plans.tensor_key(q, k, v), scale, options.current(), MERGE_BLOCK_S, MERGE_TILE,
+            MERGE_OVERHEAD_TILES, WARPGROUP_MERGE_ROW_TILES, SPLIT_SLACK, SHORT_PIECE_TILES, configs.interpreted())
 
 
 def _same_start(view: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
@@ -409,7 +405,8 @@ def merge_partials_triton(
     """The Triton path of :func:`biasattn.ops.merge.merge_partials` (forward only, no autograd).
 
     ``outs [S, ..., M, Dv]``, ``lses [S, ..., M]`` → ``(out [..., M, Dv], lse [..., M] float32)``.
-    ``after_split``: launched right after a split kernel compiled with ``PDL``, as its programmatic dependent.
+    ``after_split``: launched right after a split kernel compiled with ``PDL`` (the ``split_kv_pdl`` option),
+    as its programmatic dependent.
     """
     S, Dv = outs.shape[0], outs.shape[-1]
     lead = tuple(outs.shape[1:-1])

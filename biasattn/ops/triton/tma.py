@@ -13,10 +13,8 @@ import functools
 import torch
 
 from ..common import cuda_capability
-from . import configs
+from . import configs, options
 
-ENABLED = True  # A/B runs and tests turn descriptors off
-FORCE_INTERPRETED = False  # tests: descriptors under the Triton interpreter too (the CPU path is pointers)
 _GPU_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -31,11 +29,13 @@ def _descriptor_class():
 
 def available(device: torch.device) -> bool:
     """Whether launches on ``device`` take descriptors: a CUDA device of compute capability 9.0 or
-    later (or the interpreter when a test asks), a Triton that has them, and :data:`ENABLED`."""
-    if not ENABLED or _descriptor_class() is None:
+    later (or the interpreter under the ``descriptors_interpreted`` option), a Triton that has them,
+    and the ``descriptors`` option."""
+    opts = options.current()
+    if not opts.descriptors or _descriptor_class() is None:
         return False
     if configs.interpreted():
-        return FORCE_INTERPRETED
+        return opts.descriptors_interpreted
     return device.type == "cuda" and cuda_capability(device) >= (9, 0)
 
 
