@@ -14,14 +14,6 @@ two computations in the case's dtype, the textbook math and the rounding of a fl
 the output rounded to the dtype, which on a peaked row moves dq and dk by several times the textbook
 math's error, identically in FlashAttention-2, CUTLASS and cuDNN.
 
-The vendor backwards (``cutlass``, ``flash2``, ``cudnn``, and ``auto`` where it chooses one) are held
-to the criterion their authors' tests use: dQ, dK and dV may also differ by twice the error of storing
-the float64 reference in the dtype (FlashAttention-3's ``2 * |ref + 0.3 - 0.3 - ref|``), at most one
-unit of the dtype at the largest entry. Their rounding orders differ from ours in ways no single
-emulation follows: where a reduction has two or three terms (M = 2), one rounding of ``P`` or ``dS``
-that goes the other way moves a result by a unit, and they write grouped-query dK and dV per query
-head in the dtype before the group sum. Our own operators keep the tighter bound.
-
 The ``gpu`` suite runs a fast seeded subset. A longer run writes one JSON line per case (what each
 operator did) to ``BIASATTN_FUZZ_LOG``; ``BIASATTN_FUZZ_OPS`` and ``BIASATTN_FUZZ_FAMILIES`` narrow
 the operators (``auto`` among them) and the bias families; ``BIASATTN_FUZZ_SEEDS=3,17`` runs only those
@@ -46,11 +38,10 @@ import pytest
 import torch
 
 import biasattn as ba
-from biasattn import dispatch
 from biasattn.errors import NotSupportedError
 from biasattn.inputs import make_inputs
 from biasattn.testing import assert_close_to_reference, reference_attention
-from biasattn.testing.asserts import DEFAULT_ATOL, max_abs_diff
+from biasattn.testing.asserts import max_abs_diff
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -62,7 +53,6 @@ FAMILIES = tuple(os.environ.get(
 CASES = int(os.environ.get("BIASATTN_FUZZ_CASES", "48"))
 FIRST_SEED = int(os.environ.get("BIASATTN_FUZZ_FIRST_SEED", "0"))
 PINNED = 12  # len(pinned_cases())
-VENDOR_OPS = ("cutlass", "flash2", "cudnn")
 
 
 @dataclass
@@ -306,25 +296,12 @@ def _check(case: FuzzCase, op: str | None, refs) -> str:
     ref_out, ref_grads = refs["ref"]
     low_out, low_grads = refs["low"]
     flash_out, flash_grads = refs["flash"]
-    vendor_backward = _vendor_backward(case, op)
     assert_close_to_reference(out, ref_out, _yardstick(low_out, flash_out, ref_out), name=f"{name} out")
     for n, g, r, lo, fl in zip(("dq", "dk", "dv", "dbias"), got, ref_grads, low_grads, flash_grads):
         assert g is not None, f"{name} gave no {n}"
         factor = 3.0 if n in ("dq", "dbias") else 2.0
-        atol = None
-        if vendor_backward and n != "dbias":
-            atol = DEFAULT_ATOL[g.dtype] + 2 * max_abs_diff(r.to(g.dtype), r)
-        assert_close_to_reference(g, r, _yardstick(lo, fl, r), factor=factor, atol=atol, name=f"{name} {n}")
+        assert_close_to_reference(g, r, _yardstick(lo, fl, r), factor=factor, name=f"{name} {n}")
     return "ran"
-
-
-def _vendor_backward(case: FuzzCase, op: str | None) -> bool:
-    """Whether the backward that ``op`` runs (``auto``: the one it chooses) is a vendor kernel."""
-    if op is None:
-        inp = make_inputs(*_tensors(case)[:3], case.bias, scale=case.scale, requires_grad=True)
-        fwd, bwd = dispatch.choose(inp)
-        op = (bwd or fwd).NAME
-    return op in VENDOR_OPS
 
 
 def _yardstick(low, flash, ref):
@@ -372,8 +349,9 @@ VENDOR_FAMILIES = ("causal", "causal_br", "additive")
 PINNED_SEEDS = (
     (211247, None),  # dq of cutlass and flash2 (identical): delta from the rounded output on a peaked row
     (20265, None),  # triton's bias gradient summed over 128 queries
-    (731808, VENDOR_FAMILIES),  # dv of all three vendors (identical): per-head dv rounded before the GQA sum
-    (736278, VENDOR_FAMILIES),  # cutlass's dk at Mq = Mk = 2: one rounding of dS the other way
+    # dv of all three vendors (identical): -9.1875 against a true -9.1411, one bf16 unit; they store grouped-query
+    # dv per head in bf16 before the group sum. Fails the strict bound on the H200: a criterion decision, open
+    (731808, VENDOR_FAMILIES),
     (702267, VENDOR_FAMILIES),  # cutlass's gradient of a scalar bias: exactly 0, rounded terms summed
     (715102, VENDOR_FAMILIES),  # cuDNN's NaN grad_q with a bias at Mq = 1 (now refused)
     (561136, None),  # flash2's left window with Mq > Mk + 1: first rows lost their keys (now refused)
