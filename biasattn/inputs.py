@@ -146,7 +146,9 @@ def _check_bias(bias: AttentionBias, q, k) -> None:
             hint = _layout_hint(q, k) if got == swapped else ""  # the bias fits q and k read as [B, M, H, D]
             raise InputError(f"attn_bias ({type(bias).__name__}) has {name} {got}, {what} has {want}" + hint)
     if concrete:
-        bias.__dict__.setdefault("_fits", BoundedCache(16))[key] = True
+        if fits is None:
+            fits = bias.__dict__["_fits"] = BoundedCache(16)
+        fits[key] = True
 
 
 def _check_tensor(name: str, t, expected_rank_text: str) -> None:
