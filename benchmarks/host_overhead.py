@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -202,7 +203,7 @@ def ab_plans(calls: dict, rounds: int, iters: int) -> None:
         print(f"  plans on {on:8.1f}  off {off:8.1f}  ({off / on:.2f}x)  {n}")
 
 
-def target_rows(iters: int, D: int) -> None:
+def target_rows(iters: int, D: int, rounds: int = 7) -> None:
     """Host µs per call of the rows the host-path targets name, each next to SDPA on the same tensors:
     tiny prefill (causal), decode at B=1 and B=8, and a padded-key mask reused, built per call from a
     device tensor of lengths, and as SDPA's dense bool mask."""
@@ -241,11 +242,14 @@ def target_rows(iters: int, D: int) -> None:
              lambda dq=dq, dk=dk, dv=dv, n=lengths: F.scaled_dot_product_attention(
                  dq, dk, dv, attn_mask=torch.arange(512, device=dev)[None, None, None, :] < n[:, None, None, None])),
         ]
-    print(f"\n== host µs per call (D={D}, bf16; SDPA with its own backend choice, a bool mask where ours has one)")
+    print(f"\n== host µs per call (D={D}, bf16; SDPA with its own backend choice, a bool mask where ours has one;"
+          f" medians of {rounds} rounds that alternate ours and SDPA, {iters} calls each)")
     print(f"  {'ours':>8} {'sdpa':>8} {'ratio':>6}  row")
     for name, ours, sdpa in rows:
-        a, b = per_call_us(ours, iters), per_call_us(sdpa, iters)
-        print(f"  {a:8.1f} {b:8.1f} {a / b:6.2f}  {name}")
+        times = [(per_call_us(ours, iters), per_call_us(sdpa, iters)) for _ in range(rounds)]
+        a, b = (statistics.median(t[i] for t in times) for i in (0, 1))
+        ratio = statistics.median(x / y for x, y in times)
+        print(f"  {a:8.1f} {b:8.1f} {ratio:6.2f}  {name}")
 
 
 def main(argv=None) -> int:

@@ -136,7 +136,8 @@ def _check_bias(bias: AttentionBias, q, k) -> None:
     concrete = type(B) is int and type(Hq) is int and type(Mq) is int and type(Mk) is int  # symbolic sizes are unhashable
     if fits is not None and concrete and key in fits:
         return
-    if not bias.follows_q and not _same_device(bias.device, q.device):
+    device = bias.__dict__.get("_device") or bias.device
+    if device != q.device and not bias.follows_q and not _same_device(device, q.device):
         raise InputTypeError(f"attn_bias is on {bias.device}, q is on {q.device}; move it with attn_bias.to(q.device)")
     bB, bH, bMq, bMk = bias.sizes
     expected = (("batch size", bB, B, "q"), ("heads", bH, Hq, "q"), ("Mq", bMq, Mq, "q"), ("Mk", bMk, Mk, "k"))

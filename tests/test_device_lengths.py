@@ -205,6 +205,46 @@ def test_key_lengths_only_the_device_holds_are_never_read_on_the_call_path(monke
         assert any("on the device only" in r for r in why), why
 
 
+def test_masks_of_lengths_only_the_device_holds_are_lowered_by_structure(monkeypatch):
+    """A mask built anew every step from device lengths reuses the spec of its structure with its own tensors
+    (one lookup, no lowering); results follow each mask's lengths. A slice, whose lengths are computed from the
+    tensors, and packed documents with a band per document are lowered in full."""
+    from biasattn.bias import spec as spec_module
+    from biasattn.bias.block_diagonal import SegmentsAtom
+    from biasattn.bias.padded import PaddedKeysAtom
+    from biasattn.bias.spec import lower
+
+    monkeypatch.setattr(spec_module, "_STRUCTURAL_SPECS", {})
+    monkeypatch.setattr(PaddedKeysAtom, "known_lengths", lambda self: None)
+    monkeypatch.setattr(SegmentsAtom, "starts_known", lambda self: False)
+    q, k, v = _qkv(3, 7, 0)
+    built = []
+    real_build = spec_module.SpecBuilder.build
+    monkeypatch.setattr(spec_module.SpecBuilder, "build", lambda self: built.append(1) or real_build(self))
+    outs, masks = [], []
+    for lengths in ([7, 2, 5], [1, 6, 3], [4, 4, 0]):
+        mask = ba.PaddedKeysMask(torch.tensor(lengths)) & ba.LocalAttentionMask(3, 1)
+        spec = lower(mask, 3, 2, 7, 7)
+        assert spec.kv_seqlens is mask.atoms[0].kv_seqlens
+        outs.append(ba.attention(q, k, v, mask, op="reference"))
+        masks.append(lengths)
+    assert len(built) == 1, "masks of one structure were lowered more than once"
+    first, second = (lower(ba.PaddedKeysMask(torch.tensor(n)), 3, 2, 7, 7) for n in ([1, 2, 3], [3, 2, 1]))
+    assert first.derived is not second.derived and first.kv_seqlens is not second.kv_seqlens
+    built.clear()
+    for n in ([6, 2, 7], [5, 5, 5]):
+        lower(ba.PaddedKeysMask(torch.tensor(n))[:, :, :, 1:], 3, 2, 7, 6)
+    assert len(built) == 2, "a slice's shifted lengths were taken from another mask"
+    built.clear()
+    for n in ([3, 4], [5, 2]):
+        lower(ba.BlockDiagonalMask._from_tensors(torch.tensor(n), None, None), 1, 2, 7, 7)
+        lower(ba.BlockDiagonalMask._from_tensors(torch.tensor(n), None, None).make_causal(), 1, 2, 7, 7)
+    assert len(built) == 3, "plain documents share a spec; causal ones compute their bands every time"
+    monkeypatch.undo()
+    for out, lengths in zip(outs, masks):
+        _check(out, q, k, v, ba.PaddedKeysMask(lengths) & ba.LocalAttentionMask(3, 1))
+
+
 @pytest.mark.parametrize("op", ["reference", "triton", "auto"])
 def test_packed_documents_only_the_device_holds_are_never_read_on_the_call_path(monkeypatch, op):
     """Documents from a GPU tensor reach the kernels as their running sums, computed on the device: the

@@ -147,6 +147,11 @@ class Atom:
         """Tensors this atom holds, by field name."""
         return {}
 
+    def lengths_on_device_only(self) -> bool:
+        """True when the atom's tensors are lengths whose values the host does not have: lowering then
+        passes them on unread, and the spec of one such atom serves every atom of its structure."""
+        return False
+
     def combinable_with(self, other: Atom) -> bool:
         """Whether an atom of the same kind can be composed with this one."""
         return True

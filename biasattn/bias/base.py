@@ -23,16 +23,25 @@ from . import drawing, protocol
 from .atoms import Atom, Geometry, class_name
 
 
-def _merge_size(name: str, a: int | None, b: int | None, who: str) -> int | None:
-    if a is None:
-        return b
-    if b is None or a == b:
-        return a
-    raise InputError(f"cannot compose biases: {who} fix {name}={a} and {name}={b}")
+def _merge_sizes(atoms: Sequence[Atom]) -> list[int | None]:
+    """``[B, H, Mq_full, Mk_full]`` that the atoms fix together (None where none does); raises where two disagree."""
+    sizes: list[int | None] = [None, None, None, None]
+    for a in atoms:
+        for d, n in enumerate(a.sizes()):
+            if n is None or sizes[d] == n:
+                continue
+            if sizes[d] is not None:
+                who = " and ".join(sorted({a.family for a in atoms})) or "bias"
+                name = ("B", "H", "Mq", "Mk")[d]
+                raise InputError(f"cannot compose biases: {who} fix {name}={sizes[d]} and {name}={n}")
+            sizes[d] = n
+    return sizes
 
 
 def _check_pairs(atoms: Sequence[Atom]) -> None:
     """Reject compositions that have no lowering, naming the pair of families."""
+    if len(atoms) < 2:
+        return
     seen: dict[str, Atom] = {}
     for atom in atoms:
         other = seen.get(atom.kind)
@@ -92,14 +101,7 @@ class AttentionBias(torch.Tensor):
     ) -> AttentionBias:
         atoms = tuple(atoms)
         _check_pairs(atoms)
-        B = H = Mq = Mk = None
-        who = " and ".join(sorted({a.family for a in atoms})) or "bias"
-        for a in atoms:
-            b, h, mq, mk = a.sizes()
-            B = _merge_size("B", B, b, who)
-            H = _merge_size("H", H, h, who)
-            Mq = _merge_size("Mq", Mq, mq, who)
-            Mk = _merge_size("Mk", Mk, mk, who)
+        B, H, Mq, Mk = _merge_sizes(atoms)
         if full is not None:  # sizes fixed by bind()
             Mq = Mq if full[0] is None else full[0]
             Mk = Mk if full[1] is None else full[1]
@@ -127,6 +129,7 @@ class AttentionBias(torch.Tensor):
         self._offsets = offsets
         self._lengths = lengths
         self._full = (Mq, Mk)
+        self._device = device if device is not None else torch.device("cpu")  # read without __torch_function__
         self._set_inner_tensors()
         return self
 
@@ -422,7 +425,8 @@ def _resolved(device) -> torch.device | None:
     """``device`` with a bare ``"cuda"`` resolved to the current CUDA device, so "cuda" and "cuda:0" compare equal."""
     if device is None:
         return None
-    device = torch.device(device)
+    if type(device) is not torch.device:
+        device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     return device

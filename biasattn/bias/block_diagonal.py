@@ -62,6 +62,9 @@ class SegmentsAtom(Atom):
         return self.q_given is not None and all(
             tensor_version(t) in (0, -1) for t in (self.q_seqstart, self.k_seqstart, self.k_seqlen))
 
+    def lengths_on_device_only(self) -> bool:
+        return not self.starts_known()
+
     def sizes(self):
         return (None, None, self.Mq, self.Mk)
 

@@ -46,6 +46,9 @@ class PaddedKeysAtom(Atom):
             return self.lengths()
         return None
 
+    def lengths_on_device_only(self) -> bool:
+        return self.known_lengths() is None
+
     def sizes(self):
         n = self.kv_seqlens.shape[0]
         return (n if n > 1 else None, None, None, None)

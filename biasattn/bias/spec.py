@@ -114,6 +114,15 @@ class BiasSpec:
         }
         return frozenset(k for k, v in present.items() if v)
 
+    def rebound(self, tensors: dict) -> BiasSpec:
+        """This spec with the given tensor fields replaced (lengths of the same shape, dtype and device)
+        and a store of its own: what an operator derived from this spec's tensors is not shared."""
+        new = object.__new__(BiasSpec)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(tensors)
+        new.__dict__["derived"] = BoundedCache(64)
+        return new
+
     @property
     def key_lengths_only(self) -> bool:
         """Whether the spec's only field is per-sequence key lengths (a cache-length mask, often built
@@ -401,15 +410,20 @@ def _plain_spec(B, H, Mq, Mk) -> BiasSpec:
     return spec
 
 
-_STRUCTURAL_SPECS = BoundedCache(64)
+#: Specs shared by structure: ``structure key -> (spec, slots)``. Biases that hold no tensor share the
+#: spec itself; biases whose tensors are lengths only the device holds get a copy of it with their own
+#: tensors in the ``slots`` (spec field, index among the bias's tensors), since lowering passed them
+#: through unread. A mask built afresh every step is then lowered by one lookup.
+_STRUCTURAL_SPECS = BoundedCache(256)
 
 
 def lower(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasSpec:
     """Lower ``bias`` (an AttentionBias or None) for a call with q ``[B, H, Mq, D]`` and k ``[B, *, Mk, D]``.
 
-    Specs are kept per bias object and call size. Biases that hold no tensor (causal masks, windows)
-    share one spec per structure and size, and a bias that hides nothing in the call gets the plain
-    spec of that size: what operators derive from a spec then serves biases built anew every step.
+    Specs are kept per bias object and call size. Biases whose lowering reads no tensor value (causal
+    masks and windows, lengths that only the device holds) share one spec per structure and size,
+    and a bias that hides nothing in the call gets the plain spec of that size: what operators derive
+    from a spec then serves biases built anew every step.
     """
     if bias is None:
         return _plain_spec(B, H, Mq, Mk)
@@ -424,36 +438,72 @@ def lower(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasSpec:
         cache = bias.__dict__["_spec_cache"] = BoundedCache(16)
     spec = cache.get(key)
     if spec is None:
-        g = bias.geometry(B, H, Mq, Mk)
-        dev = device if device is not None else bias.device
-        shared = _structure_key(bias, g, dev)
-        spec = _STRUCTURAL_SPECS.get(shared) if shared is not None else None
-        if spec is None:
-            builder = SpecBuilder(g, dev)
-            for atom in bias.atoms:
-                atom.lower(builder)
-            spec = builder.build()
-            if not spec.features and all(type(n) is int for n in (B, H, Mq, Mk)):
-                spec = _plain_spec(B, H, Mq, Mk)
-            if shared is not None:
-                _STRUCTURAL_SPECS[shared] = spec
-        cache[key] = spec
+        spec = cache[key] = _lower_new(bias, tensors, B, H, Mq, Mk, device)
     return spec
 
 
-def _structure_key(bias, g, device):
-    """The key that equal tensor-free biases share for one geometry, or None (tensors, symbolic sizes)."""
+def _lower_new(bias, tensors: tuple, B: int, H: int, Mq: int, Mk: int, device) -> BiasSpec:
+    """The spec of a bias not lowered for this call size before: by structure where it has one."""
+    g = bias.geometry(B, H, Mq, Mk)
+    dev = device if device is not None else bias.device
+    shared = _structure_key(bias, tensors, g, dev)
+    hit = _STRUCTURAL_SPECS.get(shared) if shared is not None else None
+    if hit is not None:
+        spec, slots = hit
+        return spec.rebound({name: tensors[i] for name, i in slots}) if slots else spec
+    builder = SpecBuilder(g, dev)
+    for atom in bias.atoms:
+        atom.lower(builder)
+    spec = builder.build()
+    if not spec.features and all(type(n) is int for n in (B, H, Mq, Mk)):
+        spec = _plain_spec(B, H, Mq, Mk)
+    if shared is not None:
+        slots = _slots(spec, tensors, constant_band=builder.device_segments is None)
+        if slots is not None:
+            _STRUCTURAL_SPECS[shared] = (spec, slots)
+    return spec
+
+
+TENSOR_FIELDS = ("q_seqstart", "k_seqstart", "k_seqlen", "kv_seqlens", "band_lo", "band_hi", "layout", "additive",
+                 "alibi_slopes")
+
+
+def _slots(spec: BiasSpec, tensors: tuple, constant_band: bool) -> tuple[tuple[str, int], ...] | None:
+    """Where ``spec`` holds the bias's own tensors, as ``(field, index in tensors)``; None when some field
+    was computed from them (a slice's shifted lengths, a band per packed segment), so that the spec
+    cannot serve another bias of the structure. A band made from the structure alone is a constant."""
+    slots = []
+    for name in TENSOR_FIELDS:
+        t = getattr(spec, name)
+        if t is None:
+            continue
+        index = next((i for i, own in enumerate(tensors) if t is own), None)
+        if index is not None:
+            slots.append((name, index))
+        elif not (constant_band and name in ("band_lo", "band_hi")):
+            return None
+    return tuple(slots)
+
+
+def _structure_key(bias, tensors: tuple, g, device):
+    """The key that biases of one structure share for one geometry, or None: a bias with a tensor whose
+    values lowering reads (host-known lengths, an additive bias), symbolic sizes, tracing."""
     if not all(type(n) is int for n in (g.B, g.H, g.Mq, g.Mk, g.q_off, g.k_off, g.Mq_full, g.Mk_full)):
+        return None
+    if tensors and torch.compiler.is_compiling():
         return None
     parts = []
     for atom in bias.atoms:
-        if atom.tensors():
+        if atom.tensors() and not atom.lengths_on_device_only():
             return None
-        parts.append((type(atom), tuple(getattr(atom, name) for name in _field_names(type(atom)))))
-    return (type(bias), tuple(parts), g, str(device))
+        parts.append((type(atom), tuple(getattr(atom, name) for name in _structure_fields(type(atom)))))
+    metas = tuple((t.shape, t.dtype, t.device, t.stride()) for t in tensors)
+    return (type(bias), tuple(parts), metas, g, str(device))
 
 
 @functools.cache
-def _field_names(atom_type: type) -> tuple[str, ...]:
-    """The dataclass field names of an atom type (asked on every lowering of a fresh bias)."""
-    return tuple(f.name for f in fields(atom_type))
+def _structure_fields(atom_type: type) -> tuple[str, ...]:
+    """The dataclass fields of an atom type that are neither tensors nor host copies of them."""
+    return tuple(f.name for f in fields(atom_type) if f.name not in atom_type.HOST_FIELDS and "Tensor" not in str(f.type))
+
+
