@@ -39,8 +39,12 @@ def run(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(out, lse)`` through ``fwd_op``; gradients through ``bwd_op`` when ``inp.requires_grad``. Without
     gradients and ``need_lse=False`` the lse is None and the operator may skip it."""
-    if not inp.requires_grad:  # inference loops usually run under no_grad already
-        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
+    if not inp.requires_grad:
+        # no graph to keep out unless some input asks for gradients (inference usually runs under no_grad already)
+        tracked = torch.is_grad_enabled() and (
+            inp.q.requires_grad or inp.k.requires_grad or inp.v.requires_grad
+            or (inp.additive is not None and inp.additive.requires_grad))
+        with torch.no_grad() if tracked else contextlib.nullcontext():
             if not need_lse:
                 return fwd_op.fwd_out(inp), None
             out, lse, _ = fwd_op.fwd(inp)
