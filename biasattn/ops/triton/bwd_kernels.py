@@ -119,6 +119,8 @@ def _dkdv_tile(
     else:
         dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PRECISION)
     dsT = pT * (dpT - delta[None, :])
+    if MASKED:  # a value hidden from some rows may hold NaN or inf: 0 · NaN must not reach dK
+        dsT = tl.where(vis, dsT, 0.0)
     dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PRECISION)
     if FULL_DBIAS:
         if INDEX_64:
@@ -454,7 +456,8 @@ def _dq_tile(
         keep = _dropout_keep_tile(seed, drop_base, rows, n0, row_blocks, drop_thresh, rows.shape[0], BLOCK_N)
         dp = tl.where(keep, dp * drop_scale, 0.0)
     ds = p * (dp - delta[:, None])
-    if MASKED:  # a key hidden from some rows may hold NaN or inf, and 0 · NaN would reach their dq
+    if MASKED:  # a key or value hidden from some rows may hold NaN or inf, and 0 · NaN would reach their dq
+        ds = tl.where(vis, ds, 0.0)
         k = tl.where((k == k) & (tl.abs(k) < float("inf")), k, tl.zeros_like(k))
     dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     if ROW_DBIAS:

@@ -289,3 +289,25 @@ def _dropout_keep_tile(seed, row_base, rows, c0, row_blocks, thresh, ROWS: tl.co
     hi = tl.join(tl.join(r0 >> 16, r2 >> 16), tl.join(r1 >> 16, r3 >> 16))
     bits = tl.join(lo, hi)  # [R, COLS / 8, a, b, c] (the last join varies fastest): word 2a + b, half c
     return tl.reshape(bits, (ROWS, COLS)).to(tl.int32) >= thresh
+
+
+@triton.jit
+def _visible_pv(p, s, v, DOT_PRECISION: tl.constexpr):
+    """``p @ v`` in which a key that a row cannot see (score ``-inf``) takes no part in that row, even
+    when its value holds NaN or inf (where a plain product gives ``0 * NaN``). Tiles whose values
+    are all finite pay one check; others add three products of 0/1 tiles that say which rows see a
+    NaN, a +inf or a -inf in each dim, and get what IEEE arithmetic gives those rows."""
+    bad = ~(tl.abs(v.to(tl.float32)) < float("inf"))
+    if tl.sum(tl.sum(bad.to(tl.int32), 1), 0) > 0:
+        seen = (s > float("-inf")) | (s != s)  # a NaN score (a visible NaN key) sees the value too
+        seen = seen.to(v.dtype)
+        nan_c = tl.dot(seen, (v != v).to(v.dtype), input_precision=DOT_PRECISION)
+        pos_c = tl.dot(seen, (v == float("inf")).to(v.dtype), input_precision=DOT_PRECISION)
+        neg_c = tl.dot(seen, (v == float("-inf")).to(v.dtype), input_precision=DOT_PRECISION)
+        pv = tl.dot(p.to(v.dtype), tl.where(bad, 0.0, v).to(v.dtype), input_precision=DOT_PRECISION)
+        pv = tl.where(pos_c > 0, float("inf"), pv)
+        pv = tl.where(neg_c > 0, tl.where(pos_c > 0, float("nan"), float("-inf")), pv)
+        pv = tl.where(nan_c > 0, float("nan"), pv)
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return pv

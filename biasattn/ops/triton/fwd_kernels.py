@@ -25,7 +25,22 @@ from .common_kernels import (
     _row_key_bounds,
     _span,
     _tile_split,
+    _visible_pv,
 )
+
+
+@triton.jit
+def _online_softmax(s, m_i, qk_scale, GUARD: tl.constexpr):
+    """``(m_new, p, alpha, row sums of p)`` of one tile of raw scores ``s`` against the running max ``m_i``
+    (base 2); ``GUARD`` where a row may have seen nothing yet (keeps exp2 away from inf - inf)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # qk_scale > 0: the scale commutes with the max
+    if GUARD:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.math.exp2(s * qk_scale - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    return m_new, p, alpha, tl.sum(p, 1)
 
 
 @triton.jit
@@ -78,14 +93,14 @@ def _fwd_tile(
                 layout_q_off, layout_k_off, block_q, block_k,
             )
         s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # qk_scale > 0: the scale commutes with the max
-    if MASKED or HAS_ADDITIVE:  # a row may have seen nothing yet: keep exp2 away from inf - inf
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_use = m_new
-    p = tl.math.exp2(s * qk_scale - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, p, alpha, row_sum = _online_softmax(s, m_i, qk_scale, MASKED or HAS_ADDITIVE)
+    if HAS_ADDITIVE:  # a NaN score: a non-finite key, which an additive -inf may hide from some rows
+        if tl.sum((row_sum != row_sum).to(tl.int32), 0) > 0:
+            add = _add_load(rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
+                            INDEX_64)
+            s = tl.where(add == float("-inf"), float("-inf"), s)
+            m_new, p, alpha, row_sum = _online_softmax(s, m_i, qk_scale, True)
+    l_i = l_i * alpha + row_sum
     if HAS_DROPOUT:  # the normalizer sums every probability; only the kept ones reach the output
         keep = _dropout_keep_tile(seed, drop_base, rows, n0, row_blocks, drop_thresh, rows.shape[0], BLOCK_N)
         p = tl.where(keep, p, 0.0)
@@ -96,7 +111,11 @@ def _fwd_tile(
                        dv, Dv, MASKED, True, EVEN_D)
     elif MASKED:
         v = tl.where(((cols >= key_lo) & (cols < key_hi))[:, None], v, 0.0).to(v.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if MASKED or HAS_ADDITIVE:  # some row may not see some key of the tile
+        pv = _visible_pv(p, s, v, DOT_PRECISION)
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
 

@@ -14,6 +14,8 @@ before scaling, which needs a positive scale.
 import triton
 import triton.language as tl
 
+from .common_kernels import _visible_pv
+
 try:  # programmatic dependent launch (sm_90+): the merge kernel's programs start while the split kernel drains
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # a Triton without it: launchers keep PDL off (see splitk.pdl_available)
@@ -53,6 +55,7 @@ def _splitk_tile(
     if HAS_ADDITIVE:
         bias = tl.load(add_rows + offs_j[None, :].to(tl.int64) * stride_an, mask=in_seq[None, :], other=0.0)
         s += bias.to(tl.float32) * (1.4426950408889634 / qk_scale)
+        s = tl.where(bias == float("-inf"), float("-inf"), s)  # hidden even where the key is not finite
     if HAS_ALIBI:  # distances in float32 relative to the tile (exact within 2**24 positions)
         dist = tl.abs(offs_n[None, :].to(tl.float32) - (i_row + alibi_shift - j0).to(tl.float32)[:, None])
         s -= (slope[:, None] * (1.4426950408889634 / qk_scale)) * dist
@@ -76,7 +79,11 @@ def _splitk_tile(
         v = tl.load(v_ptrs)
     else:
         v = tl.load(v_ptrs, mask=offs_dv[None, :] < Dv, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    if MASKED or HAS_ADDITIVE:  # some row may not see some key of the tile
+        pv = _visible_pv(p, s, v, PRECISION)
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
 
