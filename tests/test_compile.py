@@ -69,6 +69,31 @@ def test_opcheck_flat_ops():
     torch.library.opcheck(custom_ops.attention_bwd_flat, bwd_args)
 
 
+@pytest.mark.parametrize("backend", [BACKEND, "inductor"])
+def test_compiled_backward_reuses_what_its_forward_lowered(monkeypatch, backend):
+    """The compiled backward takes the bias its forward lowered (tile tables and all) instead of lowering
+    it again; with a bias gradient to compute it rebuilds the bias. Gradients equal eager ones either way."""
+    from biasattn.bias import spec as spec_module
+
+    lowered = []
+    real = spec_module._lower_new
+    monkeypatch.setattr(spec_module, "_lower_new", lambda *a: lowered.append(1) or real(*a))
+    q, k, v = qkv(B=1, M=12)
+    add = torch.randn(1, 4, 12, 12, requires_grad=True)
+    cfn, _ = compiled(lambda q, k, v, lens, add: ba.attention(
+        q, k, v, ba.BlockDiagonalMask.from_seqlens(lens).make_causal() + add, op="chunked"), backend=backend)
+    for lens, with_add in (([3, 9], False), ([5, 7], False), ([6, 6], True)):
+        a = add if with_add else add.detach()
+        wrt = (q, k, v, a) if with_add else (q, k, v)
+        expected = grads(ba.attention(q, k, v, ba.BlockDiagonalMask.from_seqlens(lens).make_causal() + a), wrt)
+        lowered.clear()
+        out = cfn(q, k, v, torch.tensor(lens), a)
+        forward = len(lowered)
+        got = grads(out, wrt)
+        assert forward == 1 and len(lowered) == 1 + with_add, (lens, forward, len(lowered))
+        assert_close_all(got, expected)
+
+
 def test_opcheck_ops_taking_the_bias():
     """The ops called with the lazy bias itself (routed by AttentionBias.__torch_dispatch__) and with None."""
     q, k, v = qkv(M=5)

@@ -207,7 +207,8 @@ def test_key_lengths_only_the_device_holds_are_never_read_on_the_call_path(monke
 
 def test_masks_of_lengths_only_the_device_holds_are_lowered_by_structure(monkeypatch):
     """A mask built anew every step from device lengths reuses the spec of its structure with its own tensors
-    (one lookup, no lowering); results follow each mask's lengths. A slice, whose lengths are computed from the
+    (one lookup, no lowering); results follow each mask's lengths. Causal documents whose queries and keys share
+    one tensor of starts have one diagonal, so they share too. A slice, whose lengths are computed from the
     tensors, and packed documents with a band per document are lowered in full."""
     from biasattn.bias import spec as spec_module
     from biasattn.bias.block_diagonal import SegmentsAtom
@@ -238,8 +239,11 @@ def test_masks_of_lengths_only_the_device_holds_are_lowered_by_structure(monkeyp
     built.clear()
     for n in ([3, 4], [5, 2]):
         lower(ba.BlockDiagonalMask._from_tensors(torch.tensor(n), None, None), 1, 2, 7, 7)
-        lower(ba.BlockDiagonalMask._from_tensors(torch.tensor(n), None, None).make_causal(), 1, 2, 7, 7)
-    assert len(built) == 3, "plain documents share a spec; causal ones compute their bands every time"
+        causal = lower(ba.BlockDiagonalMask._from_tensors(torch.tensor(n), None, None).make_causal(), 1, 2, 7, 7)
+        assert causal.band_lo.numel() == 1 and causal.band_hi.tolist() == [0]
+        lower(ba.BlockDiagonalMask._from_tensors(torch.tensor(n), torch.tensor(n), None).make_causal(), 1, 2, 7, 7)
+    assert len(built) == 4, ("plain documents and causal ones on one tensor of starts share a spec; with key "
+                             "lengths of their own, causal documents compute their bands every time")
     monkeypatch.undo()
     for out, lengths in zip(outs, masks):
         _check(out, q, k, v, ba.PaddedKeysMask(lengths) & ba.LocalAttentionMask(3, 1))
@@ -262,8 +266,9 @@ def test_packed_documents_only_the_device_holds_are_never_read_on_the_call_path(
     bands = {"plain": lambda m: m, "causal": lambda m: m.make_causal(),
              "bottom_right": lambda m: m.make_causal_from_bottom_right(),
              "window": lambda m: m.make_local_attention(3, 1)}
-    for (q_lens, k_lens), band in zip(
-            [([5, 9, 10], None), ([5, 9, 10], [7, 3, 14]), ([3, 0, 12, 9], None), ([8, 16], [20, 4])], bands.values()):
+    cases = [([5, 9, 10], None, "plain"), ([5, 9, 10], [7, 3, 14], "causal"), ([5, 9, 10], None, "causal"),
+             ([3, 0, 12, 9], None, "bottom_right"), ([3, 0, 12, 9], None, "window"), ([8, 16], [20, 4], "window")]
+    for q_lens, k_lens, band in ((q_lens, k_lens, bands[name]) for q_lens, k_lens, name in cases):
         Mq, Mk = sum(q_lens), sum(k_lens or q_lens)
         q, k, v = (t.to(dtype).requires_grad_() for t in _qkv(1, max(Mq, Mk), 0))
         q, k, v = q[:, :, :Mq], k[:, :, :Mk], v[:, :, :Mk]

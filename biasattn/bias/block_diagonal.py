@@ -194,8 +194,9 @@ class BlockDiagonalMask(AttentionBias):
             lengths = lengths.to(device=device, dtype=torch.int32)
             return torch.cat([lengths.new_zeros(1), lengths.cumsum(0).to(torch.int32)]), lengths
 
-        qs, _ = starts(q_seqlens)
-        ks, kl = starts(q_seqlens if kv_seqlens is None else kv_seqlens)
+        qs, ql = starts(q_seqlens)
+        # self-attention shares one tensor of starts: lowering then knows every segment's diagonal is 0
+        ks, kl = (qs, ql) if kv_seqlens is None else starts(kv_seqlens)
         atom = SegmentsAtom(qs, ks, kl, None, None, family=cls.__name__)
         return cls._create([atom], device=device)
 

@@ -190,6 +190,7 @@ class SpecBuilder:
         self.segment_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.segment_band: tuple[list[int], list[int]] | None = None
         self.device_segments: tuple | None = None  # (q_seqstart, k_seqstart, k_seqlen, band): lengths not read
+        self.constant_band = True  # the band's tensors follow from the structure alone, not from lengths
         self.band = [-BAND_UNBOUNDED, BAND_UNBOUNDED]
         self.has_band = False
         self.kv_seqlens: list[int] | None = None
@@ -286,6 +287,14 @@ class SpecBuilder:
             kw["band_hi"] = _int_tensor([hi_g if abs(hi_g) >= BAND_UNBOUNDED else hi_g + shift], self.device)
             return
         alignment, left, right = band
+        if self.device_segments[0] is self.device_segments[1]:  # one tensor of starts: every diagonal is `shift`
+            lo = -BAND_UNBOUNDED if left is None else shift - left
+            hi = BAND_UNBOUNDED if right is None else shift + right
+            lo = lo if lo_g <= -BAND_UNBOUNDED else max(lo, lo_g + shift)
+            hi = hi if hi_g >= BAND_UNBOUNDED else min(hi, hi_g + shift)
+            kw["band_lo"], kw["band_hi"] = _int_tensor([lo], self.device), _int_tensor([hi], self.device)
+            return
+        self.constant_band = False
         diag = segment_diagonals(qs[: n + 1], ks[: n + 1], alignment)  # in the call's coordinates
         lo = diag - left if left is not None else torch.full_like(diag, -BAND_UNBOUNDED)
         hi = diag + right if right is not None else torch.full_like(diag, BAND_UNBOUNDED)
@@ -458,7 +467,7 @@ def _lower_new(bias, tensors: tuple, B: int, H: int, Mq: int, Mk: int, device) -
     if not spec.features and all(type(n) is int for n in (B, H, Mq, Mk)):
         spec = _plain_spec(B, H, Mq, Mk)
     if shared is not None:
-        slots = _slots(spec, tensors, constant_band=builder.device_segments is None)
+        slots = _slots(spec, tensors, constant_band=builder.constant_band)
         if slots is not None:
             _STRUCTURAL_SPECS[shared] = (spec, slots)
     return spec
@@ -498,7 +507,8 @@ def _structure_key(bias, tensors: tuple, g, device):
             return None
         parts.append((type(atom), tuple(getattr(atom, name) for name in _structure_fields(type(atom)))))
     metas = tuple((t.shape, t.dtype, t.device, t.stride()) for t in tensors)
-    return (type(bias), tuple(parts), metas, g, str(device))
+    aliases = tuple(next(i for i, u in enumerate(tensors) if u is t) for t in tensors)  # one tensor in two roles
+    return (type(bias), tuple(parts), metas, aliases, g, str(device))
 
 
 @functools.cache

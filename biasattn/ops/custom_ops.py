@@ -26,6 +26,7 @@ import contextlib
 import functools
 import itertools
 import math
+import operator
 import weakref
 from typing import Any
 
@@ -96,12 +97,15 @@ def inner_tensors(bias: AttentionBias | None) -> list[Tensor]:
 # state = [fwd operator index, bwd operator index (-1: none), kind of ctx, value]; kind 0: no ctx,
 # 1: an int (a dropout seed), 2: a key into _SAVED (any other object an operator keeps, e.g. the
 # vendor kernels' raw lse and RNG state). An entry lives until the backward takes it or the state
-# tensor is freed (a forward whose graph is dropped without a backward).
+# tensor is freed (a forward whose graph is dropped without a backward). A forward run with gradients
+# in mind also hangs its validated inputs on the state tensor (``_FORWARD``): a backward that receives
+# that very tensor lowers nothing again.
 _SAVED: dict[int, Any] = {}
 _saved_keys = itertools.count(1)
+_FORWARD = "_biasattn_forward_inputs"
 
 
-def _state(fwd_op, bwd_op, saved) -> Tensor:
+def _state(fwd_op, bwd_op, saved, inp=None) -> Tensor:
     names = available()
     kind, value = 0, 0
     if isinstance(saved, int) and not isinstance(saved, bool):
@@ -113,6 +117,8 @@ def _state(fwd_op, bwd_op, saved) -> Tensor:
     state = torch.tensor([names.index(fwd_op.NAME), bwd_index, kind, value], dtype=torch.int64, device="cpu")
     if kind == 2:
         weakref.finalize(state, _SAVED.pop, value, None)
+    if inp is not None:
+        setattr(state, _FORWARD, inp)
     return state
 
 
@@ -131,15 +137,13 @@ def _from_state(state: Tensor):
 @contextlib.contextmanager
 def _autograd_available():
     """Undo the exclusion of the autograd dispatch keys that custom-op kernels run under."""
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    for key in _AUTOGRAD_KEYS:
-        exclude = exclude.remove(key)
+    exclude = torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS
     with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
         yield
 
 
-_AUTOGRAD_KEYS = [k for name, k in torch._C.DispatchKey.__members__.items() if name.startswith("Autograd")]
-
+_AUTOGRAD_KEYS = functools.reduce(operator.or_, (torch._C.DispatchKeySet(k) for name, k in
+                                                 torch._C.DispatchKey.__members__.items() if name.startswith("Autograd")))
 
 
 def _fake_outputs(q: Tensor, k: Tensor, v: Tensor, scale, dropout_p) -> tuple[Tensor, Tensor, Tensor]:
@@ -174,7 +178,8 @@ def attention_fwd_flat(
     fwd_op, bwd_op = dispatch.choose(inp, need_lse=need_lse, op=op or None)
     with torch.no_grad():
         out, lse, saved = fwd_op.fwd(inp)
-    return out.contiguous(), lse.to(compute_dtype(q.dtype)).contiguous(), _state(fwd_op, bwd_op, saved)
+    keep = inp if requires_grad and bwd_op is not None else None
+    return out.contiguous(), lse.to(compute_dtype(q.dtype)).contiguous(), _state(fwd_op, bwd_op, saved, keep)
 
 
 @attention_fwd_flat.register_fake
@@ -201,13 +206,17 @@ def attention_bwd_flat(
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """Attention backward on plain tensors: ``(dq, dk, dv, dbias)``; ``dbias[i]`` is empty unless ``bias_grad[i]``."""
     fwd_op, bwd_op, saved = _from_state(state)
+    fwd_inp = getattr(state, _FORWARD, None)
     if bwd_op is None:
         raise RuntimeError("biasattn: the forward was run without gradients in mind; call it again with requires_grad inputs")
     with _autograd_available():  # operators may use autograd inside (reference), and so does dbias below
         wanted = [t.detach().requires_grad_() if need else t for t, need in zip(bias_tensors, bias_grad)]
-        with torch.enable_grad():
-            bias = rebuild_bias(wanted, bias_metadata, bias_shape)
-            inp = make_inputs(q, k, v, bias, scale=scale, dropout_p=dropout_p, requires_grad=True)
+        if fwd_inp is not None and not any(bias_grad):  # the forward's bias, lowered once (tile tables and all)
+            inp = fwd_inp.with_tensors(q, k, v, fwd_inp.spec.additive)
+        else:
+            with torch.enable_grad():
+                bias = rebuild_bias(wanted, bias_metadata, bias_shape)
+                inp = make_inputs(q, k, v, bias, scale=scale, dropout_p=dropout_p, requires_grad=True)
         with torch.no_grad():
             dq, dk, dv, dadd = bwd_op.bwd(inp, out, lse, saved, dout.contiguous(), dlse)
         leaves = [t for t, need in zip(wanted, bias_grad) if need]
