@@ -7,6 +7,7 @@ import torch
 from ..bias import lower
 from ..errors import InputError, NotSupportedError
 from ..inputs import as_bias, make_inputs
+from . import sparse
 from .layout import check_layout, check_local_length, group_rank
 from .pairs import default_scale
 from .ring import AllGatherAttention, Call, RingAttention
@@ -43,7 +44,10 @@ def context_parallel_attention(
             or ``"contiguous"`` (chunk r of R).
         method: ``"ring"`` (K/V passed around the ring, overlapped with the attention), ``"allgather"``
             (K/V gathered once), or ``"ulysses"`` (all-to-all to a head split; ``Hq`` must be a
-            multiple of the group size).
+            multiple of the group size). Where the bias hides most of the other ranks' rows from this
+            rank's queries (packed documents, a window, padded keys: three quarters of what an
+            all-gather moves), ``"ring"`` and ``"allgather"`` both exchange only the key rows that
+            some query can see, in one all-to-all.
         scale: defaults to ``1 / sqrt(D)``.
         dropout_p: supported by ``"ulysses"`` only (ring and all-gather raise NotSupportedError).
 
@@ -81,6 +85,10 @@ def context_parallel_attention(
         additive = additive if additive is not None and additive.requires_grad else None
     requires_grad = grad and (q.requires_grad or k.requires_grad or v.requires_grad or additive is not None)
     call = Call(group, world, rank, layout, default_scale(q, scale), bias, Mq_full, Mk_full, requires_grad)
+    if bias is not None:
+        reads = sparse.rows_read(call, q.shape[0], q.shape[1], q.device)
+        if sparse.worth_it(reads, k.shape[2]):
+            return sparse.SparseAttention.apply(q, k, v, additive, call, sparse.Exchange(call, reads))
     fn = RingAttention if method == "ring" else AllGatherAttention
     return fn.apply(q, k, v, additive, call)
 

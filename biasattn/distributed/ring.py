@@ -75,6 +75,27 @@ class Gradients:
         return self.dq.to(q.dtype), None if self.dadd is None else self.dadd.to(additive.dtype)
 
 
+def gathered_forward(plan: list[Pair], call: Call, q, k_all, v_all) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out in q's dtype, lse)`` of this rank's queries from the pairs of ``plan`` over gathered K/V rows."""
+    acc = Accumulator(q, v_all.shape[3], compute_dtype(q.dtype))
+    for pair in plan:
+        pair_forward(pair, q, k_all, v_all, call.scale, acc)
+    return acc.out.to(q.dtype), acc.lse
+
+
+def gathered_backward(plan: list[Pair], call: Call, q, k_all, v_all, out, lse, dout, additive):
+    """``(dq, dadditive, dk_all, dv_all)`` of the pairs of ``plan`` over gathered K/V rows (dK/dV in the
+    compute dtype, laid out as ``k_all`` and ``v_all``)."""
+    dtype = compute_dtype(q.dtype)
+    dk_all = torch.zeros(k_all.shape, dtype=dtype, device=k_all.device)
+    dv_all = torch.zeros(v_all.shape, dtype=dtype, device=v_all.device)
+    grads, dout = Gradients(q, additive), dout.contiguous()
+    for pair in plan:
+        grads.pair(pair, q, k_all, v_all, call.scale, out, lse, dout, additive, dk_all, dv_all)
+    dq, dadd = grads.result(q, additive)
+    return dq, dadd, dk_all, dv_all
+
+
 class RingAttention(torch.autograd.Function):
     """``out`` of this rank's query shard; K/V (and in the backward dK/dV) travel around the ring."""
 
@@ -132,11 +153,8 @@ class AllGatherAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, additive, call: Call):
         k_all, v_all = AllGatherAttention._gather(k, call), AllGatherAttention._gather(v, call)
         plan = call.plan(q, k_all, v_all, call.keys_cut_at, additive)
-        acc = Accumulator(q, v.shape[3], compute_dtype(q.dtype))
-        for pair in plan:
-            pair_forward(pair, q, k_all, v_all, call.scale, acc)
-        out = acc.out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, additive, out, acc.lse)  # K/V gathered again in the backward: memory stays O(M_local)
+        out, lse = gathered_forward(plan, call, q, k_all, v_all)
+        ctx.save_for_backward(q, k, v, additive, out, lse)  # K/V gathered again in the backward: memory stays O(M_local)
         ctx.call, ctx.plan = call, plan
         return out
 
@@ -145,13 +163,7 @@ class AllGatherAttention(torch.autograd.Function):
         q, k, v, additive, out, lse = ctx.saved_tensors
         call = ctx.call
         k_all, v_all = AllGatherAttention._gather(k, call), AllGatherAttention._gather(v, call)
-        dtype = compute_dtype(q.dtype)
-        dk_all = torch.zeros(k_all.shape, dtype=dtype, device=k.device)
-        dv_all = torch.zeros(v_all.shape, dtype=dtype, device=v.device)
-        grads, dout = Gradients(q, additive), dout.contiguous()
-        for pair in ctx.plan:
-            grads.pair(pair, q, k_all, v_all, call.scale, out, lse, dout, additive, dk_all, dv_all)
+        dq, dadd, dk_all, dv_all = gathered_backward(ctx.plan, call, q, k_all, v_all, out, lse, dout, additive)
         dk = comm.reduce_scatter_shards(split(dk_all, 2, call.layout, call.world), call.group)
         dv = comm.reduce_scatter_shards(split(dv_all, 2, call.layout, call.world), call.group)
-        dq, dadd = grads.result(q, additive)
         return dq, dk.to(k.dtype), dv.to(v.dtype), dadd, None
