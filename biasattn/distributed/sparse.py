@@ -119,34 +119,50 @@ class Exchange:
         dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=self.group)
         return {s: t.permute(1, 2, 0, 3) for s, t in enumerate(out.split(out_splits, 0)) if out_splits[s]}
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """The buffer of :attr:`blocks` for this rank's shard ``x`` of K or V: its own rows and the rows received."""
-        sends = {d: _rows(x, local).contiguous() for d, local in self.sends.items()}
+    def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffers of :attr:`blocks` for this rank's shards of K and V: their own rows and the rows
+        received (K and V travel together, side by side along the last dim)."""
+        sends = {d: torch.cat([_rows(k, local), _rows(v, local)], 3) for d, local in self.sends.items()}
         rows = {s: sum(b - a for a, b in ranges) for s, ranges in self.received.items()}
-        got = {s: iter(t.split([b - a for a, b in self.received[s]], 2)) for s, t in self._exchange(sends, rows, x).items()}
-        return torch.cat([x[:, :, who.local_rows] if isinstance(who, Piece) else next(got[who])
-                          for _, _, who in self.parts], 2)
+        got = {s: iter(t.split([b - a for a, b in self.received[s]], 2))
+               for s, t in self._exchange(sends, rows, k.new_empty((*k.shape[:3], k.shape[3] + v.shape[3]))).items()}
+        D = k.shape[3]
+        ks, vs = [], []
+        for _, _, who in self.parts:
+            if isinstance(who, Piece):
+                ks.append(k[:, :, who.local_rows])
+                vs.append(v[:, :, who.local_rows])
+            else:
+                t = next(got[who])
+                ks.append(t[..., :D])
+                vs.append(t[..., D:])
+        return torch.cat(ks, 2), torch.cat(vs, 2)
 
-    def scatter_back(self, g: torch.Tensor, shard_rows: int) -> torch.Tensor:
-        """This rank's gradient shard (``shard_rows`` rows) from ``g``, laid out as :attr:`blocks`: its own
-        rows, plus what every other rank computed for the rows it read from this rank."""
-        out = g.new_zeros((*g.shape[:2], shard_rows, g.shape[3]))
+    def scatter_back(self, dk: torch.Tensor, dv: torch.Tensor, shard_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's dK and dV shards (``shard_rows`` rows) from ``dk`` and ``dv``, laid out as :attr:`blocks`:
+        its own rows, plus what every other rank computed for the rows it read from this rank."""
+        D = dk.shape[3]
+        out = [g.new_zeros((*g.shape[:2], shard_rows, g.shape[3])) for g in (dk, dv)]
         back: dict[int, list[torch.Tensor]] = {}
         offset = 0
         for _, length, who in self.parts:
+            rows = slice(offset, offset + length)
             if isinstance(who, Piece):
-                out[:, :, who.local_rows] += g[:, :, offset:offset + length]
+                for o, g in zip(out, (dk, dv)):
+                    o[:, :, who.local_rows] += g[:, :, rows]
             else:
-                back.setdefault(who, []).append(g[:, :, offset:offset + length])
+                back.setdefault(who, []).append(torch.cat([dk[:, :, rows], dv[:, :, rows]], 3))
             offset += length
-        sends = {s: torch.cat(ts, 2).contiguous() for s, ts in back.items()}
-        rows = {d: sum(b - a for a, b in local) for d, local in self.sends.items()}
-        for d, t in self._exchange(sends, rows, g).items():
+        sends = {s: torch.cat(ts, 2) for s, ts in back.items()}
+        counts = {d: sum(b - a for a, b in local) for d, local in self.sends.items()}
+        like = dk.new_empty((*dk.shape[:3], D + dv.shape[3]))
+        for d, t in self._exchange(sends, counts, like).items():
             at = 0
             for a, b in self.sends[d]:
-                out[:, :, a:b] += t[:, :, at:at + b - a]
+                out[0][:, :, a:b] += t[:, :, at:at + b - a, :D]
+                out[1][:, :, a:b] += t[:, :, at:at + b - a, D:]
                 at += b - a
-        return out
+        return out[0], out[1]
 
 
 class SparseAttention(torch.autograd.Function):
@@ -154,7 +170,7 @@ class SparseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, additive, call, exchange: Exchange):
-        k_all, v_all = exchange.gather(k), exchange.gather(v)
+        k_all, v_all = exchange.gather(k, v)
         plan = call.plan(q, k_all, v_all, lambda qp: _cut(exchange.blocks, qp), additive)
         out, lse = gathered_forward(plan, call, q, k_all, v_all)
         ctx.save_for_backward(q, k, v, additive, out, lse)  # the rows are exchanged again: memory stays O(M_local)
@@ -165,9 +181,9 @@ class SparseAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, additive, out, lse = ctx.saved_tensors
         call, exchange = ctx.call, ctx.exchange
-        k_all, v_all = exchange.gather(k), exchange.gather(v)
+        k_all, v_all = exchange.gather(k, v)
         dq, dadd, dk_all, dv_all = gathered_backward(ctx.plan, call, q, k_all, v_all, out, lse, dout, additive)
-        dk, dv = exchange.scatter_back(dk_all, k.shape[2]), exchange.scatter_back(dv_all, v.shape[2])
+        dk, dv = exchange.scatter_back(dk_all, dv_all, k.shape[2])
         return dq, dk.to(k.dtype), dv.to(v.dtype), dadd, None, None
 
 
