@@ -307,3 +307,36 @@ def test_low_precision_dq_uses_the_unrounded_output():
     out = ba.attention(q, k, v, scale=2.0, op=CHUNKED_SMALL)
     dq = torch.autograd.grad((out * dout).sum(), q)[0]
     assert (dq.double() - expected).abs().max() <= 2e-3
+
+
+@settings(max_examples=3 * settings().max_examples)
+@given(case=bst.attention_inputs(min_terms=1, max_terms=3, max_seqlen=40), data=st.data())
+def test_visible_ranges_hold_every_visible_pair(case, data):
+    """``key_range`` over a block of rows holds every key some row of it sees, and ``query_range`` every row
+    that sees a key, on the dense mask of any bias (also sliced); both are tight for packed documents."""
+    from biasattn.ops.tiles import key_range, query_range
+
+    B, H, Mq, Mk = case.q.shape[0], case.q.shape[1], case.q.shape[2], case.k.shape[2]
+    i0 = data.draw(st.integers(0, Mq))
+    i1 = data.draw(st.integers(i0, Mq))
+    spec = lower(case.bias, B, H, Mq, Mk)
+    visible = case.bias.materialize((B, H, Mq, Mk), dtype=torch.float64) > float("-inf")
+    visible = visible.expand(B, H, Mq, Mk).any(0).any(0)
+    lo, hi = key_range(spec, i0, i1)
+    keys = visible[i0:i1].any(0).nonzero().flatten().tolist()
+    assert all(lo <= j < hi for j in keys), (lo, hi, keys)
+    q_lo, q_hi = query_range(spec)
+    rows = visible.any(1).nonzero().flatten().tolist()
+    assert all(q_lo <= i < q_hi for i in rows), (q_lo, q_hi, rows)
+    if {a.kind for a in case.bias.atoms} == {"segments"} and rows:
+        assert (q_lo, q_hi) == (rows[0], rows[-1] + 1)
+
+
+def test_query_range_of_documents_seen_from_another_chunk():
+    """The rows of a causal document that see keys of an earlier chunk: only those of the document crossing it."""
+    from biasattn.ops.tiles import query_range
+
+    bias = ba.BlockDiagonalMask.from_seqlens([5, 9, 6]).make_causal()  # documents [0, 5), [5, 14), [14, 20)
+    spec = lower(bias[..., 10:20, 0:10], 1, 1, 10, 10)  # rows 10..19 against keys 0..9: document 2's rows 10..13
+    assert query_range(spec) == (0, 4)
+    assert query_range(lower(bias[..., 14:20, 0:10], 1, 1, 6, 10)) == (0, 0)

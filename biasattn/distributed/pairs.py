@@ -20,7 +20,7 @@ from ..bias.spec import BiasSpec
 from ..inputs import AttentionInputs, make_inputs
 from ..ops.base import Operator
 from ..ops.merge import merge_partials
-from ..ops.tiles import key_range, layout_allows
+from ..ops.tiles import key_range, layout_allows, query_range
 from .layout import Piece
 
 #: Operators whose backward computes the probabilities from the ``lse`` it is given and the row
@@ -82,6 +82,10 @@ def plan_pair(q, k, v, bias, qp: Piece, kp: Piece, *, scale: float, requires_gra
     inp = make_inputs(q[:, :, qr], k[:, :, kr], v[:, :, kr], sliced, scale=scale, requires_grad=requires_grad)
     if hides_everything(inp.spec):
         return None
+    lo, hi = query_range(inp.spec)
+    if (lo, hi) != (0, qp.length):  # only these rows see a key of kp: the pair (and its merge) is theirs alone
+        return plan_pair(q, k, v, bias, Piece(qp.start + lo, hi - lo, qp.local + lo), kp, scale=scale,
+                         requires_grad=requires_grad, additive=additive)
     if additive is not None:
         inp = inp.with_tensors(inp.q, inp.k, inp.v, slice_additive(additive, qp, kp).detach().requires_grad_(True))
     # Every operator's forward gives the lse the merge needs, and a backward that takes the merged out
@@ -102,13 +106,12 @@ class Accumulator:
         B, H, M, _ = q.shape
         self.out = torch.zeros((B, H, M, Dv), dtype=dtype, device=q.device)
         self.lse = torch.full((B, H, M), float("-inf"), dtype=dtype, device=q.device)
-        self.seen: set[tuple[int, int]] = set()
+        self.seen: list[tuple[int, int]] = []  # row ranges that hold a partial already
 
     def add(self, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Merge the attention of ``rows`` over more keys into what is held."""
-        key = (rows.start, rows.stop)
-        if key not in self.seen:  # the first partial of these rows is copied, not merged
-            self.seen.add(key)
+        if not any(a < rows.stop and rows.start < b for a, b in self.seen):  # a first partial is copied, not merged
+            self.seen.append((rows.start, rows.stop))
             self.out[:, :, rows] = out
             self.lse[:, :, rows] = lse
             return

@@ -43,7 +43,8 @@ class Call:
             plan_pair(q, k, v, self.bias, qp, kp, scale=self.scale, requires_grad=self.requires_grad, additive=additive)
             for qp in self.q_pieces() for kp in (k_pieces(qp) if callable(k_pieces) else k_pieces)
         )
-        return [p for p in planned if p is not None]
+        # pairs over more rows first: a query row's first partial is copied, the later ones merged
+        return sorted((p for p in planned if p is not None), key=lambda p: -p.q_piece.length)
 
     def keys_cut_at(self, qp: Piece) -> tuple[Piece, ...]:
         """The gathered keys in up to three pieces, cut where the query piece ``qp`` starts and ends: with

@@ -1,8 +1,9 @@
 """The spec's meaning on one tile, in plain PyTorch, and host-side ranges of visible keys.
 
 ``tile_bias`` evaluates a :class:`~biasattn.bias.spec.BiasSpec` on rows ``[i0, i1)`` and columns
-``[j0, j1)``; ``key_range`` bounds the keys a block of query rows can see, from host metadata only
-(no device sync), so that operators skip hidden key blocks. ``visible_matmul`` is ``p @ v`` in which
+``[j0, j1)``; ``key_range`` bounds the keys a block of query rows can see (and ``query_range`` the
+rows that see any key), from host metadata only (no device sync), so that operators skip hidden key
+blocks. ``visible_matmul`` is ``p @ v`` in which
 the keys hidden from a row take no part in that row, whatever their values hold (no ``0 · NaN``).
 """
 
@@ -57,6 +58,31 @@ def key_range(spec: BiasSpec, i0: int, i1: int) -> tuple[int, int]:
         hi_all = min(spec.Mk, i1 - 1 + hi_d + 1)
         if h.kv_seqlens is not None:
             hi_all = min(hi_all, max(h.kv_seqlens, default=0))
+    return (lo_all, hi_all) if lo_all < hi_all else (0, 0)
+
+
+def query_range(spec: BiasSpec) -> tuple[int, int]:
+    """``[i_lo, i_hi)`` containing every query row that may see some key (may be empty): the rows of
+    segments with keys, within reach of their band, and of a band's reach into ``[0, Mk)``."""
+    h = spec.host
+    if spec.q_seqstart is not None and h.q_seqstart is None or spec.kv_seqlens is not None and h.kv_seqlens is None:
+        return (0, spec.Mq)  # lengths only the device holds
+    if spec.band_lo is not None and h.band_lo is None:
+        return (0, spec.Mq)
+    unbounded = (-(2**31), 2**31)
+    band = (lambda s: (h.band_lo[0 if len(h.band_lo) == 1 else s], h.band_hi[0 if len(h.band_hi) == 1 else s])) \
+        if h.band_lo is not None else (lambda s: unbounded)
+    if spec.q_seqstart is not None:
+        spans = [(h.q_seqstart[s], h.q_seqstart[s + 1], h.k_seqstart[s], h.k_seqstart[s] + h.k_seqlen[s], *band(s))
+                 for s in range(len(h.k_seqlen))]
+    else:
+        keys = min(spec.Mk, max(h.kv_seqlens)) if h.kv_seqlens is not None else spec.Mk
+        spans = [(0, spec.Mq, 0, keys, *band(0))]
+    lo_all, hi_all = spec.Mq, 0
+    for r0, r1, k0, k1, lo_d, hi_d in spans:  # row i sees key j of [k0, k1) when lo_d <= j - i <= hi_d
+        lo, hi = max(r0, k0 - hi_d, 0), min(r1, k1 - 1 - lo_d + 1, spec.Mq)
+        if k0 < k1 and lo < hi:
+            lo_all, hi_all = min(lo_all, lo), max(hi_all, hi)
     return (lo_all, hi_all) if lo_all < hi_all else (0, 0)
 
 
