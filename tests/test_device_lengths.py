@@ -358,3 +358,20 @@ def test_host_lists_reach_the_device_as_given():
     same = to_device(torch.tensor([2.5]), "cpu", torch.float64)
     assert same.dtype == torch.float64 and same.item() == 2.5
     assert ba.BlockDiagonalMask.from_seqlens([2, 3]).materialize((1, 1, 5, 5)).isfinite().sum() == 13
+
+
+def test_masks_from_lists_make_one_copy_of_their_lengths(monkeypatch):
+    """A mask built from Python lists copies its lengths to the device once (one pinned, non-blocking copy on a
+    GPU), and documents of self-attention share one tensor of starts for queries and keys."""
+    from biasattn.bias import block_diagonal
+
+    copies = []
+    real = block_diagonal.to_device
+    monkeypatch.setattr(block_diagonal, "to_device", lambda *a, **kw: copies.append(a[0]) or real(*a, **kw))
+    self_attention = ba.BlockDiagonalMask.from_seqlens([2, 5, 3])
+    cross = ba.BlockDiagonalMask.from_seqlens([2, 5, 3], [4, 1, 6])
+    assert len(copies) == 2
+    (a,), (b,) = self_attention.atoms, cross.atoms
+    assert a.q_seqstart is a.k_seqstart and a.q_seqstart.tolist() == [0, 2, 7, 10] and a.k_seqlen.tolist() == [2, 5, 3]
+    assert b.q_seqstart.tolist() == [0, 2, 7, 10] and b.k_seqstart.tolist() == [0, 4, 5, 11]
+    assert b.k_seqlen.tolist() == [4, 1, 6]

@@ -203,14 +203,19 @@ class BlockDiagonalMask(AttentionBias):
     @classmethod
     def _from_host(cls, q, k, band, device) -> BlockDiagonalMask:
         qh = tuple([0] + list(accumulate(q)))
-        kh = tuple([0] + list(accumulate(k)))
-        tensors = tuple(to_device(values, device, torch.int32) for values in (qh, kh, k))
+        kh = qh if k is q else tuple([0] + list(accumulate(k)))
+        # one copy to the device (a view per role); self-attention shares one tensor of starts
+        n = len(qh)
+        values = qh + tuple(k) if kh is qh else qh + kh + tuple(k)
+        packed = to_device(list(values), device, torch.int32)
+        qs, *rest = (t.clone() for t in packed.split([n, len(k)] if kh is qh else [n, n, len(k)]))  # no shared storage
+        ks, kl = (qs, *rest) if kh is qh else rest
         if not torch.compiler.is_compiling():
             # The number of documents is data: under torch.compile a new count must not be a new graph.
             # (The first call imports torch.distributed.tensor, which torch.compile imports anyway.)
-            for t in tensors:
+            for t in {id(t): t for t in (qs, ks, kl)}.values():
                 torch._dynamo.decorators.mark_unbacked(t, 0)
-        atom = SegmentsAtom(*tensors, qh[-1], kh[-1], band, qh, kh, from_lists=device is None, family=cls.__name__)
+        atom = SegmentsAtom(qs, ks, kl, qh[-1], kh[-1], band, qh, kh, from_lists=device is None, family=cls.__name__)
         return cls._create([atom], device=device)
 
     @classmethod
