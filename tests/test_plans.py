@@ -133,7 +133,38 @@ def test_plans_serve_packed_documents_built_anew_every_step(triton_options, plan
         assert len(replays) - before == (2 if step >= 4 else 0) or step == 3, f"step {step}"
         if step >= 4 and case != "padded":
             starts = torch.tensor([0, lengths[0], 24], dtype=torch.int32)
-            assert any(torch.equal(r.cpu(), starts) for r in replays[-1] if r.dtype == torch.int32), "old lengths replayed"
+            assert any(torch.equal(r.cpu(), starts) for r in replays[-1]
+                       if isinstance(r, torch.Tensor) and r.dtype == torch.int32), "old lengths replayed"
+
+
+@pytest.mark.parametrize("name", ["causal", "documents"])
+def test_a_new_scale_every_call_replays_the_same_plan(triton_options, plans, monkeypatch, name):
+    """The softmax scale is a role of a plan, not part of its key (a learned temperature changes it every
+    step): calls with a new scale each time settle one plan per pass and replay it with their own scale,
+    equal bit for bit to the unplanned launches."""
+    bias = _biases()[name].to(DEVICE)
+    replays = []
+    real_run = plans.Plan.run
+    monkeypatch.setattr(plans.Plan, "run", lambda self, roles: replays.append(roles) or real_run(self, roles))
+    for call in range(6):
+        q, k, v, dout = _tensors(seed=call)
+        scale = 0.1 + 0.07 * call
+        before = len(replays)
+        q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
+        out = ba.attention(q_, k_, v_, bias, scale=scale, op="triton")
+        planned = (out, *torch.autograd.grad(out, (q_, k_, v_), dout))
+        triton_options(plans=False)
+        q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
+        out = ba.attention(q_, k_, v_, bias, scale=scale, op="triton")
+        plain = (out, *torch.autograd.grad(out, (q_, k_, v_), dout))
+        triton_options(plans=True)
+        for what, a, b in zip(("out", "dq", "dk", "dv"), planned, plain):
+            assert torch.equal(a, b), f"call {call}: {what} differs from the unplanned launches"
+        if call >= 4:
+            assert len(replays) - before == 2, f"call {call} replays the forward's and the backward's plans"
+            assert scale in [r for r in replays[-1] if type(r) is float], "the call's own scale was not replayed"
+    spec = make_inputs(q, k, v, bias).spec
+    assert len(_stored(spec, "fwd")) == 1 and len(_stored(spec, "bwd")) == 1
 
 
 def test_strides_and_aliases_are_part_of_the_signature(plans):
@@ -256,7 +287,8 @@ def _decode_biases():
 @pytest.mark.parametrize("name", list(_decode_biases()))
 def test_split_kv_replays_equal_the_launches_they_replace(triton_options, plans, monkeypatch, name, splits):
     """Decode steps through ``triton_splitk``: from the fourth call of a signature its launches are
-    replayed (the merge too, when the keys are split), with the same bits as the full path."""
+    replayed (the merge too, when the keys are split), with the same bits as the full path, though every
+    call has a scale of its own (a role of the plan, not part of its key)."""
     from biasattn.ops.triton import splitk
 
     original = splitk.choose_num_splits
@@ -271,9 +303,10 @@ def test_split_kv_replays_equal_the_launches_they_replace(triton_options, plans,
         q = torch.randn(3, 4, 2, 16, generator=gen).to(DEVICE)
         k, v = (torch.randn(3, 2, 200, 16, generator=gen).to(DEVICE) for _ in range(2))  # 4+ key tiles on the GPU too
         before = len(replays)
-        planned = ba.attention_with_lse(q, k, v, bias, op="triton_splitk")
+        scale = 0.2 + 0.05 * call
+        planned = ba.attention_with_lse(q, k, v, bias, scale=scale, op="triton_splitk")
         triton_options(plans=False)
-        plain = ba.attention_with_lse(q, k, v, bias, op="triton_splitk")
+        plain = ba.attention_with_lse(q, k, v, bias, scale=scale, op="triton_splitk")
         triton_options(plans=True)
         for what, a, b in zip(("out", "lse"), planned, plain):
             assert torch.equal(a, b), f"call {call}: {what} differs from the unplanned launches"

@@ -30,12 +30,12 @@ LOG2E = 1.4426950408889634
 _dummies: dict = {}
 
 
-def _plan_key(kind: str, tensors: tuple, spec: BiasSpec, scale: float):
-    """The key of a call's launch plan in its spec's store: the tensors' signature, the scale, the
-    block layout's version (its tile lists follow it when it is changed in place), the launch
-    :mod:`options` in force and the tuning constants a launch reads."""
+def _plan_key(kind: str, tensors: tuple, spec: BiasSpec):
+    """The key of a call's launch plan in its spec's store: the tensors' signature, the block layout's
+    version (its tile lists follow it when it is changed in place), the launch :mod:`options` in force
+    and the tuning constants a launch reads. The scale is a role of the plan, not part of its key."""
     layout = spec.layout._version if spec.layout is not None else -1
-    return ("launch plan", kind, plans.tensor_key(*tensors), scale, layout, options.current(),
+    return ("launch plan", kind, plans.tensor_key(*tensors), layout, options.current(),
             SHORT_SPAN_KEYS, SHORT_SPAN_KEYS_DKDV, INTERPRETED, bool(configs._overrides))
 
 
@@ -344,14 +344,15 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
     if Mk == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     hd, hdv = tile_size(D), tile_size(Dv)
-    store, key, roles = plan_home(spec, q.device, _plan_key("fwd", (q, k, v), spec, scale) if dropout_p == 0 else None)
+    qk_scale = scale * LOG2E  # a role of the plan: one object in the launch and in the roles
+    store, key, roles = plan_home(spec, q.device, _plan_key("fwd", (q, k, v), spec) if dropout_p == 0 else None)
     plan = plans.lookup(store, key)
     if plan is not None:
         block_n, block_m = plan.note
         descs = tma.kv_descriptors(k, v, block_n, hd, hdv) if block_n else ()
         if descs is not None:
             table = schedule.query_schedule(spec, block_m, q.device).table if block_m else None
-            plan.run((q, k, v, out, lse, *descs, *roles, *((table,) if roles and table is not None else ())))
+            plan.run((q, k, v, out, lse, *descs, *roles, *((table,) if roles and table is not None else ()), qk_scale))
             return out, lse
     args = _spec_args(spec, q.device)
     batch_inner = args.batch_shared_bias and B > 1
@@ -371,7 +372,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
             q, *(descs or (k, v)), k, v, out, lse,
             args.add, args.slopes, args.layout, args.qs, args.ks, args.kl, args.kv, args.band_lo, args.band_hi,
             sched.table if sched.table is not None else args.d32, count, index,
-            scale * LOG2E,
+            qk_scale,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *args.add_strides, *args.slope_strides,
             *args.layout_strides, *cs, *ts,
             B, H, H // Hkv, Mq, Mk, D, Dv, sched.n, chunk,
@@ -388,5 +389,5 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
     with plans.recording() as rec:
         configs.launch("fwd", max(hd, hdv), q.dtype, q.device, feats, run)
     table = (made[2],) if roles and made[2] is not None else ()
-    plans.settle(store, key, rec, (q, k, v, out, lse, *made[0], *roles, *table), made[1])
+    plans.settle(store, key, rec, (q, k, v, out, lse, *made[0], *roles, *table, qk_scale), made[1])
     return out, lse

@@ -108,11 +108,14 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     delta = torch.empty((B, H, Mq), dtype=torch.float32, device=dev)
     plannable = dlse is None and not need_dbias and dropout_p == 0
-    key = _plan_key("bwd", (q, k, v, out, lse, dout), spec, scale) if plannable else None
+    key = _plan_key("bwd", (q, k, v, out, lse, dout), spec) if plannable else None
     store, key, roles = flash.plan_home(spec, dev, key)
     planned = plans.lookup(store, key)
+    scale = float(scale)  # the scales are roles of the plan: these objects go into every launch
+    qk_scale = scale * LOG2E
     if planned is not None:
-        planned.run((q, k, v, out, lse, dout, delta, dq, dk, dv, *roles, *_tables(spec, planned.note, dev, roles)))
+        planned.run((q, k, v, out, lse, dout, delta, dq, dk, dv, *roles, *_tables(spec, planned.note, dev, roles),
+                     qk_scale, scale))
         return dq, dk, dv, None
     args = _spec_args(spec, dev)
     hd, hdv = tile_size(D), tile_size(Dv)
@@ -171,7 +174,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             q, k, v, dout, lse, delta, dk, dv, dbias, dcol,
             args.add, args.slopes, args.layout, args.qs, args.kv, args.band_lo, args.band_hi,
             sched.table if sched.table is not None else args.d32, count, index,
-            scale * LOG2E, scale,
+            qk_scale, scale,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(), *g_strides, *common, *cs, *ts,
             H, H // Hkv, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop,
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
@@ -195,7 +198,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             q, k, v, dout, lse, delta, dq, drow, out, dlse_t,
             args.add, args.slopes, args.layout, args.ks, args.kl, args.kv, args.band_lo, args.band_hi,
             sched.table if sched.table is not None else args.d32, count, index,
-            scale * LOG2E, scale,
+            qk_scale, scale,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *out.stride(), *common, *cs, *ts,
             B, H, H // Hkv, Mq, Mk, D, Dv, sched.n,
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
@@ -224,7 +227,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         _dbias[(cdiv(Mq, cfg.block_m) * n_tiles_n, bb * hb)](
             q, k, v, dout, lse, delta, dbias,
             args.add, args.slopes, args.layout, args.kv, args.band_lo, args.band_hi,
-            scale * LOG2E,
+            qk_scale,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dbias.stride(), *common,
             H, H // Hkv, hb, Mq, Mk, D, Dv, n_tiles_n, n_sharers, heads_shared,
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
@@ -262,7 +265,8 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         if concurrent:
             main.wait_stream(side)
     note = tuple(blocks)
-    plans.settle(store, key, rec, (q, k, v, out, lse, dout, delta, dq, dk, dv, *roles, *_tables(spec, note, dev, roles)), note)
+    plans.settle(store, key, rec, (q, k, v, out, lse, dout, delta, dq, dk, dv, *roles, *_tables(spec, note, dev, roles),
+                                   qk_scale, scale), note)
     dadd = None
     if reduction == "full":
         dadd = dbias

@@ -4,8 +4,8 @@ An eager call spends most of its host time deciding what to launch: schedules, t
 configs, and the argument signature that picks a compiled kernel. For a given input signature all
 of that comes out the same every time; only the tensors differ. So a launcher that plans runs
 its normal path under :func:`recording` for calls of one signature, and when two of them made the
-same launches with the same arguments except for the call's own tensors (its *roles*: inputs,
-outputs and scratch it allocates), it keeps a :class:`Plan`. Later calls allocate their outputs,
+same launches with the same arguments except for the call's own tensors and scale (its *roles*:
+inputs, outputs, scratch it allocates, and the per-call floats), it keeps a :class:`Plan`. Later calls allocate their outputs,
 build the argument lists from the plan's templates and launch, nothing else.
 
 The two recordings are the safety net: any argument that changes from call to call without being
@@ -96,12 +96,15 @@ class Plan:
 
 
 def _draft(rec: Recording, roles: tuple, note) -> Plan:
-    """``rec`` as a plan: role arguments become slots (and are dropped, so no tensor of the call is kept)."""
+    """``rec`` as a plan: role arguments become slots (and are dropped, so no tensor of the call is kept).
+
+    Roles are the call's tensors and its per-call floats (the softmax scale): a float argument is
+    a slot when it is the very object passed among the roles, so a new scale replays the same plan."""
     launches = []
     for launcher, grid, args, meta, entry in rec.launches:
         template, slots = list(args), []
         for pos, a in enumerate(args):
-            role = _role(a, roles) if _is_handle(a) else None
+            role = _role(a, roles) if _is_handle(a) or type(a) is float else None
             if role is not None:
                 template[pos] = None
                 slots.append((pos, role))

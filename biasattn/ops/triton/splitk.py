@@ -193,7 +193,8 @@ def splitk_attention_fwd(
     Hkv, Mk, Dv, G = k.shape[1], k.shape[2], v.shape[3], inp.groups
     dev = q.device
     plannable = num_splits is None and config is None and out is None and lse is None and partials is None
-    key = _plan_key(q, k, v, inp.scale) if plannable else None
+    key = _plan_key(q, k, v) if plannable else None
+    qk_scale = inp.scale * LOG2E  # a role of the plan: one object in the launch and in the roles
     plan = plans.lookup(spec.derived, key)
     shared_key = shape = None
     if plan is None and key is not None and spec.key_lengths_only and min(B, Hq, Mq, Mk) > 0:
@@ -214,7 +215,7 @@ def splitk_attention_fwd(
             l_buf = torch.empty((plan.note, B, Hq, Mq), dtype=torch.float32, device=dev)
         else:
             o_buf, l_buf = out, lse
-        plan.run((q, k, v, out, lse, o_buf, l_buf, spec.kv_seqlens))
+        plan.run((q, k, v, out, lse, o_buf, l_buf, qk_scale, spec.kv_seqlens))
         return out, lse
     if out is None:
         out = torch.empty((B, Hq, Mq, Dv), dtype=q.dtype, device=dev)
@@ -259,7 +260,7 @@ def splitk_attention_fwd(
             spec.k_seqlen if segments else q,
             spec.band_lo if spec.band_lo is not None else q, spec.band_hi if spec.band_hi is not None else q,
             add if add is not None else q, slopes if slopes is not None else q,
-            inp.scale * LOG2E, spec.alibi_shift,
+            qk_scale, spec.alibi_shift,
             *q.stride(), *k.stride(), *v.stride(), *so, *sl, *sa, *ss,
             Hkv, Mq, Mk, D, Dv, G, row_blocks, num_splits, tiles_per_split, mq_stride,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
@@ -278,9 +279,10 @@ def splitk_attention_fwd(
             out[:, :, rows_] = 0
             lse[:, :, rows_] = float("-inf")
     else:
-        plans.settle(spec.derived, key, rec, (q, k, v, out, lse, o_buf, l_buf), num_splits)
+        plans.settle(spec.derived, key, rec, (q, k, v, out, lse, o_buf, l_buf, qk_scale), num_splits)
         if shared_key is not None:
-            plans.settle(_shared_plans, shared_key, rec, (q, k, v, out, lse, o_buf, l_buf, spec.kv_seqlens), num_splits)
+            plans.settle(_shared_plans, shared_key, rec, (q, k, v, out, lse, o_buf, l_buf, qk_scale, spec.kv_seqlens),
+                         num_splits)
     return out, lse
 
 
@@ -385,10 +387,10 @@ def merge_overhead(cfg: SplitKConfig, rows: int, merged_rows: int, sms: int) -> 
     return MERGE_OVERHEAD_TILES + WARPGROUP_MERGE_ROW_TILES * merged_rows / max(1, sms)
 
 
-def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """The key of a call's launch plan in its spec's store: the tensors' signature, the scale, the
-    launch :mod:`options` in force and the tuning constants the launches read."""
-    return ("split-KV plan", plans.tensor_key(q, k, v), scale, options.current(), MERGE_BLOCK_S, MERGE_TILE,
+def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """The key of a call's launch plan in its spec's store: the tensors' signature, the launch
+    :mod:`options` in force and the tuning constants the launches read (the scale is a role)."""
+    return ("split-KV plan", plans.tensor_key(q, k, v), options.current(), MERGE_BLOCK_S, MERGE_TILE,
             MERGE_OVERHEAD_TILES, WARPGROUP_MERGE_ROW_TILES, SPLIT_SLACK, SHORT_PIECE_TILES, configs.interpreted())
 
 
