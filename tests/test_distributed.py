@@ -347,3 +347,25 @@ def test_split_and_assemble_are_inverse(layout, world, chunk):
     assert rows == list(range(M))
     if layout == "zigzag":
         assert [p.start // chunk for p in pieces(layout, world, 0, M)] == [0, 2 * world - 1]
+
+
+@settings(max_examples=40)
+@given(st.sampled_from([2, 4]), st.sampled_from(["zigzag", "contiguous"]), st.data())
+def test_rows_read_hold_every_key_a_rank_sees(world, layout, data):
+    """The rows a rank reads from the others (computed on the host from the full bias, the same on every
+    rank) hold every key that one of its queries sees on the dense mask, for any bias and composition."""
+    from biasattn.distributed.ring import Call
+    from biasattn.distributed.sparse import rows_read
+
+    shape = data.draw(cp_shapes(world))
+    bias = data.draw(bst.biases(shape, bst.FAMILIES, min_terms=1, max_terms=2))
+    full = bias.bind(shape.Mq, shape.Mk) if bias.sizes[2] is None or bias.sizes[3] is None else bias
+    reads = rows_read(Call(None, world, 0, layout, 1.0, full, shape.Mq, shape.Mk, False), shape.B, shape.Hq, None)
+    visible = (full.materialize((shape.B, shape.Hq, shape.Mq, shape.Mk), dtype=torch.float64) > float("-inf"))
+    visible = visible.expand(shape.B, shape.Hq, shape.Mq, shape.Mk).any(0).any(0)
+    for r in range(world):
+        rows = [i for p in pieces(layout, world, r, shape.Mq) for i in range(p.start, p.start + p.length)]
+        for s in range(world):
+            keys = [j for p in pieces(layout, world, s, shape.Mk) for j in range(p.start, p.start + p.length)]
+            seen = [keys[j] for j in visible[rows][:, keys].any(0).nonzero().flatten().tolist()]
+            assert all(any(a <= j < b for a, b in reads[r][s]) for j in seen), (r, s, seen, reads[r][s])
