@@ -10,10 +10,11 @@ Launched with torchrun, one process per GPU. Causal attention in bfloat16, D=128
   single-GPU rate on the same documents (skipping empty shard pairs is what makes it reachable).
 
 Every rank runs the same fixed number of calls (collectives inside); a call's time is the slowest
-rank's, the median over ``--reps``. FLOPs count visible (query, key) pairs: 4·D per pair forward,
-3.5× that for forward+backward; the per-GPU effective rate is that over the GPUs and the time. Peak
-memory is ``max_memory_allocated`` of one call on each GPU (the largest is reported). Rank 0 prints
-a table and writes a long-format CSV.
+rank's, the median over ``--reps``. Each method's output is compared once with one GPU's on the same
+inputs (a harness check, printed in the note column; ``--no-check`` skips it). FLOPs count visible
+(query, key) pairs: 4·D per pair forward, 3.5× that for forward+backward; the per-GPU effective rate
+is that over the GPUs and the time. Peak memory is ``max_memory_allocated`` of one call on each GPU
+(the largest is reported). Rank 0 prints a table and writes a long-format CSV.
 
     torchrun --nproc-per-node 4 benchmarks/bench_context_parallel.py                       # weak scaling, 32k per GPU
     torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --total 65536         # strong scaling at 64k
@@ -54,6 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--no-single", action="store_true", help="skip the single-GPU baselines")
     p.add_argument("--no-torch", action="store_true", help="skip torch's context_parallel")
+    p.add_argument("--no-check", action="store_true", help="skip comparing each method's output with one GPU's")
     p.add_argument("--csv", default=None, help="CSV to write (default: benchmarks/results/<gpu>/context_parallel.csv)")
     return p.parse_args(argv)
 
@@ -170,12 +172,22 @@ def main(argv=None) -> None:
         pairs = visible_pairs(lens)
         q, k, v, dout = inputs(B, H, Hkv, M, D, "cuda")
         local = [ba.distributed.shard_sequence(t, layout=args.layout) for t in (q, k, v, dout)]
+        with torch.no_grad():  # a harness check: the same output as one GPU's (every rank has the full inputs)
+            ref = None if args.no_check else ba.attention(q, k, v, bias).float()
         del q, k, v, dout
         for method in args.methods:
             ql, kl, vl, dl = (t.clone().requires_grad_(i < 3) for i, t in enumerate(local))
             run = fwd_bwd(lambda a, b, c, m=method, bias=bias: ba.distributed.context_parallel_attention(
                 a, b, c, bias, layout=args.layout, method=m), ql, kl, vl, dl)
-            report(case, f"{method}/{args.layout}", M, world, pairs, timed(run, args.warmup, args.reps), peak_gib(run))
+            note = ""
+            if ref is not None:
+                with torch.no_grad():
+                    out = ba.distributed.context_parallel_attention(ql, kl, vl, bias, layout=args.layout, method=method)
+                    diff = float((ba.distributed.gather_sequence(out, layout=args.layout).float() - ref).abs().max())
+                note = f"max |out - one GPU's| = {diff:.2e}"
+            report(case, f"{method}/{args.layout}", M, world, pairs, timed(run, args.warmup, args.reps), peak_gib(run),
+                   note)
+        del ref
         del local
         single_ms = None
         if not args.no_single:  # every GPU runs the baseline at once, as under the same load
@@ -192,7 +204,7 @@ def main(argv=None) -> None:
             ideal = single_ms / world
             for row in rows:
                 if row["case"] == "documents" and row["gpus"] == world:
-                    row["note"] = f"time / ideal = {row['ms'] / ideal:.2f}"
+                    row["note"] = "; ".join(n for n in (f"time / ideal = {row['ms'] / ideal:.2f}", row["note"]) if n)
                     print(f"documents  {row['provider']:22s} time / ideal ({ideal:.2f} ms) = {row['ms'] / ideal:.2f}")
         if case == "causal" and not args.no_torch:
             for rotate in ("allgather", "alltoall"):
