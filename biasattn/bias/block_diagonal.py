@@ -204,7 +204,7 @@ class BlockDiagonalMask(AttentionBias):
     def _from_host(cls, q, k, band, device) -> BlockDiagonalMask:
         qh = tuple([0] + list(accumulate(q)))
         kh = qh if k is q else tuple([0] + list(accumulate(k)))
-        # one copy to the device (a view per role); self-attention shares one tensor of starts
+        # one copy to the device, split into a tensor per role; self-attention shares one tensor of starts
         n = len(qh)
         values = qh + tuple(k) if kh is qh else qh + kh + tuple(k)
         packed = to_device(list(values), device, torch.int32)

@@ -44,10 +44,10 @@ def context_parallel_attention(
             or ``"contiguous"`` (chunk r of R).
         method: ``"ring"`` (K/V passed around the ring, overlapped with the attention), ``"allgather"``
             (K/V gathered once), or ``"ulysses"`` (all-to-all to a head split; ``Hq`` must be a
-            multiple of the group size). Where the bias hides most of the other ranks' rows from this
-            rank's queries (packed documents, a window, padded keys: three quarters of what an
-            all-gather moves), ``"ring"`` and ``"allgather"`` both exchange only the key rows that
-            some query can see, in one all-to-all.
+            multiple of the group size). Where the bias hides from the queries at least three
+            quarters of the rows an all-gather would move (packed documents, a window, padded
+            keys), ``"ring"`` and ``"allgather"`` both exchange only the key rows that some query
+            can see, in one all-to-all.
         scale: defaults to ``1 / sqrt(D)``.
         dropout_p: supported by ``"ulysses"`` only (ring and all-gather raise NotSupportedError).
 

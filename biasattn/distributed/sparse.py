@@ -147,9 +147,9 @@ class Exchange:
         offset = 0
         for _, length, who in self.parts:
             rows = slice(offset, offset + length)
-            if isinstance(who, Piece):
+            if isinstance(who, Piece):  # own pieces are disjoint: copied before the others' shares arrive
                 for o, g in zip(out, (dk, dv)):
-                    o[:, :, who.local_rows] += g[:, :, rows]
+                    o[:, :, who.local_rows] = g[:, :, rows]
             else:
                 back.setdefault(who, []).append(torch.cat([dk[:, :, rows], dv[:, :, rows]], 3))
             offset += length
