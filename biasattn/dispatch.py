@@ -246,8 +246,9 @@ _length_mask_choices = BoundedCache(1024)
 
 
 def _decision_key(inp: AttentionInputs, need_lse: bool, op) -> tuple:
-    """Everything a choice reads besides the spec: sizes, dtype, device, flags, the priority list and
-    its thresholds, ``use_ops``, graph capture, the interpreter switch (CPU) and the registry."""
+    """Everything a choice reads besides the spec: sizes, dtype, device, flags, the priority list,
+    ``use_ops``, graph capture, the interpreter switch (CPU) and the registry. The thresholds and
+    :data:`HEAD_DIM_ORDER` are constants of this module and not keyed."""
     q, k, v = inp.q, inp.k, inp.v
     dev = q.device
     add = inp.spec.additive
@@ -257,8 +258,7 @@ def _decision_key(inp: AttentionInputs, need_lse: bool, op) -> tuple:
         inp.dropout_p > 0,
         inp.scale > 0,
         add is not None and add.requires_grad, torch.are_deterministic_algorithms_enabled(), _allowed.get(),
-        PRIORITY.get(dev.type), SPLITK_MAX_MQ, CUDNN_DECODE_MAX_GROUPS, CUDNN_DECODE_UNGROUPED_MAX_MQ,
-        CUDNN_DECODE_UNGROUPED_MIN_PAIRS, CUDNN_DECODE_UNGROUPED_MAX_MK, HEAD_DIM_ORDER,
+        PRIORITY.get(dev.type),
         cuda and torch.cuda.is_current_stream_capturing(),
         not cuda and interpreted(), ops.generation(), "dispatch",
     )

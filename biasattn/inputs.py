@@ -8,15 +8,19 @@ from dataclasses import dataclass, replace
 import torch
 
 from .bias import AdditiveBias, AttentionBias, BiasSpec, lower
+from .bias.spec import lowered_before
 from .errors import InputError, InputTypeError
 from .memo import BoundedCache
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class AttentionInputs:
-    """q ``[B, Hq, Mq, D]``, k ``[B, Hkv, Mk, D]``, v ``[B, Hkv, Mk, Dv]`` with their lowered bias."""
+    """q ``[B, Hq, Mq, D]``, k ``[B, Hkv, Mk, D]``, v ``[B, Hkv, Mk, Dv]`` with their lowered bias.
+
+    Treated as immutable (:meth:`with_tensors` makes a new one); not frozen, because a frozen
+    dataclass costs a microsecond more to build on every call."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -128,14 +132,10 @@ def _check_qkv(q, k, v) -> None:
 
 
 def _check_bias(bias: AttentionBias, q, k) -> None:
-    """The bias's device and sizes against q and k; skipped for a call size this bias fitted before."""
+    """The bias's device and sizes against q and k (:func:`make_inputs` skips it where the bias was
+    lowered for this call size before)."""
     B, Hq, Mq, _ = q.shape
-    fits = bias.__dict__.get("_fits")
     Mk = k.shape[2]
-    key = (B, Hq, Mq, Mk, q.device)
-    concrete = type(B) is int and type(Hq) is int and type(Mq) is int and type(Mk) is int  # symbolic sizes are unhashable
-    if fits is not None and concrete and key in fits:
-        return
     device = bias.__dict__.get("_device") or bias.device
     if device != q.device and not bias.follows_q and not _same_device(device, q.device):
         raise InputTypeError(f"attn_bias is on {bias.device}, q is on {q.device}; move it with attn_bias.to(q.device)")
@@ -146,10 +146,6 @@ def _check_bias(bias: AttentionBias, q, k) -> None:
             swapped = {"heads": q.shape[2], "Mq": q.shape[1], "Mk": k.shape[1]}.get(name)
             hint = _layout_hint(q, k) if got == swapped else ""  # the bias fits q and k read as [B, M, H, D]
             raise InputError(f"attn_bias ({type(bias).__name__}) has {name} {got}, {what} has {want}" + hint)
-    if concrete:
-        if fits is None:
-            fits = bias.__dict__["_fits"] = BoundedCache(16)
-        fits[key] = True
 
 
 def _check_tensor(name: str, t, expected_rank_text: str) -> None:
@@ -211,9 +207,11 @@ def make_inputs(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, requires_
         raise InputError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
 
     bias = as_bias(attn_bias)
-    if bias is not None:
-        _check_bias(bias, q, k)
-    spec = lower(bias, B, Hq, Mq, k.shape[2], q.device)
+    spec = None if bias is None else lowered_before(bias, B, Hq, Mq, k.shape[2], q.device)
+    if spec is None:  # a spec exists only for a call size the bias was checked against
+        if bias is not None:
+            _check_bias(bias, q, k)
+        spec = lower(bias, B, Hq, Mq, k.shape[2], q.device)
     if requires_grad is None:
         requires_grad = torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad

@@ -171,14 +171,17 @@ def _check_case(case: Case, op: str, dtype, poison: bool = True):
     if not backward:
         return
     wrt = [qq, kk, vv] + ([aa] if bias_grad else [])
-    got = torch.autograd.grad(out, wrt, dout)
-    names = ["dq", "dk", "dv", "dbias"]
-    for n, g, r, lo in zip(names, got, ref_grads, low_grads):
-        if case.hidden_keys is not None and n in ("dk", "dv"):
-            hidden = case.hidden_keys().to(DEV)[:, None, :, None].expand_as(g)
-            assert bool((g[hidden] == 0).all()), f"{n} of hidden keys must be 0"
-        factor = 3.0 if n in ("dq", "dbias") else 2.0
-        assert_close_to_reference(g, r, lo, factor=factor, atol=ATOL, name=f"{op} {case.name} {n}")
+    # with and without the lse: a training call that needs no lse may take PyTorch's own gradient
+    out_alone, _ = autograd.run(inp, fwd_op, bwd_op, need_lse=False)
+    for how, o in (("with lse", out), ("without lse", out_alone)):
+        got = torch.autograd.grad(o, wrt, dout)
+        names = ["dq", "dk", "dv", "dbias"]
+        for n, g, r, lo in zip(names, got, ref_grads, low_grads):
+            if case.hidden_keys is not None and n in ("dk", "dv"):
+                hidden = case.hidden_keys().to(DEV)[:, None, :, None].expand_as(g)
+                assert bool((g[hidden] == 0).all()), f"{n} of hidden keys must be 0"
+            factor = 3.0 if n in ("dq", "dbias") else 2.0
+            assert_close_to_reference(g, r, lo, factor=factor, atol=ATOL, name=f"{op} {case.name} {n} ({how})")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -188,6 +191,29 @@ def test_vendor_matches_reference(case, op):
     if op not in case.ops:
         pytest.skip(f"{op} does not declare {case.name}")
     _check_case(case, op, torch.bfloat16)
+
+
+@pytest.mark.parametrize("op", ["flash2", "cudnn"])
+@pytest.mark.parametrize("case", ["none", "gqa_causal", "window", "causal_br_long_q", "varlen_causal", "additive"])
+def test_training_calls_take_torchs_gradient_where_nothing_needs_fixing(op, case):
+    """``ba.attention`` with gradients and no lse runs the kernel under PyTorch's own autograd node when
+    nothing of ours is needed after it (no rows without keys, no packing, no additive bias), and under
+    ours otherwise; the gradients match the reference either way, for a ``dout`` laid out unlike ``out``."""
+    case = next(c for c in CASES if c.name == case)
+    q, k, v, add = _make(case, torch.bfloat16, True)
+    bias = _bias(case, add)
+    inp = make_inputs(q, k, v, bias, requires_grad=True)
+    if ba.ops.get(op).not_supported_reasons(inp, backward=True):
+        pytest.skip(f"{op} does not declare {case.name} with gradients")
+    dout = torch.randn(case.B, case.Mq, case.Hq, case.D, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+    refs = _references(case, q, k, v, add, torch.bfloat16, True, dout, False)
+    qq, kk, vv = (_leaf(t) for t in (q, k, v))
+    out = ba.attention(qq, kk, vv, bias, op=op)
+    ours = type(out.grad_fn).__name__ == "_AttentionFunctionBackward"
+    assert ours == (case.name in ("causal_br_long_q", "varlen_causal", "additive")), type(out.grad_fn).__name__
+    got = torch.autograd.grad(out, (qq, kk, vv), dout)
+    for n, g, r, lo in zip(("dq", "dk", "dv"), got, refs["ref"][2], refs["low"][2]):
+        assert_close_to_reference(g, r, lo, factor=3.0 if n == "dq" else 2.0, atol=ATOL, name=f"{op} {case.name} {n}")
 
 
 @pytest.mark.parametrize("op", ["cutlass", "flash2", "cudnn"])

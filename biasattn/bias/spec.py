@@ -28,6 +28,7 @@ from .atoms import tensor_version, to_device
 from .band import segment_diagonals
 
 BAND_UNBOUNDED = 2**30
+_MISSING = object()  # a store's "no entry" (None may be an entry)
 _INT_TENSORS = BoundedCache(256)
 
 
@@ -134,9 +135,10 @@ class BiasSpec:
     def cached(self, key, make):
         """``make()``, computed once per spec and ``key`` and kept in :attr:`derived`."""
         store = self.derived
-        if key not in store:
-            store[key] = make()
-        return store[key]
+        value = store.get(key, _MISSING)
+        if value is _MISSING:
+            value = store[key] = make()
+        return value
 
     @property
     def num_segments(self) -> int:
@@ -436,11 +438,7 @@ def lower(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasSpec:
     """
     if bias is None:
         return _plain_spec(B, H, Mq, Mk)
-    tensors = bias.__dict__.get("_lowered_tensors")
-    if tensors is None:  # a bias's terms never change: its tensors are listed once
-        tensors = bias.__dict__["_lowered_tensors"] = tuple(t for a in bias.atoms for t in a.tensors().values())
-    # an in-place write to a length tensor makes a new spec (its host copies are read again)
-    key = (B, H, Mq, Mk, device, *(tensor_version(t) for t in tensors)) if tensors else (B, H, Mq, Mk, device)
+    tensors, key = _spec_key(bias, B, H, Mq, Mk, device)
     cacheable = not any(t.requires_grad for t in tensors)
     cache = bias.__dict__.get("_spec_cache") if cacheable else {}
     if cache is None:
@@ -449,6 +447,27 @@ def lower(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasSpec:
     if spec is None:
         spec = cache[key] = _lower_new(bias, tensors, B, H, Mq, Mk, device)
     return spec
+
+
+def lowered_before(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasSpec | None:
+    """The spec :func:`lower` keeps for this bias and call size, or None."""
+    cache = bias.__dict__.get("_spec_cache")
+    if cache is None:
+        return None
+    try:
+        return cache.get(_spec_key(bias, B, H, Mq, Mk, device)[1])
+    except TypeError:  # symbolic sizes (tracing) are unhashable
+        return None
+
+
+def _spec_key(bias, B: int, H: int, Mq: int, Mk: int, device) -> tuple[tuple, tuple]:
+    """``(the bias's tensors, the key of its spec for this call size)``."""
+    tensors = bias.__dict__.get("_lowered_tensors")
+    if tensors is None:  # a bias's terms never change: its tensors are listed once
+        tensors = bias.__dict__["_lowered_tensors"] = tuple(t for a in bias.atoms for t in a.tensors().values())
+    # an in-place write to a length tensor makes a new spec (its host copies are read again)
+    key = (B, H, Mq, Mk, device, *(tensor_version(t) for t in tensors)) if tensors else (B, H, Mq, Mk, device)
+    return tensors, key
 
 
 def _lower_new(bias, tensors: tuple, B: int, H: int, Mq: int, Mk: int, device) -> BiasSpec:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from ..inputs import AttentionInputs
@@ -41,12 +39,21 @@ def run(
     gradients and ``need_lse=False`` the lse is None and the operator may skip it."""
     if not inp.requires_grad:
         # no graph to keep out unless some input asks for gradients (inference usually runs under no_grad already)
-        tracked = torch.is_grad_enabled() and (
-            inp.q.requires_grad or inp.k.requires_grad or inp.v.requires_grad
-            or (inp.additive is not None and inp.additive.requires_grad))
-        with torch.no_grad() if tracked else contextlib.nullcontext():
-            if not need_lse:
-                return fwd_op.fwd_out(inp), None
-            out, lse, _ = fwd_op.fwd(inp)
-        return out, lse
+        if torch.is_grad_enabled() and (
+                inp.q.requires_grad or inp.k.requires_grad or inp.v.requires_grad
+                or (inp.additive is not None and inp.additive.requires_grad)):
+            with torch.no_grad():
+                return _without_graph(inp, fwd_op, need_lse)
+        return _without_graph(inp, fwd_op, need_lse)
+    if not need_lse and fwd_op is bwd_op:
+        out = fwd_op.graph_out(inp)
+        if out is not None:
+            return out, None
     return _AttentionFunction.apply(inp.q, inp.k, inp.v, inp.additive, inp, fwd_op, bwd_op)
+
+
+def _without_graph(inp: AttentionInputs, fwd_op: Operator, need_lse: bool):
+    if not need_lse:
+        return fwd_op.fwd_out(inp), None
+    out, lse, _ = fwd_op.fwd(inp)
+    return out, lse

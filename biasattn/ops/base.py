@@ -133,6 +133,13 @@ class Operator:
         (operators whose kernel can skip the log-sum-exp override it)."""
         return self.fwd(inp)[0]
 
+    def graph_out(self, inp: AttentionInputs) -> torch.Tensor | None:
+        """The output through kernels whose gradients PyTorch's autograd already knows, for a call
+        that needs gradients but no log-sum-exp and runs forward and backward on this operator; None
+        where the operator's own backward is needed. Such a call skips the Python autograd function
+        and its backward: the host cost of a training step's attention is then close to SDPA's."""
+        return None
+
     def bwd(self, inp, out, lse, ctx, dout, dlse):
         raise NotImplementedError
 

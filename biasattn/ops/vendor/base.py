@@ -125,6 +125,20 @@ class VendorOperator(Operator):
             return self.fwd(inp)[0]
         return self.kernel_out(inp, layout)
 
+    def graph_out(self, inp: AttentionInputs) -> torch.Tensor | None:
+        """:meth:`kernel_graph_out` where no fix-up of ours is needed: every row sees a key, no
+        additive bias, keys used in place (not packed) and a head dim the kernel takes as it is."""
+        layout = self.layout(inp)
+        if not layout.has_work or layout.varlen or inp.additive is not None or inp.D % 8 or inp.Dv % 8:
+            return None
+        if self.rows_may_be_hidden(inp, layout):
+            return None
+        return self.kernel_graph_out(inp, layout)
+
+    def kernel_graph_out(self, inp: AttentionInputs, layout: SequenceLayout) -> torch.Tensor | None:
+        """:meth:`graph_out` once its conditions hold; None when the kernel's entry point has no gradient."""
+        return None
+
     def bwd(self, inp, out, lse, ctx, dout, dlse):
         layout = self.layout(inp)
         if not layout.has_work:

@@ -120,6 +120,10 @@ class CudnnOperator(VendorOperator):
     def kernel_out(self, inp: AttentionInputs, layout):
         return self._launch_fwd(inp, layout, compute_lse=False)[0]
 
+    def kernel_graph_out(self, inp: AttentionInputs, layout):
+        # both entry points have a gradient in PyTorch (it keeps the lse and the dropout state)
+        return self._launch_fwd(inp, layout, compute_lse=True)[0]
+
     def _launch_fwd(self, inp: AttentionInputs, layout, compute_lse: bool):
         """``(out, raw lse, dropout seed, offset)`` of cuDNN's forward (the lse only with ``compute_lse``)."""
         q, k, v, bias = inp.q, inp.k, inp.v, self._bias(inp)

@@ -83,6 +83,15 @@ class Flash2Operator(VendorOperator):
         out = self.fix_empty_rows(inp, layout, out, lse)
         return out, lse, VendorCtx(self.NAME, lse_raw, lse_fmt, (rng, unused))
 
+    def kernel_graph_out(self, inp: AttentionInputs, layout):
+        left, right = self._window(inp, layout)
+        q, k, v = (pack_queries(t, layout) for t in (inp.q, inp.k, inp.v))
+        out = aten_entry("_flash_attention_forward")(
+            q, k, v, None, None, inp.Mq, inp.Mk, inp.dropout_p, False, False,
+            scale=inp.scale, window_size_left=left, window_size_right=right,
+        )[0]
+        return unpack_queries(out, layout, inp.B)
+
     def kernel_bwd(self, inp, layout, out, lse, ctx, dout):
         left, right = self._window(inp, layout)
         q, k, v, cu_q, cu_k, max_q, max_k = self._args(inp, layout)

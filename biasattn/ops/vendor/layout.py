@@ -106,9 +106,10 @@ class SequenceLayout:
     def cached(self, key, make):
         """``make()``, computed once per layout and ``key`` (the layout is immutable and reused within a call)."""
         store = self.__dict__.setdefault("_memo", {})
-        if key not in store:
-            store[key] = make()
-        return store[key]
+        value = store.get(key, store)  # the store itself is never a value
+        if value is store:
+            value = store[key] = make()
+        return value
 
 
 def _band_of(spec: BiasSpec, s: int) -> tuple[int | None, int | None]:
