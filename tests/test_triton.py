@@ -230,7 +230,7 @@ def test_hidden_lines_hold_nan(triton_options, monkeypatch, case, tma):
 
     if tma and not configs.interpreted():
         pytest.skip("descriptors are forced only under the interpreter; on the GPU the dtype decides")
-    triton_options(descriptors_interpreted=tma)
+    triton_options(descriptors_interpreted=tma, descriptors_min_scores=0)
     built = record_descriptors(monkeypatch)
     B, Hq, Hkv, Mk = (3, 4, 2, 45) if "gqa" in case else (3, 2, 2, 45)
     padded = ba.PaddedKeysMask([45, 19, 3]).to(DEVICE)
@@ -805,10 +805,11 @@ def test_direct_launch_signature_of_descriptors():
 
 
 def test_descriptor_rules(triton_options, monkeypatch):
-    """K/V qualify for descriptors only with 16-byte aligned strides, a unit last stride and no broadcast or empty dim."""
+    """K/V qualify for descriptors only with 16-byte aligned strides, a unit last stride and no broadcast or empty dim,
+    in a launch of at least ``descriptors_min_scores`` scores."""
     from biasattn.ops.triton import tma
 
-    triton_options(descriptors_interpreted=True)
+    triton_options(descriptors_interpreted=True, descriptors_min_scores=0)
     if not tma.available(torch.device(DEVICE)):
         pytest.skip("no tensor descriptors with this Triton or device")
     x = torch.zeros(2, 4, 40, 16, device=DEVICE, dtype=torch.float16)
@@ -820,11 +821,14 @@ def test_descriptor_rules(triton_options, monkeypatch):
     assert not tma.describable(x.transpose(2, 3))  # last stride not 1
     assert not tma.describable(x[:, :1].expand(2, 4, 40, 16))  # a broadcast head dim
     assert not tma.describable(x[:, :, :0])  # empty
-    assert tma.kv_descriptors(x, narrow, 16, 16, 16) is None
-    k, v = tma.kv_descriptors(x, x, 32, 16, 16)
+    scores = 2 * 4 * 40 * 40
+    assert tma.kv_descriptors(x, narrow, 16, 16, 16, scores) is None
+    k, v = tma.kv_descriptors(x, x, 32, 16, 16, scores)
     assert k.block_shape == [1, 1, 32, 16] and list(v.shape) == [2, 4, 40, 16]
-    triton_options(descriptors=False)
-    assert tma.kv_descriptors(x, x, 32, 16, 16) is None
+    triton_options(descriptors_min_scores=scores + 1)  # a launch this small keeps pointer loads
+    assert tma.kv_descriptors(x, x, 32, 16, 16, scores) is None
+    triton_options(descriptors=False, descriptors_min_scores=0)
+    assert tma.kv_descriptors(x, x, 32, 16, 16, scores) is None
 
 
 @settings(max_examples=12, deadline=None)
@@ -838,7 +842,7 @@ def test_random_compositions_through_descriptors(case):
         case["make"](case["add"])
     except ba.BiasCompositionError:
         return
-    with pytest.MonkeyPatch.context() as mp, options.use(descriptors_interpreted=True):
+    with pytest.MonkeyPatch.context() as mp, options.use(descriptors_interpreted=True, descriptors_min_scores=0):
         if not tma.available(case["q"].device) or not (tma.describable(case["k"]) and tma.describable(case["v"])):
             return  # pointer loads: every other test covers them
         built = record_descriptors(mp)

@@ -36,6 +36,15 @@ def tile_size(n: int, lo: int = 16) -> int:
     return max(lo, next_power_of_2(n))
 
 
+def head_tiles(D: int, Dv: int) -> tuple[int, int]:
+    """The kernels' tile dims of q/k rows and of v rows: one :func:`tile_size` covering both head dims.
+
+    With two different tile dims, Triton 3.6 on Hopper miscompiled the 16-bit forward for some tile
+    configurations (wrong outputs, illegal addresses; D=24/Dv=16, D=32/Dv=16, D=64/Dv=32 on the H200)."""
+    size = tile_size(max(D, Dv))
+    return size, size
+
+
 def slice_span(t: torch.Tensor) -> int:
     """Largest element offset inside one (batch, head) slice of a 4-D ``t`` (dims 2 and 3)."""
     _, _, m, d = t.shape

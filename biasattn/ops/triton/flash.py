@@ -15,7 +15,7 @@ import torch
 
 from ...bias.spec import BiasSpec
 from ...memo import BoundedCache
-from ..common import cdiv, next_power_of_2, num_sms, slice_span, tile_size
+from ..common import cdiv, head_tiles, next_power_of_2, num_sms, slice_span
 from . import configs, options, plans, schedule, tma
 from .dropout_kernels import _dropout_mask_kernel
 from .fwd_kernels import _attn_fwd_kernel
@@ -343,13 +343,13 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
         return out, lse
     if Mk == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    hd, hdv = tile_size(D), tile_size(Dv)
+    hd, hdv = head_tiles(D, Dv)
     qk_scale = scale * LOG2E  # a role of the plan: one object in the launch and in the roles
     store, key, roles = plan_home(spec, q.device, _plan_key("fwd", (q, k, v), spec) if dropout_p == 0 else None)
     plan = plans.lookup(store, key)
     if plan is not None:
         block_n, block_m = plan.note
-        descs = tma.kv_descriptors(k, v, block_n, hd, hdv) if block_n else ()
+        descs = tma.kv_descriptors(k, v, block_n, hd, hdv, B * H * Mq * Mk) if block_n else ()
         if descs is not None:
             table = schedule.query_schedule(spec, block_m, q.device).table if block_m else None
             plan.run((q, k, v, out, lse, *descs, *roles, *((table,) if roles and table is not None else ()), qk_scale))
@@ -366,7 +366,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
         count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_n, True, q.device)
         grid = (sched.n * B, H) if batch_inner else (sched.n, B * H)
         chunk = program_chunk(B * H, sched.n, num_sms(q.device), kv_bytes, args.has_band)
-        descs = tma.kv_descriptors(k, v, cfg.block_n, hd, hdv)
+        descs = tma.kv_descriptors(k, v, cfg.block_n, hd, hdv, B * H * Mq * Mk)
         made[:] = [descs or (), (cfg.block_n if descs else 0, cfg.block_m if sched.table is not None else 0), sched.table]
         _fwd[grid](
             q, *(descs or (k, v)), k, v, out, lse,

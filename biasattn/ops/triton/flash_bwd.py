@@ -12,7 +12,7 @@ import contextlib
 import torch
 
 from ...bias.spec import BiasSpec
-from ..common import cdiv, reduce_to, slice_span, tile_size
+from ..common import cdiv, head_tiles, reduce_to, slice_span
 from . import configs, flash, options, plans, schedule
 from .bwd_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from .dbias_kernels import _attn_bwd_dbias_kernel, _attn_bwd_dq_from_ds_kernel
@@ -118,7 +118,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
                      qk_scale, scale))
         return dq, dk, dv, None
     args = _spec_args(spec, dev)
-    hd, hdv = tile_size(D), tile_size(Dv)
+    hd, hdv = head_tiles(D, Dv)
     even = D == hd and Dv == hdv
     batch_inner = args.batch_shared_bias and B > 1
     dlse_t = dlse.to(torch.float32).contiguous() if dlse is not None else args.f32

@@ -17,7 +17,7 @@ import torch
 
 from ...inputs import AttentionInputs
 from ...memo import BoundedCache
-from ..common import cdiv, cuda_capability, next_power_of_2, num_sms, slice_span, tile_size
+from ..common import cdiv, cuda_capability, head_tiles, next_power_of_2, num_sms, slice_span, tile_size
 from . import configs, options, plans, splitk_kernels
 from .launch import direct
 
@@ -229,7 +229,7 @@ def splitk_attention_fwd(
         lse.fill_(float("-inf"))
         return out, lse
 
-    head_dim, head_dim_v = tile_size(D), tile_size(Dv)
+    head_dim, head_dim_v = head_tiles(D, Dv)
     shape = shape or _launch_shape(inp, Z, mq_stride, num_splits, config)
     cfg, row_blocks, num_splits, tiles_per_split = shape.config, shape.row_blocks, shape.num_splits, shape.tiles_per_split
 
@@ -342,7 +342,7 @@ def _launch_shape(inp: AttentionInputs, Z: int, mq_stride: int, num_splits: int 
     q, spec, dev = inp.q, inp.spec, inp.q.device
     D, Dv, Hkv = inp.D, inp.Dv, inp.Hkv
     rows = inp.groups * mq_stride
-    head_dim, head_dim_v = tile_size(D), tile_size(Dv)
+    head_dim, head_dim_v = head_tiles(D, Dv)
     bound, lengths = _key_bounds(inp, mq_stride)
     sms = num_sms(dev)
     cfg = config or default_config(rows, head_dim, head_dim_v, dev, bound, Z * Hkv, mq_stride,

@@ -121,8 +121,13 @@ class CudnnOperator(VendorOperator):
         return self._launch_fwd(inp, layout, compute_lse=False)[0]
 
     def kernel_graph_out(self, inp: AttentionInputs, layout):
-        # both entry points have a gradient in PyTorch (it keeps the lse and the dropout state)
-        return self._launch_fwd(inp, layout, compute_lse=True)[0]
+        # SDPA's own entry point; the gradient of the ragged one gave wrong dq for a dout laid out
+        # unlike out (H200, torch 2.11), and only the ragged one takes grouped-query heads
+        if inp.groups > 1 or aten_entry(DENSE[0]) is None:
+            return None
+        return aten_entry(DENSE[0])(
+            inp.q, inp.k, inp.v, None, True, inp.dropout_p, bool(cudnn_causal(layout)), False, scale=inp.scale
+        )[0]
 
     def _launch_fwd(self, inp: AttentionInputs, layout, compute_lse: bool):
         """``(out, raw lse, dropout seed, offset)`` of cuDNN's forward (the lse only with ``compute_lse``)."""
