@@ -121,13 +121,15 @@ class CudnnOperator(VendorOperator):
         return self._launch_fwd(inp, layout, compute_lse=False)[0]
 
     def kernel_graph_out(self, inp: AttentionInputs, layout):
-        # SDPA's own entry point; the gradient of the ragged one gave wrong dq for a dout laid out
-        # unlike out (H200, torch 2.11), and only the ragged one takes grouped-query heads
+        # SDPA's own entry point (only the ragged one takes grouped-query heads). Its gradient is wrong
+        # for a dout laid out unlike out (H200, torch 2.11, SDPA included), so the hook lays it out like out.
         if inp.groups > 1 or aten_entry(DENSE[0]) is None:
             return None
-        return aten_entry(DENSE[0])(
+        out = aten_entry(DENSE[0])(
             inp.q, inp.k, inp.v, None, True, inp.dropout_p, bool(cudnn_causal(layout)), False, scale=inp.scale
         )[0]
+        out.register_hook(functools.partial(_like, out.shape, out.stride()))
+        return out
 
     def _launch_fwd(self, inp: AttentionInputs, layout, compute_lse: bool):
         """``(out, raw lse, dropout seed, offset)`` of cuDNN's forward (the lse only with ``compute_lse``)."""
@@ -148,11 +150,17 @@ class CudnnOperator(VendorOperator):
         else:
             lse_raw = lse_to_kernel(lse, layout, "bhm1")
             seed = offset = torch.empty((), dtype=torch.int64, device=inp.device)
-        if dout.stride() != out.stride():  # cuDNN wants grad_out laid out like out
-            dout = torch.empty_strided(out.shape, out.stride(), dtype=dout.dtype, device=dout.device).copy_(dout)
+        dout = _like(out.shape, out.stride(), dout)  # cuDNN wants grad_out laid out like out
         causal = bool(cudnn_causal(layout))
         name = RAGGED[1] if _entry_points() == RAGGED else DENSE[1]
         dq, dk, dv = aten_entry(name)(
             dout, q, k, v, out, lse_raw, seed, offset, bias, None, None, inp.Mq, inp.Mk, inp.dropout_p, causal, scale=inp.scale,
         )
         return dq, dk, dv, None
+
+
+def _like(shape, stride, t: torch.Tensor) -> torch.Tensor:
+    """``t`` laid out with ``stride`` (a copy only where its own strides differ)."""
+    if t.stride() == stride:
+        return t
+    return torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).copy_(t)
