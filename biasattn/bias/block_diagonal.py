@@ -191,8 +191,11 @@ class BlockDiagonalMask(AttentionBias):
         device = q_seqlens.device if device is None else torch.device(device)
 
         def starts(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            lengths = lengths.to(device=device, dtype=torch.int32)
-            return torch.cat([lengths.new_zeros(1), lengths.cumsum(0).to(torch.int32)]), lengths
+            if lengths.dtype is not torch.int32 or lengths.device != device:
+                lengths = lengths.to(device=device, dtype=torch.int32)
+            out = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=device)
+            torch.cumsum(lengths, 0, dtype=torch.int32, out=out[1:])
+            return out, lengths
 
         qs, ql = starts(q_seqlens)
         # self-attention shares one tensor of starts: lowering then knows every segment's diagonal is 0

@@ -101,6 +101,10 @@ class BiasSpec:
     # What an operator derives from this spec for its launches (filled on first use, never copied by
     # dataclasses.replace): the backward of a call reuses what its forward built.
     derived: BoundedCache = field(default_factory=lambda: BoundedCache(64), init=False, repr=False, compare=False)
+    # What follows from the structure alone (shapes, host copies, features), shared with every spec
+    # :meth:`rebound` from this one: a mask built afresh every step derives it once.
+    by_structure: BoundedCache = field(default_factory=lambda: BoundedCache(64), init=False, repr=False,
+                                       compare=False)
 
     @functools.cached_property
     def features(self) -> frozenset[str]:
@@ -117,7 +121,8 @@ class BiasSpec:
 
     def rebound(self, tensors: dict) -> BiasSpec:
         """This spec with the given tensor fields replaced (lengths of the same shape, dtype and device)
-        and a store of its own: what an operator derived from this spec's tensors is not shared."""
+        and a store of its own: what an operator derived from this spec's tensors is not shared; what
+        it derived from the structure (:meth:`cached_by_structure`) is."""
         new = object.__new__(BiasSpec)
         new.__dict__.update(self.__dict__)
         new.__dict__.update(tensors)
@@ -135,6 +140,15 @@ class BiasSpec:
     def cached(self, key, make):
         """``make()``, computed once per spec and ``key`` and kept in :attr:`derived`."""
         store = self.derived
+        value = store.get(key, _MISSING)
+        if value is _MISSING:
+            value = store[key] = make()
+        return value
+
+    def cached_by_structure(self, key, make):
+        """``make()`` for a value that depends on the spec's structure only (shapes, dtypes, host copies,
+        features; never a tensor's values or identity), computed once for every spec rebound from one."""
+        store = self.by_structure
         value = store.get(key, _MISSING)
         if value is _MISSING:
             value = store[key] = make()

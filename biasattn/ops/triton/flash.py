@@ -67,9 +67,15 @@ def _shared_structure(spec: BiasSpec, device) -> tuple[tuple, tuple] | None:
         return None
     d32 = _dummy(device)
     roles = tuple(d32 if t is None else t for t in lengths)
-    structure = (spec.features, _hidden_keys(spec), _span_features(spec, spec.Mq, spec.Mk), plans.tensor_key(*roles),
-                 spec.block_q, spec.block_k, spec.layout_q_off, spec.layout_k_off, spec.alibi_shift)
-    return structure, roles
+    structure = spec.cached_by_structure("plan structure", lambda: (
+        spec.features, _hidden_keys(spec), _span_features(spec, spec.Mq, spec.Mk),
+        spec.block_q, spec.block_k, spec.layout_q_off, spec.layout_k_off, spec.alibi_shift))
+    return (*structure, plans.tensor_key(*roles)), roles
+
+
+def _int32(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` as int32 on ``device`` (itself when it is already: a fresh mask's lengths usually are)."""
+    return t if t.dtype is torch.int32 and t.device == device else t.to(device=device, dtype=torch.int32)
 
 
 def _new(shape, dtype, device, zero: bool = False) -> torch.Tensor:
@@ -117,7 +123,7 @@ def hidden_keys(spec: BiasSpec) -> bool:
 
 
 def _hidden_keys(spec: BiasSpec) -> bool:
-    return spec.cached("hidden keys", lambda: hidden_keys(spec))
+    return spec.cached_by_structure("hidden keys", lambda: hidden_keys(spec))
 
 
 class _SpecArgs:
@@ -126,20 +132,19 @@ class _SpecArgs:
     def __init__(self, spec: BiasSpec, device):
         B, H = spec.B, spec.H
         d32 = _dummy(device)
-        i32 = dict(device=device, dtype=torch.int32)
         self.d32 = d32
         self.f32 = _dummy(device, torch.float32)
         self.features = tuple(sorted(spec.features))
         self.has_segments = spec.q_seqstart is not None
-        self.qs = spec.q_seqstart.to(**i32) if self.has_segments else d32
-        self.ks = spec.k_seqstart.to(**i32) if self.has_segments else d32
-        self.kl = spec.k_seqlen.to(**i32) if self.has_segments else d32
+        self.qs = _int32(spec.q_seqstart, device) if self.has_segments else d32
+        self.ks = _int32(spec.k_seqstart, device) if self.has_segments else d32
+        self.kl = _int32(spec.k_seqlen, device) if self.has_segments else d32
         self.has_padded = spec.kv_seqlens is not None
-        self.kv = spec.kv_seqlens.to(**i32) if self.has_padded else d32
+        self.kv = _int32(spec.kv_seqlens, device) if self.has_padded else d32
         self.hidden_keys = _hidden_keys(spec)
         self.has_band = spec.band_lo is not None
-        self.band_lo = spec.band_lo.to(**i32) if self.has_band else d32
-        self.band_hi = spec.band_hi.to(**i32) if self.has_band else d32
+        self.band_lo = _int32(spec.band_lo, device) if self.has_band else d32
+        self.band_hi = _int32(spec.band_hi, device) if self.has_band else d32
         self.band_per_segment = self.has_band and spec.band_lo.numel() > 1
         self.has_layout = spec.layout is not None
         if self.has_layout:
@@ -285,7 +290,7 @@ def _span_features(spec: BiasSpec, Mq: int, Mk: int) -> tuple[str, ...]:
         return (("short_span",) if mean <= SHORT_SPAN_KEYS else ()) + (
             ("short_span_dkdv",) if mean <= SHORT_SPAN_KEYS_DKDV else ())
 
-    return spec.cached(("short_span", Mq, Mk), buckets)
+    return spec.cached_by_structure(("short_span", Mq, Mk), buckets)
 
 
 def _index_64(*spans: int) -> bool:
