@@ -232,6 +232,7 @@ def test_masks_of_lengths_only_the_device_holds_are_lowered_by_structure(monkeyp
     assert len(built) == 1, "masks of one structure were lowered more than once"
     first, second = (lower(ba.PaddedKeysMask(torch.tensor(n)), 3, 2, 7, 7) for n in ([1, 2, 3], [3, 2, 1]))
     assert first.derived is not second.derived and first.kv_seqlens is not second.kv_seqlens
+    assert first.by_structure is second.by_structure, "what follows from the structure is derived once"
     built.clear()
     for n in ([6, 2, 7], [5, 5, 5]):
         lower(ba.PaddedKeysMask(torch.tensor(n))[:, :, :, 1:], 3, 2, 7, 6)
