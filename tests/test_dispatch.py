@@ -217,6 +217,19 @@ def test_explain_names_every_registered_operator():
         assert f"  {name:<14} " in text
 
 
+@pytest.mark.parametrize("D", [8, 64, 128, 192, 256, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_explain_on_this_device_asks_no_operator_about_another(D, dtype):
+    """explain() walks every registered operator, GPU-only ones included, for any head dim and dtype
+    without asking CUDA anything when the inputs are not on a GPU (a CPU-only torch has no CUDA to ask)."""
+    q = torch.randn(2, 4, 7, D, dtype=dtype, requires_grad=True)
+    k, v = torch.randn(2, 4, 33, D, dtype=dtype), torch.randn(2, 4, 33, D, dtype=dtype)
+    for bias in (None, ba.LowerTriangularMask(), ba.PaddedKeysMask([33, 9]), ba.AdditiveBias(torch.randn(7, 33))):
+        text = ba.explain(q, k, v, bias)
+        for name in ba.ops.available():
+            assert f"  {name:<14} " in text
+
+
 def test_explain_reports_no_operator():
     q, k, v = qkv()
     if "flash2" not in ba.ops.available():

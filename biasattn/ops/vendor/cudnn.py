@@ -82,7 +82,7 @@ class CudnnOperator(VendorOperator):
             )
         if inp.D % 8:
             reasons.append(f"needs a head dim that is a multiple of 8, got D={inp.D}")
-        if inp.D > 128 and cuda_capability(inp.device)[0] != 9:
+        if inp.D > 128 and inp.device.type == "cuda" and cuda_capability(inp.device)[0] != 9:
             reasons.append(f"runs head dims above 128 only on Hopper (compute capability 9.x), got D={inp.D}")
         causal = cudnn_causal(layout)
         if causal is None:
