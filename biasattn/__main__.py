@@ -165,9 +165,14 @@ def bias_notes(parts: list[tuple[str, ba.AttentionBias]], Mq: int, Mk: int) -> l
             what = "every query sees every key" if part.is_mask else "it adds zero everywhere"
             notes.append(f"note: {text} has no effect for Mq={Mq}, Mk={Mk}: {what}")
         elif text == "causal" and Mq < Mk:
-            notes.append(f"note: causal is aligned top-left (query i sees keys 0..i): with {Mq} queries and {Mk} keys, "
-                         f"the last query sees {Mq} keys; when the queries are the last {Mq} keys (a KV cache) use causal-br")
+            queries, keys = _count(Mq, "query", "queries"), _count(Mq, "key", "keys")
+            notes.append(f"note: causal is aligned top-left (query i sees keys 0..i): with {queries} and {Mk} keys, "
+                         f"the last query sees {keys}; for queries at the end of a KV cache use causal-br")
     return notes
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 def _inputs(args):

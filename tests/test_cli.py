@@ -101,7 +101,7 @@ def test_explain_says_when_a_bias_part_has_no_effect(capsys):
 def test_explain_warns_about_top_left_causal_over_a_cache(capsys):
     """One query against many keys with the top-left causal mask sees only the first key."""
     rc, out, _ = run(capsys, "explain", "--shape", "1,2,1,8", "--mk", "16", "--bias", "causal")
-    assert rc == 0 and "use causal-br" in out
+    assert rc == 0 and "use causal-br" in out and "with 1 query and 16 keys, the last query sees 1 key;" in out
     rc, out, _ = run(capsys, "explain", "--shape", "1,2,1,8", "--mk", "16", "--bias", "causal-br")
     assert "use causal-br" not in out and "causal-br has no effect for Mq=1, Mk=16" in out
 
