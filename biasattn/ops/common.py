@@ -21,6 +21,12 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def int32_on(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` as int32 on ``device``: itself when it already is (a mask's lengths usually are), so the
+    launch path pays no conversion call."""
+    return t if t.dtype is torch.int32 and t.device == device else t.to(device=device, dtype=torch.int32)
+
+
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for ints (Triton's ``cdiv`` unwraps constexprs on every call; this runs per launch)."""
     return -(-a // b)

@@ -15,7 +15,7 @@ import torch
 
 from ...bias.spec import BiasSpec
 from ...memo import BoundedCache
-from ..common import cdiv, head_tiles, next_power_of_2, num_sms, slice_span
+from ..common import cdiv, head_tiles, int32_on, next_power_of_2, num_sms, slice_span
 from . import configs, options, plans, schedule, tma
 from .dropout_kernels import _dropout_mask_kernel
 from .fwd_kernels import _attn_fwd_kernel
@@ -71,11 +71,6 @@ def _shared_structure(spec: BiasSpec, device) -> tuple[tuple, tuple] | None:
         spec.features, _hidden_keys(spec), _span_features(spec, spec.Mq, spec.Mk),
         spec.block_q, spec.block_k, spec.layout_q_off, spec.layout_k_off, spec.alibi_shift))
     return (*structure, plans.tensor_key(*roles)), roles
-
-
-def _int32(t: torch.Tensor, device) -> torch.Tensor:
-    """``t`` as int32 on ``device`` (itself when it is already: a fresh mask's lengths usually are)."""
-    return t if t.dtype is torch.int32 and t.device == device else t.to(device=device, dtype=torch.int32)
 
 
 def _new(shape, dtype, device, zero: bool = False) -> torch.Tensor:
@@ -136,15 +131,15 @@ class _SpecArgs:
         self.f32 = _dummy(device, torch.float32)
         self.features = tuple(sorted(spec.features))
         self.has_segments = spec.q_seqstart is not None
-        self.qs = _int32(spec.q_seqstart, device) if self.has_segments else d32
-        self.ks = _int32(spec.k_seqstart, device) if self.has_segments else d32
-        self.kl = _int32(spec.k_seqlen, device) if self.has_segments else d32
+        self.qs = int32_on(spec.q_seqstart, device) if self.has_segments else d32
+        self.ks = int32_on(spec.k_seqstart, device) if self.has_segments else d32
+        self.kl = int32_on(spec.k_seqlen, device) if self.has_segments else d32
         self.has_padded = spec.kv_seqlens is not None
-        self.kv = _int32(spec.kv_seqlens, device) if self.has_padded else d32
+        self.kv = int32_on(spec.kv_seqlens, device) if self.has_padded else d32
         self.hidden_keys = _hidden_keys(spec)
         self.has_band = spec.band_lo is not None
-        self.band_lo = _int32(spec.band_lo, device) if self.has_band else d32
-        self.band_hi = _int32(spec.band_hi, device) if self.has_band else d32
+        self.band_lo = int32_on(spec.band_lo, device) if self.has_band else d32
+        self.band_hi = int32_on(spec.band_hi, device) if self.has_band else d32
         self.band_per_segment = self.has_band and spec.band_lo.numel() > 1
         self.has_layout = spec.layout is not None
         if self.has_layout:

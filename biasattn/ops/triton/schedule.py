@@ -20,6 +20,7 @@ import torch
 
 from ...bias.spec import BiasSpec
 from ...memo import BoundedCache
+from ..common import int32_on
 
 
 @functools.cache
@@ -78,17 +79,13 @@ def _regular(total: int, block: int) -> Schedule:
     return Schedule(cdiv(total, block), None, total, block)
 
 
-def _int32(t: torch.Tensor, device) -> torch.Tensor:
-    return t.to(device=device, dtype=torch.int32)
-
-
 def query_schedule(spec: BiasSpec, block_m: int, device) -> Schedule:
     """Query-tile programs: the regular grid, or per-segment tiles when the spec has segments (ordered by
     each segment's key count), built once per spec."""
     if spec.q_seqstart is None:
         return _regular(spec.Mq, block_m)
     return spec.cached(("query schedule", block_m, str(device)), lambda: segment_table(
-        _int32(spec.q_seqstart, device), None, _int32(spec.k_seqlen, device), spec.Mq, block_m,
+        int32_on(spec.q_seqstart, device), None, int32_on(spec.k_seqlen, device), spec.Mq, block_m,
         spans_from_starts=False))
 
 
@@ -98,7 +95,7 @@ def key_schedule(spec: BiasSpec, block_n: int, device) -> Schedule:
     if spec.q_seqstart is None:
         return _regular(spec.Mk, block_n)
     return spec.cached(("key schedule", block_n, str(device)), lambda: segment_table(
-        _int32(spec.k_seqstart, device), _int32(spec.k_seqlen, device), _int32(spec.q_seqstart, device), spec.Mk,
+        int32_on(spec.k_seqstart, device), int32_on(spec.k_seqlen, device), int32_on(spec.q_seqstart, device), spec.Mk,
         block_n, spans_from_starts=True))
 
 
