@@ -312,8 +312,8 @@ def test_hidden_pairs_launch_nothing(pool, layout, method):
 def test_packed_documents_move_only_the_key_rows_some_query_sees(pool, layout):
     """Causal documents: a rank receives from the others exactly the key rows that one of its queries sees (the
     rows of documents that cross into its chunks from another rank's), counted on the dense mask; K and V travel
-    together in one all-to-all, once in the forward and once in the backward, and dK/dV come back the same way.
-    Results equal single-process attention."""
+    together in one all-to-all in the forward, and dK/dV come back the same way in the backward. Results equal
+    single-process attention."""
     R = pool.world
     M = 2 * R * 16
     lens = []
@@ -327,7 +327,7 @@ def test_packed_documents_move_only_the_key_rows_some_query_sees(pool, layout):
     received = pool.run("rows_received", layout, M, lens)
     for r in range(R):
         read, read_from_r = sum(reads[r]), sum(reads[d][r] for d in range(R))
-        assert received[r] == [read, read, read_from_r], (r, received[r], reads)
+        assert received[r] == [read, read_from_r], (r, received[r], reads)
     pool.run("check_case", Case(bst.Shape(1, 2 * R, R, M, M, 4, 4), bias, seed=3, methods=("ring", "allgather"),
                                 layouts=(layout,)))
 
@@ -369,3 +369,50 @@ def test_rows_read_hold_every_key_a_rank_sees(world, layout, data):
             keys = [j for p in pieces(layout, world, s, shape.Mk) for j in range(p.start, p.start + p.length)]
             seen = [keys[j] for j in visible[rows][:, keys].any(0).nonzero().flatten().tolist()]
             assert all(any(a <= j < b for a, b in reads[r][s]) for j in seen), (r, s, seen, reads[r][s])
+
+
+@settings(max_examples=60)
+@given(st.sampled_from([2, 4]), st.sampled_from(["zigzag", "contiguous"]), st.data())
+def test_packed_documents_restricted_to_a_rank_are_the_full_mask_at_its_rows(world, layout, data):
+    """The mask a rank's one local call takes (its query rows against the key rows it holds and reads) equals
+    the full packed-documents mask at those rows, wherever every rank's restriction is block-diagonal; where a
+    query row would be cut off from a key it sees, no rank takes that path."""
+    from biasattn.bias.band import BOTTOM_RIGHT, TOP_LEFT
+    from biasattn.distributed.ring import Call
+    from biasattn.distributed.sparse import _blocks, documents_bias, rows_read
+
+    M = 2 * world * data.draw(st.integers(1, 6), label="chunk")
+    lens = data.draw(st.lists(st.integers(0, M), min_size=1, max_size=8).filter(lambda ls: sum(ls) <= M), label="lens")
+    lens = lens + [M - sum(lens)]
+    band = data.draw(st.sampled_from([None, (TOP_LEFT, None, 0), (BOTTOM_RIGHT, 3, 0), (BOTTOM_RIGHT, 2, 1)]))
+    bias = ba.BlockDiagonalMask.from_seqlens(lens)
+    bias = bias if band is None else bias._with_band(band)
+    visible = bias.materialize((1, 1, M, M), dtype=torch.float64)[0, 0] > float("-inf")
+    calls = [Call(None, world, r, layout, 1.0, bias, M, M, False) for r in range(world)]
+    reads = rows_read(calls[0], 1, 1, None)
+    got = [documents_bias(c, reads, None) for c in calls]
+    assert all(g is None for g in got) or all(g is not None for g in got)
+    for r, local in enumerate(got):
+        rows = [i for p in pieces(layout, world, r, M) for i in range(p.start, p.start + p.length)]
+        keys = [j for a, b in _blocks(calls[r], reads, r) for j in range(a, b)]
+        assert not (visible[rows].any(0) & ~torch.isin(torch.arange(M), torch.tensor(keys))).any()  # nothing cut off
+        if local is not None:
+            mask = local.materialize((1, 1, len(rows), len(keys)), dtype=torch.float64)[0, 0] > float("-inf")
+            assert torch.equal(mask, visible[rows][:, keys]), (r, lens, band)
+    chunk = M // (2 * world)
+    if band is None or (band[2] == 0 and max(lens) <= chunk):  # no band, or causal documents no longer than a chunk
+        assert got[0] is not None
+
+
+def test_packed_documents_plan_is_worked_out_once_per_bias():
+    """The rows read and a rank's restricted documents mask are kept with the full bias: the layers of a
+    model that pass one bias share them (and the restricted mask's own lowering)."""
+    from biasattn.distributed.ring import Call
+    from biasattn.distributed.sparse import reads_and_documents
+
+    bias = ba.BlockDiagonalMask.from_seqlens([5, 9, 2, 16]).make_causal()
+    call = Call(None, 2, 1, "zigzag", 1.0, bias.bind(32, 32), 32, 32, False)
+    first, again = reads_and_documents(call, 1, 2, None), reads_and_documents(call, 1, 2, None)
+    assert first[1] is not None and again[1] is first[1] and again[0] is first[0]
+    other = reads_and_documents(dataclasses.replace(call, rank=0), 1, 2, None)
+    assert other[1] is not first[1] and other[1].q_seqlens != first[1].q_seqlens

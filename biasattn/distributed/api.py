@@ -47,7 +47,7 @@ def context_parallel_attention(
             multiple of the group size). Where the bias hides from the queries at least three
             quarters of the rows an all-gather would move (packed documents, a window, padded
             keys), ``"ring"`` and ``"allgather"`` both exchange only the key rows that some query
-            can see, in one all-to-all.
+            can see, in one all-to-all; packed documents then run as one local attention call.
         scale: defaults to ``1 / sqrt(D)``.
         dropout_p: supported by ``"ulysses"`` only (ring and all-gather raise NotSupportedError).
 
@@ -86,9 +86,12 @@ def context_parallel_attention(
     requires_grad = grad and (q.requires_grad or k.requires_grad or v.requires_grad or additive is not None)
     call = Call(group, world, rank, layout, default_scale(q, scale), bias, Mq_full, Mk_full, requires_grad)
     if bias is not None:
-        reads = sparse.rows_read(call, q.shape[0], q.shape[1], q.device)
+        reads, documents = sparse.reads_and_documents(call, q.shape[0], q.shape[1], q.device)
         if sparse.worth_it(reads, k.shape[2]):
-            return sparse.SparseAttention.apply(q, k, v, additive, call, sparse.Exchange(call, reads))
+            exchange = sparse.Exchange(call, reads)
+            if documents is not None:
+                return sparse.documents_attention(q, k, v, scale, exchange, documents)
+            return sparse.SparseAttention.apply(q, k, v, additive, call, exchange)
     fn = RingAttention if method == "ring" else AllGatherAttention
     return fn.apply(q, k, v, additive, call)
 
