@@ -378,8 +378,9 @@ def test_packed_documents_restricted_to_a_rank_are_the_full_mask_at_its_rows(wor
     the full packed-documents mask at those rows, wherever every rank's restriction is block-diagonal; where a
     query row would be cut off from a key it sees, no rank takes that path."""
     from biasattn.bias.band import BOTTOM_RIGHT, TOP_LEFT
+    from biasattn.distributed.documents import _blocks, documents_bias
     from biasattn.distributed.ring import Call
-    from biasattn.distributed.sparse import _blocks, documents_bias, rows_read
+    from biasattn.distributed.sparse import rows_read
 
     M = 2 * world * data.draw(st.integers(1, 6), label="chunk")
     lens = data.draw(st.lists(st.integers(0, M), min_size=1, max_size=8).filter(lambda ls: sum(ls) <= M), label="lens")
@@ -407,8 +408,8 @@ def test_packed_documents_restricted_to_a_rank_are_the_full_mask_at_its_rows(wor
 def test_packed_documents_plan_is_worked_out_once_per_bias():
     """The rows read and a rank's restricted documents mask are kept with the full bias: the layers of a
     model that pass one bias share them (and the restricted mask's own lowering)."""
+    from biasattn.distributed.documents import reads_and_documents
     from biasattn.distributed.ring import Call
-    from biasattn.distributed.sparse import reads_and_documents
 
     bias = ba.BlockDiagonalMask.from_seqlens([5, 9, 2, 16]).make_causal()
     call = Call(None, 2, 1, "zigzag", 1.0, bias.bind(32, 32), 32, 32, False)

@@ -7,7 +7,7 @@ import torch
 from ..bias import lower
 from ..errors import InputError, NotSupportedError
 from ..inputs import as_bias, make_inputs
-from . import sparse
+from . import documents, sparse
 from .layout import check_layout, check_local_length, group_rank
 from .pairs import default_scale
 from .ring import AllGatherAttention, Call, RingAttention
@@ -86,11 +86,11 @@ def context_parallel_attention(
     requires_grad = grad and (q.requires_grad or k.requires_grad or v.requires_grad or additive is not None)
     call = Call(group, world, rank, layout, default_scale(q, scale), bias, Mq_full, Mk_full, requires_grad)
     if bias is not None:
-        reads, documents = sparse.reads_and_documents(call, q.shape[0], q.shape[1], q.device)
+        reads, packed = documents.reads_and_documents(call, q.shape[0], q.shape[1], q.device)
         if sparse.worth_it(reads, k.shape[2]):
             exchange = sparse.Exchange(call, reads)
-            if documents is not None:
-                return sparse.documents_attention(q, k, v, scale, exchange, documents)
+            if packed is not None:
+                return documents.documents_attention(q, k, v, scale, exchange, packed)
             return sparse.SparseAttention.apply(q, k, v, additive, call, exchange)
     fn = RingAttention if method == "ring" else AllGatherAttention
     return fn.apply(q, k, v, additive, call)
