@@ -292,22 +292,28 @@ def _dropout_keep_tile(seed, row_base, rows, c0, row_blocks, thresh, ROWS: tl.co
 
 
 @triton.jit
-def _visible_pv(p, s, v, DOT_PRECISION: tl.constexpr):
-    """``p @ v`` in which a key that a row cannot see (score ``-inf``) takes no part in that row, even
-    when its value holds NaN or inf (where a plain product gives ``0 * NaN``). Tiles whose values
-    are all finite pay one check; others add three products of 0/1 tiles that say which rows see a
-    NaN, a +inf or a -inf in each dim, and get what IEEE arithmetic gives those rows."""
+def _accumulate_visible_pv(acc, alpha, p, s, v, DOT_PRECISION: tl.constexpr):
+    """``acc · alpha + p @ v`` in which a key that a row cannot see (score ``-inf``) takes no part in that
+    row, even when its value holds NaN or inf (where a plain product gives ``0 * NaN``).
+
+    The product takes the finite values only. A tile that holds a non-finite value then visits its
+    keys one by one: the rows that see such a key get, in each dim, what IEEE arithmetic gives
+    (+inf, -inf, NaN where both or a NaN). Nothing here keeps another ``[rows, dims]`` tile alive
+    beside ``acc``: three 0/1 products did, and spilled the whole kernel (2x slower forwards)."""
     bad = ~(tl.abs(v.to(tl.float32)) < float("inf"))
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), tl.where(bad, 0.0, v).to(v.dtype), input_precision=DOT_PRECISION)
     if tl.sum(tl.sum(bad.to(tl.int32), 1), 0) > 0:
-        seen = (s > float("-inf")) | (s != s)  # a NaN score (a visible NaN key) sees the value too
-        seen = seen.to(v.dtype)
-        nan_c = tl.dot(seen, (v != v).to(v.dtype), input_precision=DOT_PRECISION)
-        pos_c = tl.dot(seen, (v == float("inf")).to(v.dtype), input_precision=DOT_PRECISION)
-        neg_c = tl.dot(seen, (v == float("-inf")).to(v.dtype), input_precision=DOT_PRECISION)
-        pv = tl.dot(p.to(v.dtype), tl.where(bad, 0.0, v).to(v.dtype), input_precision=DOT_PRECISION)
-        pv = tl.where(pos_c > 0, float("inf"), pv)
-        pv = tl.where(neg_c > 0, tl.where(pos_c > 0, float("nan"), float("-inf")), pv)
-        pv = tl.where(nan_c > 0, float("nan"), pv)
-    else:
-        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return pv
+        seen = ((s > float("-inf")) | (s != s)).to(tl.int32)  # a NaN score (a visible NaN key) sees the value too
+        keys = tl.arange(0, s.shape[1])
+        bad_key = tl.max(bad.to(tl.int32), 1)
+        vf = v.to(tl.float32)
+        for j in range(0, s.shape[1]):
+            if tl.max(tl.where(keys == j, bad_key, 0), 0) > 0:
+                row = tl.max(tl.where(keys[None, :] == j, seen, 0), 1) > 0  # the rows that see key j
+                vj = tl.sum(tl.where(keys[:, None] == j, vf, 0.0), 0)  # its value
+                acc = tl.where(row[:, None] & (vj == float("inf"))[None, :],
+                               tl.where(acc == float("-inf"), float("nan"), float("inf")), acc)
+                acc = tl.where(row[:, None] & (vj == float("-inf"))[None, :],
+                               tl.where(acc == float("inf"), float("nan"), float("-inf")), acc)
+                acc = tl.where(row[:, None] & (vj != vj)[None, :], float("nan"), acc)
+    return acc

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from .common_kernels import (
     LN2,
+    _accumulate_visible_pv,
     _add_load,
     _additive_tile,
     _alibi_tile,
@@ -25,7 +26,6 @@ from .common_kernels import (
     _row_key_bounds,
     _span,
     _tile_split,
-    _visible_pv,
 )
 
 
@@ -52,7 +52,7 @@ def _fwd_tile(
     MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, PRELOADED: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
     seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT: tl.constexpr, TMA_KV: tl.constexpr,
-    HIDDEN_LINES: tl.constexpr,
+    HIDDEN_LINES: tl.constexpr, HAS_BAND: tl.constexpr,
 ):
     """One key tile ``[n0, n0 + BLOCK_N)`` of the online softmax.
 
@@ -111,11 +111,12 @@ def _fwd_tile(
                        dv, Dv, MASKED, True, EVEN_D)
     elif MASKED:
         v = tl.where(((cols >= key_lo) & (cols < key_hi))[:, None], v, 0.0).to(v.dtype)
-    if MASKED or HAS_ADDITIVE:  # some row may not see some key of the tile
-        pv = _visible_pv(p, s, v, DOT_PRECISION)
+    # a key of the span hidden from some rows only: a band, a block layout finer than the tile, an
+    # additive -inf (a program's rows share their segment and padding length, whose keys the span cuts)
+    if (MASKED and (HAS_BAND or LAYOUT_MASK)) or HAS_ADDITIVE:
+        acc = _accumulate_visible_pv(acc, alpha, p, s, v, DOT_PRECISION)
     else:
-        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -203,7 +204,7 @@ def _attn_fwd_kernel(
                     stride_sb, stride_sh, alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off,
                     layout_k_off, block_q, block_k, 0.0,
                     False, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                    seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV, HIDDEN_LINES,
+                    seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV, HIDDEN_LINES, HAS_BAND,
                 )
         else:
             for t in range(0, count):
@@ -216,7 +217,7 @@ def _attn_fwd_kernel(
                                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                                 False, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV, HIDDEN_LINES,
+                                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV, HIDDEN_LINES, HAS_BAND,
                             )
                         else:
                             acc, m_i, l_i = _fwd_tile(
@@ -224,7 +225,7 @@ def _attn_fwd_kernel(
                                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES,
+                                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES, HAS_BAND,
                             )
                     else:
                         acc, m_i, l_i = _fwd_tile(
@@ -232,7 +233,7 @@ def _attn_fwd_kernel(
                             Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                             alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                             True, True, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                            seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES,
+                            seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES, HAS_BAND,
                         )
     else:  # masked tiles at the span's left edge, unmasked middle, masked right edge
         lo = lo // 16 * 16  # 16-aligned tile starts: a bias row is read in 16-byte vectors
@@ -243,7 +244,7 @@ def _attn_fwd_kernel(
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES,
+                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES, HAS_BAND,
             )
         # the additive tile of the next key tile is loaded one iteration ahead: Triton pipelines only
         # dot operands, and a bias load waited on at once would stall every iteration
@@ -262,7 +263,7 @@ def _attn_fwd_kernel(
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, cur,
                 False, False, HAS_ADDITIVE, HAS_ALIBI, HAS_ADDITIVE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV, HIDDEN_LINES,
+                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV, HIDDEN_LINES, HAS_BAND,
             )
         for t in range(e, n):
             acc, m_i, l_i = _fwd_tile(
@@ -270,7 +271,7 @@ def _attn_fwd_kernel(
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES,
+                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES, HAS_BAND,
             )
 
     # rows that saw no key: out 0, lse -inf

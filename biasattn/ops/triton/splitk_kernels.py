@@ -14,7 +14,7 @@ before scaling, which needs a positive scale.
 import triton
 import triton.language as tl
 
-from .common_kernels import _visible_pv
+from .common_kernels import _accumulate_visible_pv
 
 try:  # programmatic dependent launch (sm_90+): the merge kernel's programs start while the split kernel drains
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -79,11 +79,10 @@ def _splitk_tile(
         v = tl.load(v_ptrs)
     else:
         v = tl.load(v_ptrs, mask=offs_dv[None, :] < Dv, other=0.0)
-    if MASKED or HAS_ADDITIVE:  # some row may not see some key of the tile
-        pv = _visible_pv(p, s, v, PRECISION)
+    if (MASKED and HAS_BAND) or HAS_ADDITIVE:  # a key of the sequence hidden from some rows only
+        acc = _accumulate_visible_pv(acc, alpha, p, s, v, PRECISION)
     else:
-        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
 
 
