@@ -22,6 +22,7 @@ from .common_kernels import (
     _dropout_keep,
     _dropout_keep_tile,
     _dropout_seed,
+    _dropout_stream,
     _layout_visible,
     _list_entry,
     _list_registers,
@@ -29,6 +30,7 @@ from .common_kernels import (
     _load_lines,
     _load_tile,
     _program_ids,
+    _query_rows,
     _row_key_bounds,
     _span,
     _tile_split,
@@ -497,19 +499,8 @@ def _attn_bwd_dq_kernel(
     it for the dK/dV kernel launched after it (no preprocessing launch); otherwise it reads ``Delta``."""
     pid_m, b, h, pid_bh = _program_ids(B, H, n_prog_m, 1, BATCH_INNER, False)
     hk = h // G
-    row_blocks = (Mk + 7) // 8
-    drop_base = pid_bh.to(tl.int64) * Mq * row_blocks
-    seed = _dropout_seed(seed_lo, seed_hi)
-    if SCHEDULED:
-        prog = pid_m
-        m0 = tl.load(Sched + pid_m * 3)
-        m_end = tl.load(Sched + pid_m * 3 + 1)
-        seg = tl.load(Sched + pid_m * 3 + 2)
-    else:
-        prog = n_prog_m - 1 - pid_m
-        m0 = prog * BLOCK_M
-        m_end = tl.minimum(m0 + BLOCK_M, Mq)
-        seg = 0
+    seed, row_blocks, drop_base = _dropout_stream(pid_bh, Mq, Mk, seed_lo, seed_hi)
+    prog, m0, m_end, seg = _query_rows(pid_m, n_prog_m, Mq, Sched, SCHEDULED, BLOCK_M)
     rows = m0 + tl.arange(0, BLOCK_M)
     klo, khi, valid = _row_key_bounds(
         rows, m_end, seg, b, Mk, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT

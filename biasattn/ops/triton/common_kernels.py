@@ -60,6 +60,31 @@ def _program_ids(B, H, n_tiles, chunk, BATCH_INNER: tl.constexpr, TAIL_ORDER: tl
 
 
 @triton.jit
+def _query_rows(pid_m, n_prog_m, Mq, Sched, SCHEDULED: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``(prog, first row, end row, segment)`` of a query-tile program: packed segments take the host
+    table's (first row, end row, segment); otherwise the tiles run in reverse, the heaviest (last) first."""
+    if SCHEDULED:
+        prog = pid_m
+        m0 = tl.load(Sched + pid_m * 3)
+        m_end = tl.load(Sched + pid_m * 3 + 1)
+        seg = tl.load(Sched + pid_m * 3 + 2)
+    else:
+        prog = n_prog_m - 1 - pid_m
+        m0 = prog * BLOCK_M
+        m_end = tl.minimum(m0 + BLOCK_M, Mq)
+        seg = 0
+    return prog, m0, m_end, seg
+
+
+@triton.jit
+def _dropout_stream(pid_bh, Mq, Mk, seed_lo, seed_hi):
+    """``(seed, row_blocks, base)`` of the dropout bits of one ``(batch, head)`` slice: a row holds
+    ``ceil(Mk / 8)`` Philox counters, the slice starts at counter ``base``."""
+    row_blocks = (Mk + 7) // 8
+    return _dropout_seed(seed_lo, seed_hi), row_blocks, pid_bh.to(tl.int64) * Mq * row_blocks
+
+
+@triton.jit
 def _row_key_bounds(
     rows, row_end, seg, b, Mk, KSeqStart, KSeqLen, KvLens, BandLo, BandHi,
     HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr, BAND_PER_SEGMENT: tl.constexpr,

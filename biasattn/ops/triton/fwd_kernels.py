@@ -16,13 +16,14 @@ from .common_kernels import (
     _additive_tile,
     _alibi_tile,
     _dropout_keep_tile,
-    _dropout_seed,
+    _dropout_stream,
     _layout_visible,
     _list_entry,
     _list_registers,
     _load_lines,
     _load_tile,
     _program_ids,
+    _query_rows,
     _row_key_bounds,
     _span,
     _tile_split,
@@ -150,20 +151,9 @@ def _attn_fwd_kernel(
     the same tensors as pointers; the unmasked tiles come through the descriptors, the masked ones too
     with ``TMA_EDGES`` (when no key can be hidden from every row, so whole tiles may be read)."""
     pid_m, b, h, pid_bh = _program_ids(B, H, n_prog_m, chunk, BATCH_INNER, TAIL_ORDER)
-    row_blocks = (Mk + 7) // 8
-    drop_base = pid_bh.to(tl.int64) * Mq * row_blocks
-    seed = _dropout_seed(seed_lo, seed_hi)
+    seed, row_blocks, drop_base = _dropout_stream(pid_bh, Mq, Mk, seed_lo, seed_hi)
     hk = h // G
-    if SCHEDULED:  # packed segments: the host table gives (first row, end row, segment)
-        prog = pid_m
-        m0 = tl.load(Sched + pid_m * 3)
-        m_end = tl.load(Sched + pid_m * 3 + 1)
-        seg = tl.load(Sched + pid_m * 3 + 2)
-    else:  # heaviest (last) tiles first
-        prog = n_prog_m - 1 - pid_m
-        m0 = prog * BLOCK_M
-        m_end = tl.minimum(m0 + BLOCK_M, Mq)
-        seg = 0
+    prog, m0, m_end, seg = _query_rows(pid_m, n_prog_m, Mq, Sched, SCHEDULED, BLOCK_M)
     rows = m0 + tl.arange(0, BLOCK_M)
     klo, khi, valid = _row_key_bounds(
         rows, m_end, seg, b, Mk, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT
