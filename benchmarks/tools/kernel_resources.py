@@ -10,11 +10,16 @@ may differ from the Triton on the GPU machine: treat them as leads, and confirm 
     python benchmarks/tools/kernel_resources.py --case none --D 128
     python benchmarks/tools/kernel_resources.py --case causal --kernel dkdv --config 64,128,8,2 --config 32,128,4,3
     python benchmarks/tools/kernel_resources.py --case none varlen --dropout 0.1 --config 64,128,8,2
+    python benchmarks/tools/kernel_resources.py --case none padded varlen window --sass-hash   # before and after a refactor
+
+``--sass-hash`` adds a hash of each kernel's machine code: a change of the kernel sources that
+leaves every hash as it was compiles to the same code, so it needs no new timing.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import subprocess
@@ -122,8 +127,10 @@ def resources(fn: JITFunction, args, kwargs, arch: int) -> dict:
         text = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
         sass = subprocess.run([cuobjdump, "--dump-sass", f.name], capture_output=True, text=True).stdout
     found = dict(re.findall(r"(REG|STACK|SHARED):(\d+)", text))
+    code = "\n".join(line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line))  # instructions only
     return {"regs": int(found.get("REG", 0)), "stack": int(found.get("STACK", 0)),
-            "shared": compiled.metadata.shared, "spill_ops": len(re.findall(r"\b(?:LDL|STL)\b", sass))}
+            "shared": compiled.metadata.shared, "spill_ops": len(re.findall(r"\b(?:LDL|STL)\b", sass)),
+            "sass_hash": hashlib.sha1(code.encode()).hexdigest()[:12]}
 
 
 def main(argv=None) -> int:
@@ -135,6 +142,7 @@ def main(argv=None) -> int:
     p.add_argument("--config", action="append", help="block_m,block_n,num_warps,num_stages (default: the candidates)")
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--dropout", type=float, default=0.0, help="compile the dropout variants (this drop probability)")
+    p.add_argument("--sass-hash", action="store_true", help="also print a hash of each kernel's machine code")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     names = {"fwd": "_attn_fwd_kernel", "dkdv": "_attn_bwd_dkdv_kernel", "dq": "_attn_bwd_dq_kernel",
@@ -151,7 +159,8 @@ def main(argv=None) -> int:
                         r = resources(fn, fargs, fkwargs, args.arch)
                         tile = f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
                         print(f"{case:9s} D={args.D} {kernel:5s} {tile}: {r['regs']} regs, {r['stack']} B stack, "
-                              f"{r['spill_ops']} LDL/STL, {r['shared'] // 1024} KiB shared", flush=True)
+                              f"{r['spill_ops']} LDL/STL, {r['shared'] // 1024} KiB shared"
+                              + (f", SASS {r['sass_hash']}" if args.sass_hash else ""), flush=True)
                     except Exception as e:  # a config that does not fit is reported, not fatal
                         print(f"{case:9s} D={args.D} {kernel:5s} {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
     return 0
