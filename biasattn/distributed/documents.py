@@ -33,7 +33,6 @@ def reads_and_documents(call, B: int, H: int, device):
     return spec.cached(("context parallel", call.world, call.rank, call.layout), make)
 
 
-
 class GatheredRows(torch.autograd.Function):
     """``(k_all, v_all)``: this rank's K/V rows and the rows it reads from the others (:attr:`Exchange.blocks`);
     the backward sends the gradients of the rows read back to their owners."""
