@@ -203,6 +203,33 @@ def test_triton_a_hidden_key_or_value_never_reaches_the_rows_that_cannot_see_it(
     assert torch.equal(out[both].double(), ref[both]), f"{name}: infinities differ from the poisoned reference"
 
 
+@pytest.mark.parametrize("name", ["window", "block_sparse", "window_plus_additive"])
+def test_triton_recomputes_a_poisoned_program_in_every_value_dim_and_under_dropout(name):
+    """A program whose fast pass meets a hidden non-finite value runs again, 16 value dims at a time:
+    value dims past 16 and not a multiple of 16 (Dv=40 beside D=24), and dropout (the same seed draws
+    the same mask in both passes), give the rows that cannot see the value what the clean call gives."""
+    B, Hq, Hkv, Mq, Mk, make = FAMILIES[name]
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(B, Hq, Mq, 24, generator=gen)
+    k = torch.randn(B, Hkv, Mk, 24, generator=gen)
+    v = torch.randn(B, Hkv, Mk, 40, generator=gen)
+    bias = make()
+    seen = visibility(bias, (B, Hq, Mq, Mk), "cpu")
+    b, hkv, j = _partly_hidden_key(seen, Hkv)
+    pv = v.clone()
+    poison_key_(pv, b, hkv, j, float("nan"))
+    for dropout_p in (0.0, 0.3):
+        torch.manual_seed(7)
+        clean = ba.attention(q, k, v, bias, op="triton", dropout_p=dropout_p)
+        torch.manual_seed(7)
+        out = ba.attention(q, k, pv, bias, op="triton", dropout_p=dropout_p)
+        sees = _sees(seen, Hkv, b, hkv, j)
+        ok = ~sees[None, :, :, None].expand(B, -1, -1, out.shape[-1]).clone()
+        ok[:b], ok[b + 1 :] = True, True
+        torch.testing.assert_close(torch.where(ok, out, 0.0), torch.where(ok, clean, 0.0), rtol=1e-5, atol=1e-6)
+        assert torch.isnan(out[b][sees]).all(), f"{name}: rows that see the NaN value are not NaN in every dim"
+
+
 def test_triton_dq_read_back_from_the_bias_gradient_keeps_a_hidden_key_out():
     """With a bias gradient of its own per (batch row, head), dQ is dS @ K from that gradient: the same rule holds."""
     q, k, v, bias, seen = _inputs("causal_and_padded", torch.float32)

@@ -18,11 +18,12 @@ from ...memo import BoundedCache
 from ..common import cdiv, head_tiles, int32_on, next_power_of_2, num_sms, slice_span
 from . import configs, options, plans, schedule, tma
 from .dropout_kernels import _dropout_mask_kernel
-from .fwd_kernels import _attn_fwd_kernel
+from .fwd_kernels import _attn_fwd_exact_kernel, _attn_fwd_kernel
 from .launch import direct
 
 _SEED = ("seed_lo", "seed_hi")  # a new dropout seed per call must not miss the table of compiled launches
 _fwd = direct(_attn_fwd_kernel, _SEED)
+_fwd_exact = direct(_attn_fwd_exact_kernel, _SEED)
 
 INTERPRETED = configs.interpreted()
 LOG2E = 1.4426950408889634
@@ -384,6 +385,19 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
             INDEX_64=index_64, TMA_KV=descs is not None, TMA_EDGES=descs is not None and not args.hidden_keys,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
         )
+        if args.has_band or (args.has_layout and not exact and not list_only) or args.has_additive:
+            # rows of one program see different keys of its span: programs that a hidden NaN or inf
+            # value may have reached (a NaN lse) run again exactly; the others return at once
+            _fwd_exact[grid](
+                q, k, v, out, lse, args.add, args.slopes, args.layout, args.qs, args.ks, args.kl, args.kv,
+                args.band_lo, args.band_hi, sched.table if sched.table is not None else args.d32, qk_scale,
+                *q.stride(), *k.stride(), *v.stride(), *out.stride(), *args.add_strides, *args.slope_strides,
+                *args.layout_strides, B, H, H // Hkv, Mq, Mk, D, Dv, sched.n, chunk,
+                spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
+                BLOCK_M=cfg.block_m, HEAD_DIM=hd, EVEN_D=(D == hd and Dv == hdv), SCHEDULED=sched.table is not None,
+                DOT_PRECISION=_dot_precision(q.dtype), BATCH_INNER=batch_inner, HAS_DROPOUT=dropout_p > 0,
+                TAIL_ORDER=chunk > 1, SUB_M=32, num_warps=2, num_stages=1, **args.switches,
+            )
 
     feats = args.features + (("dropout",) if dropout_p > 0 else ()) + _span_features(spec, Mq, Mk)
     with plans.recording() as rec:

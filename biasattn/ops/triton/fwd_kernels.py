@@ -53,7 +53,7 @@ def _fwd_tile(
     MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, PRELOADED: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
     seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT: tl.constexpr, TMA_KV: tl.constexpr,
-    HIDDEN_LINES: tl.constexpr, HAS_BAND: tl.constexpr,
+    HIDDEN_LINES: tl.constexpr, EXACT: tl.constexpr,
 ):
     """One key tile ``[n0, n0 + BLOCK_N)`` of the online softmax.
 
@@ -64,7 +64,8 @@ def _fwd_tile(
     length, outside every packed segment) may hold anything, NaN included. On masked tiles, the values
     of keys outside the span are zeros (a masked load, or a ``where`` after a TMA load), and hidden
     scores are masked with ``where``, so a hidden key's NaN or inf reaches no row of the program
-    through its score and no row that no row of the program sees through its value."""
+    through its score and no row that no row of the program sees through its value. With ``EXACT``
+    (:func:`_attn_fwd_exact_kernel`) it reaches no row that cannot see it at all."""
     cols = n0 + tl.arange(0, BLOCK_N)
     if INDEX_64:
         cols64 = cols.to(tl.int64)
@@ -95,7 +96,7 @@ def _fwd_tile(
             )
         s = tl.where(vis, s, float("-inf"))
     m_new, p, alpha, row_sum = _online_softmax(s, m_i, qk_scale, MASKED or HAS_ADDITIVE)
-    if HAS_ADDITIVE:  # a NaN score: a non-finite key, which an additive -inf may hide from some rows
+    if HAS_ADDITIVE and EXACT:  # a NaN score: a non-finite key, which an additive -inf may hide from some rows
         if tl.sum((row_sum != row_sum).to(tl.int32), 0) > 0:
             add = _add_load(rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
                             INDEX_64)
@@ -112,13 +113,100 @@ def _fwd_tile(
                        dv, Dv, MASKED, True, EVEN_D)
     elif MASKED:
         v = tl.where(((cols >= key_lo) & (cols < key_hi))[:, None], v, 0.0).to(v.dtype)
-    # a key of the span hidden from some rows only: a band, a block layout finer than the tile, an
-    # additive -inf (a program's rows share their segment and padding length, whose keys the span cuts)
-    if (MASKED and (HAS_BAND or LAYOUT_MASK)) or HAS_ADDITIVE:
+    if EXACT:
         acc = _accumulate_visible_pv(acc, alpha, p, s, v, DOT_PRECISION)
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _store_rows(acc, m_i, l_i, o_ptrs, lse_ptrs, keep, dims, dim_end, drop_scale, HAS_DROPOUT: tl.constexpr,
+                MARK_NONFINITE: tl.constexpr):
+    """Normalize and store ``out`` of one query tile (``dims`` of its rows) and its natural-log ``lse``;
+    rows that saw no key get 0 and -inf. With ``MARK_NONFINITE``, a row whose output holds a NaN or
+    inf gets a NaN lse: :func:`_attn_fwd_exact_kernel` computes such rows' programs again."""
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if HAS_DROPOUT:
+        out = out * drop_scale
+    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=keep[:, None] & (dims[None, :] < dim_end))
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+    if MARK_NONFINITE:
+        lse = tl.where(tl.abs(tl.sum(acc, 1)) < float("inf"), lse, float("nan"))  # a NaN or inf anywhere in the row
+    tl.store(lse_ptrs, lse, mask=keep)
+
+
+@triton.jit(do_not_specialize=["B", "n_prog_m", "chunk", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
+                             "seed_lo", "seed_hi", "drop_thresh"])
+def _attn_fwd_exact_kernel(
+    Q, KP, VP, Out, Lse, Add, Slopes, Layout, QSeqStart, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, Sched, qk_scale,
+    stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
+    stride_ab, stride_ah, stride_am, stride_an, stride_sb, stride_sh, stride_lb, stride_lh, stride_lq, stride_lk,
+    B, H, G, Mq, Mk, D, Dv, n_prog_m, chunk,
+    layout_q_off, layout_k_off, block_q, block_k, alibi_shift, seed_lo, seed_hi, drop_thresh, drop_scale,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, SCHEDULED: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr, BAND_PER_SEGMENT: tl.constexpr,
+    HAS_LAYOUT: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BATCH_INNER: tl.constexpr, HAS_DROPOUT: tl.constexpr, TAIL_ORDER: tl.constexpr, HIDDEN_LINES: tl.constexpr,
+    SUB_M: tl.constexpr,
+):
+    """The forward again for the programs of :func:`_attn_fwd_kernel` that marked a row (a NaN lse),
+    each non-finite value kept from the rows that cannot see it; the other programs return at once.
+
+    Where rows of a program see different keys of its span (a band, a block layout finer than the
+    tile, an additive -inf), a NaN or inf in a value that some rows cannot see reaches them as
+    ``0 * NaN`` in the pipelined kernel. This rare path runs the marked rows' blocks of ``SUB_M``
+    rows, 16 keys by 16 value dims at a time, every tile masked: a kernel of its own, so the pipelined
+    one keeps its registers, and a small one, so the programs that return at once cost little."""
+    pid_m, b, h, pid_bh = _program_ids(B, H, n_prog_m, chunk, BATCH_INNER, TAIL_ORDER)
+    prog, m0, m_end, seg = _query_rows(pid_m, n_prog_m, Mq, Sched, SCHEDULED, BLOCK_M)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    rows_lo, rows_hi, valid = _row_key_bounds(
+        rows, m_end, seg, b, Mk, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT
+    )
+    marked = tl.load(Lse + pid_bh.to(tl.int64) * Mq + rows, mask=valid & (rows < Mq), other=0.0)
+    if tl.sum((marked != marked).to(tl.int32), 0) > 0:
+        seed, row_blocks, drop_base = _dropout_stream(pid_bh, Mq, Mk, seed_lo, seed_hi)
+        hk = h // G
+        b64 = b.to(tl.int64)
+        KP_base = KP + b64 * stride_kb + hk.to(tl.int64) * stride_kh
+        VP_base = VP + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+        dq = tl.arange(0, HEAD_DIM)
+        dims = tl.arange(0, 16)
+        for r0 in range(0, BLOCK_M, SUB_M):  # the marked rows' blocks of SUB_M rows
+            sub = m0 + r0 + tl.arange(0, SUB_M)
+            klo, khi, sub_valid = _row_key_bounds(
+                sub, m_end, seg, b, Mk, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, HAS_SEGMENTS, HAS_PADDED, HAS_BAND,
+                BAND_PER_SEGMENT,
+            )
+            keep = sub_valid & (sub < Mq)
+            sub64 = sub.to(tl.int64)
+            lse_ptrs = Lse + pid_bh.to(tl.int64) * Mq + sub64
+            again = tl.load(lse_ptrs, mask=keep, other=0.0)
+            if tl.sum((again != again).to(tl.int32), 0) > 0:
+                lo, hi, full_lo, full_hi = _span(klo, khi, sub_valid)
+                q = _load_lines(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + sub64[:, None] * stride_qm
+                                + dq[None, :] * stride_qd, sub, Mq, dq, D, True, EVEN_D)
+                o_rows = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + sub64 * stride_om
+                for c0 in range(0, Dv, 16):
+                    m_i = tl.full([SUB_M], float("-inf"), dtype=tl.float32)
+                    l_i = tl.zeros([SUB_M], dtype=tl.float32)
+                    acc = tl.zeros([SUB_M, 16], dtype=tl.float32)
+                    for n0 in range(lo // 16 * 16, hi, 16):
+                        acc, m_i, l_i = _fwd_tile(
+                            acc, m_i, l_i, q, sub, klo, khi, lo, hi, tl.multiple_of(n0, 16), b, h, hk, KP_base,
+                            VP_base + c0 * stride_vd, KP_base, VP_base + c0 * stride_vd, stride_kn, stride_kd, stride_vn,
+                            stride_vd, Mq, Mk, D, Dv - c0, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes,
+                            stride_sb, stride_sh, alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk,
+                            layout_q_off, layout_k_off, block_q, block_k, 0.0,
+                            True, HAS_LAYOUT, HAS_ADDITIVE, HAS_ALIBI, False, 16, HEAD_DIM, 16, False, DOT_PRECISION, True,
+                            seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, False, HIDDEN_LINES, True,
+                        )
+                    _store_rows(acc, m_i, l_i, o_rows[:, None] + (c0 + dims)[None, :] * stride_od, lse_ptrs, keep, dims,
+                                Dv - c0, drop_scale, HAS_DROPOUT, False)
 
 
 @triton.jit(do_not_specialize=["B", "n_prog_m", "chunk", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
@@ -194,7 +282,7 @@ def _attn_fwd_kernel(
                     stride_sb, stride_sh, alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off,
                     layout_k_off, block_q, block_k, 0.0,
                     False, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                    seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV, HIDDEN_LINES, HAS_BAND,
+                    seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV, HIDDEN_LINES, False,
                 )
         else:
             for t in range(0, count):
@@ -207,7 +295,7 @@ def _attn_fwd_kernel(
                                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                                 False, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV, HIDDEN_LINES, HAS_BAND,
+                                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV, HIDDEN_LINES, False,
                             )
                         else:
                             acc, m_i, l_i = _fwd_tile(
@@ -215,7 +303,7 @@ def _attn_fwd_kernel(
                                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES, HAS_BAND,
+                                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES, False,
                             )
                     else:
                         acc, m_i, l_i = _fwd_tile(
@@ -223,7 +311,7 @@ def _attn_fwd_kernel(
                             Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                             alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                             True, True, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                            seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES, HAS_BAND,
+                            seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES, False,
                         )
     else:  # masked tiles at the span's left edge, unmasked middle, masked right edge
         lo = lo // 16 * 16  # 16-aligned tile starts: a bias row is read in 16-byte vectors
@@ -234,7 +322,7 @@ def _attn_fwd_kernel(
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES, HAS_BAND,
+                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES, False,
             )
         # the additive tile of the next key tile is loaded one iteration ahead: Triton pipelines only
         # dot operands, and a bias load waited on at once would stall every iteration
@@ -253,7 +341,7 @@ def _attn_fwd_kernel(
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, cur,
                 False, False, HAS_ADDITIVE, HAS_ALIBI, HAS_ADDITIVE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV, HIDDEN_LINES, HAS_BAND,
+                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV, HIDDEN_LINES, False,
             )
         for t in range(e, n):
             acc, m_i, l_i = _fwd_tile(
@@ -261,18 +349,13 @@ def _attn_fwd_kernel(
                 Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
                 alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
                 True, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES, HAS_BAND,
+                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES, False,
             )
 
-    # rows that saw no key: out 0, lse -inf
-    seen = l_i > 0
-    l_safe = tl.where(seen, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    if HAS_DROPOUT:
-        out = out * drop_scale
-    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
     keep = valid & (rows < Mq)
     dv = tl.arange(0, HEAD_DIM_V)
-    o_ptrs = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + rows64[:, None] * stride_om + dv[None, :] * stride_od
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=keep[:, None] & (dv[None, :] < Dv))
-    tl.store(Lse + pid_bh.to(tl.int64) * Mq + rows64, lse, mask=keep)
+    o_rows = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + rows64 * stride_om
+    lse_ptrs = Lse + pid_bh.to(tl.int64) * Mq + rows64
+    # rows whose output a hidden non-finite value may have reached: see _attn_fwd_exact_kernel
+    _store_rows(acc, m_i, l_i, o_rows[:, None] + dv[None, :] * stride_od, lse_ptrs, keep, dv, Dv, drop_scale, HAS_DROPOUT,
+                HAS_BAND or (HAS_LAYOUT and not LAYOUT_EXACT and not LIST_ONLY) or HAS_ADDITIVE)
