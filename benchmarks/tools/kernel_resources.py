@@ -11,6 +11,7 @@ may differ from the Triton on the GPU machine: treat them as leads, and confirm 
     python benchmarks/tools/kernel_resources.py --case causal --kernel dkdv --config 64,128,8,2 --config 32,128,4,3
     python benchmarks/tools/kernel_resources.py --case none varlen --dropout 0.1 --config 64,128,8,2
     python benchmarks/tools/kernel_resources.py --case none padded varlen window --sass-hash   # before and after a refactor
+    python benchmarks/tools/kernel_resources.py --case window additive --kernel fwd fwd_exact   # the forward's exact pass too
 
 ``--sass-hash`` adds a hash of each kernel's machine code: a change of the kernel sources that
 leaves every hash as it was compiles to the same code, so it needs no new timing.
@@ -138,21 +139,23 @@ def main(argv=None) -> int:
     p.add_argument("--case", nargs="+", default=["none"], choices=list(_biases(8)))
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--kernel", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq", "dbias", "dq_ds"])
+    p.add_argument("--kernel", nargs="+", default=["fwd", "dkdv", "dq"],
+                   choices=["fwd", "fwd_exact", "dkdv", "dq", "dbias", "dq_ds"])
     p.add_argument("--config", action="append", help="block_m,block_n,num_warps,num_stages (default: the candidates)")
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--dropout", type=float, default=0.0, help="compile the dropout variants (this drop probability)")
     p.add_argument("--sass-hash", action="store_true", help="also print a hash of each kernel's machine code")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    names = {"fwd": "_attn_fwd_kernel", "dkdv": "_attn_bwd_dkdv_kernel", "dq": "_attn_bwd_dq_kernel",
-             "dbias": "_attn_bwd_dbias_kernel", "dq_ds": "_attn_bwd_dq_from_ds_kernel"}
+    names = {"fwd": "_attn_fwd_kernel", "fwd_exact": "_attn_fwd_exact_kernel", "dkdv": "_attn_bwd_dkdv_kernel",
+             "dq": "_attn_bwd_dq_kernel", "dbias": "_attn_bwd_dbias_kernel", "dq_ds": "_attn_bwd_dq_from_ds_kernel"}
     for case in args.case:
         for kernel in args.kernel:
+            launcher = "fwd" if kernel == "fwd_exact" else kernel  # the exact pass follows the forward's launch
             cfgs = ([configs.TileConfig(*map(int, c.split(","))) for c in args.config] if args.config
-                    else configs.candidates(kernel, args.D))
+                    else configs.candidates(launcher, args.D))
             for cfg in cfgs:
-                for fn, fargs, fkwargs in capture(case, args.D, dtype, kernel, cfg, args.dropout):
+                for fn, fargs, fkwargs in capture(case, args.D, dtype, launcher, cfg, args.dropout):
                     if fn.__name__ != names[kernel]:
                         continue
                     try:

@@ -46,16 +46,16 @@ def _online_softmax(s, m_i, qk_scale, GUARD: tl.constexpr):
 
 @triton.jit
 def _fwd_tile(
-    acc, m_i, l_i, q, rows, klo, khi, key_lo, key_hi, n0, b, h, hk, K_base, V_base, KP_base, VP_base,
-    stride_kn, stride_kd, stride_vn, stride_vd, Mq, Mk, D, Dv, qk_scale,
-    Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
-    Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, bias_raw,
-    MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, PRELOADED: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
-    seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT: tl.constexpr, TMA_KV: tl.constexpr,
-    HIDDEN_LINES: tl.constexpr, EXACT: tl.constexpr,
+    acc, m_i, l_i, q, n0, qtile, kv, sizes, bias, drop, bias_raw, FEATURES: tl.constexpr,
+    MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, PRELOADED: tl.constexpr, TMA_KV: tl.constexpr, EXACT: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, INDEX_64: tl.constexpr,
 ):
     """One key tile ``[n0, n0 + BLOCK_N)`` of the online softmax.
+
+    Grouped arguments: ``qtile`` the query tile (rows, their key bounds and
+    span, batch, head, KV head), ``kv`` the K/V bases and strides, ``sizes`` ``(Mq, Mk, D, Dv,
+    qk_scale)``, ``bias`` the additive, ALiBi and block-layout operands, ``drop`` the dropout stream,
+    ``FEATURES`` the switches every tile of a launch shares.
 
     With ``TMA_KV``, the tile comes through ``K_base``/``V_base``, tensor descriptors of the whole
     ``[B, Hkv, Mk, D]`` K and V: the copy engine fetches it and fills keys past ``Mk`` and dims past
@@ -66,6 +66,18 @@ def _fwd_tile(
     scores are masked with ``where``, so a hidden key's NaN or inf reaches no row of the program
     through its score and no row that no row of the program sees through its value. With ``EXACT``
     (:func:`_attn_fwd_exact_kernel`) it reaches no row that cannot see it at all."""
+    rows, klo, khi, key_lo, key_hi, b, h, hk = qtile
+    K_base, V_base, KP_base, VP_base, stride_kn, stride_kd, stride_vn, stride_vd = kv
+    Mq, Mk, D, Dv, qk_scale = sizes
+    (Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
+     Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k) = bias
+    seed, drop_base, row_blocks, drop_thresh = drop
+    HAS_ADDITIVE: tl.constexpr = FEATURES[0]
+    HAS_ALIBI: tl.constexpr = FEATURES[1]
+    HEAD_DIM: tl.constexpr = FEATURES[2]
+    DOT_PRECISION: tl.constexpr = FEATURES[3]
+    HAS_DROPOUT: tl.constexpr = FEATURES[4]
+    HIDDEN_LINES: tl.constexpr = FEATURES[5]
     cols = n0 + tl.arange(0, BLOCK_N)
     if INDEX_64:
         cols64 = cols.to(tl.int64)
@@ -168,8 +180,12 @@ def _attn_fwd_exact_kernel(
         rows, m_end, seg, b, Mk, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT
     )
     marked = tl.load(Lse + pid_bh.to(tl.int64) * Mq + rows, mask=valid & (rows < Mq), other=0.0)
+    FEATURES: tl.constexpr = (HAS_ADDITIVE, HAS_ALIBI, HEAD_DIM, DOT_PRECISION, HAS_DROPOUT, HIDDEN_LINES)
     if tl.sum((marked != marked).to(tl.int32), 0) > 0:
         seed, row_blocks, drop_base = _dropout_stream(pid_bh, Mq, Mk, seed_lo, seed_hi)
+        drop = (seed, drop_base, row_blocks, drop_thresh)
+        bias = (Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
+                Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k)
         hk = h // G
         b64 = b.to(tl.int64)
         KP_base = KP + b64 * stride_kb + hk.to(tl.int64) * stride_kh
@@ -197,13 +213,11 @@ def _attn_fwd_exact_kernel(
                     acc = tl.zeros([SUB_M, 16], dtype=tl.float32)
                     for n0 in range(lo // 16 * 16, hi, 16):
                         acc, m_i, l_i = _fwd_tile(
-                            acc, m_i, l_i, q, sub, klo, khi, lo, hi, tl.multiple_of(n0, 16), b, h, hk, KP_base,
-                            VP_base + c0 * stride_vd, KP_base, VP_base + c0 * stride_vd, stride_kn, stride_kd, stride_vn,
-                            stride_vd, Mq, Mk, D, Dv - c0, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes,
-                            stride_sb, stride_sh, alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk,
-                            layout_q_off, layout_k_off, block_q, block_k, 0.0,
-                            True, HAS_LAYOUT, HAS_ADDITIVE, HAS_ALIBI, False, 16, HEAD_DIM, 16, False, DOT_PRECISION, True,
-                            seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, False, HIDDEN_LINES, True,
+                            acc, m_i, l_i, q, tl.multiple_of(n0, 16), (sub, klo, khi, lo, hi, b, h, hk),
+                            (KP_base, VP_base + c0 * stride_vd, KP_base, VP_base + c0 * stride_vd, stride_kn, stride_kd,
+                             stride_vn, stride_vd), (Mq, Mk, D, Dv - c0, qk_scale), bias, drop, 0.0, FEATURES,
+                            MASKED=True, LAYOUT_MASK=HAS_LAYOUT, PRELOADED=False, TMA_KV=False, EXACT=True,
+                            BLOCK_N=16, HEAD_DIM_V=16, EVEN_D=False, INDEX_64=True,
                         )
                     _store_rows(acc, m_i, l_i, o_rows[:, None] + (c0 + dims)[None, :] * stride_od, lse_ptrs, keep, dims,
                                 Dv - c0, drop_scale, HAS_DROPOUT, False)
@@ -266,6 +280,13 @@ def _attn_fwd_kernel(
         K_base = KP_base
         V_base = VP_base
 
+    qtile = (rows, klo, khi, key_lo, key_hi, b, h, hk)
+    kv = (K_base, V_base, KP_base, VP_base, stride_kn, stride_kd, stride_vn, stride_vd)
+    sizes = (Mq, Mk, D, Dv, qk_scale)
+    bias = (Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
+            Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k)
+    drop = (seed, drop_base, row_blocks, drop_thresh)
+    FEATURES: tl.constexpr = (HAS_ADDITIVE, HAS_ALIBI, HEAD_DIM, DOT_PRECISION, HAS_DROPOUT, HIDDEN_LINES)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
@@ -277,12 +298,9 @@ def _attn_fwd_kernel(
             for t in range(0, count):
                 n0 = _list_entry(tiles, t, slots, listed, LIST_TILES) * BLOCK_N
                 acc, m_i, l_i = _fwd_tile(
-                    acc, m_i, l_i, q, rows, klo, khi, key_lo, key_hi, n0, b, h, hk, K_base, V_base, KP_base, VP_base, stride_kn, stride_kd,
-                    stride_vn, stride_vd, Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes,
-                    stride_sb, stride_sh, alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off,
-                    layout_k_off, block_q, block_k, 0.0,
-                    False, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                    seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV, HIDDEN_LINES, False,
+                    acc, m_i, l_i, q, n0, qtile, kv, sizes, bias, drop, 0.0, FEATURES,
+                    MASKED=False, LAYOUT_MASK=False, PRELOADED=False, TMA_KV=TMA_KV, EXACT=False,
+                    BLOCK_N=BLOCK_N, HEAD_DIM_V=HEAD_DIM_V, EVEN_D=EVEN_D, INDEX_64=INDEX_64,
                 )
         else:
             for t in range(0, count):
@@ -291,38 +309,30 @@ def _attn_fwd_kernel(
                     if LAYOUT_EXACT:  # kernel tiles lie inside layout blocks: the list settles the layout
                         if (n0 >= full_lo) & (n0 + BLOCK_N <= full_hi):
                             acc, m_i, l_i = _fwd_tile(
-                                acc, m_i, l_i, q, rows, klo, khi, key_lo, key_hi, n0, b, h, hk, K_base, V_base, KP_base, VP_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
-                                False, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV, HIDDEN_LINES, False,
+                                acc, m_i, l_i, q, n0, qtile, kv, sizes, bias, drop, 0.0, FEATURES,
+                                MASKED=False, LAYOUT_MASK=False, PRELOADED=False, TMA_KV=TMA_KV, EXACT=False,
+                                BLOCK_N=BLOCK_N, HEAD_DIM_V=HEAD_DIM_V, EVEN_D=EVEN_D, INDEX_64=INDEX_64,
                             )
                         else:
                             acc, m_i, l_i = _fwd_tile(
-                                acc, m_i, l_i, q, rows, klo, khi, key_lo, key_hi, n0, b, h, hk, K_base, V_base, KP_base, VP_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
-                                True, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES, False,
+                                acc, m_i, l_i, q, n0, qtile, kv, sizes, bias, drop, 0.0, FEATURES,
+                                MASKED=True, LAYOUT_MASK=False, PRELOADED=False, TMA_KV=TMA_EDGES, EXACT=False,
+                                BLOCK_N=BLOCK_N, HEAD_DIM_V=HEAD_DIM_V, EVEN_D=EVEN_D, INDEX_64=INDEX_64,
                             )
                     else:
                         acc, m_i, l_i = _fwd_tile(
-                            acc, m_i, l_i, q, rows, klo, khi, key_lo, key_hi, n0, b, h, hk, K_base, V_base, KP_base, VP_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                            Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
-                            True, True, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                            seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES, False,
+                            acc, m_i, l_i, q, n0, qtile, kv, sizes, bias, drop, 0.0, FEATURES,
+                            MASKED=True, LAYOUT_MASK=True, PRELOADED=False, TMA_KV=TMA_EDGES, EXACT=False,
+                            BLOCK_N=BLOCK_N, HEAD_DIM_V=HEAD_DIM_V, EVEN_D=EVEN_D, INDEX_64=INDEX_64,
                         )
     else:  # masked tiles at the span's left edge, unmasked middle, masked right edge
         lo = lo // 16 * 16  # 16-aligned tile starts: a bias row is read in 16-byte vectors
         n, a, e = _tile_split(lo, hi, full_lo, full_hi, BLOCK_N)
         for t in range(0, a):
             acc, m_i, l_i = _fwd_tile(
-                acc, m_i, l_i, q, rows, klo, khi, key_lo, key_hi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, hk, K_base, V_base, KP_base, VP_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
-                True, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES, False,
+                acc, m_i, l_i, q, tl.multiple_of(lo + t * BLOCK_N, 16), qtile, kv, sizes, bias, drop, 0.0, FEATURES,
+                MASKED=True, LAYOUT_MASK=False, PRELOADED=False, TMA_KV=TMA_EDGES, EXACT=False,
+                BLOCK_N=BLOCK_N, HEAD_DIM_V=HEAD_DIM_V, EVEN_D=EVEN_D, INDEX_64=INDEX_64,
             )
         # the additive tile of the next key tile is loaded one iteration ahead: Triton pipelines only
         # dot operands, and a bias load waited on at once would stall every iteration
@@ -337,19 +347,15 @@ def _attn_fwd_kernel(
                 nxt = _add_load(rows[:, None], (n0 + BLOCK_N + tl.arange(0, BLOCK_N))[None, :], b, h, Mq, Mk,
                                 Add, stride_ab, stride_ah, stride_am, stride_an, INDEX_64)
             acc, m_i, l_i = _fwd_tile(
-                acc, m_i, l_i, q, rows, klo, khi, key_lo, key_hi, n0, b, h, hk, K_base, V_base, KP_base, VP_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, cur,
-                False, False, HAS_ADDITIVE, HAS_ALIBI, HAS_ADDITIVE, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_KV, HIDDEN_LINES, False,
+                acc, m_i, l_i, q, n0, qtile, kv, sizes, bias, drop, cur, FEATURES,
+                MASKED=False, LAYOUT_MASK=False, PRELOADED=HAS_ADDITIVE, TMA_KV=TMA_KV, EXACT=False,
+                BLOCK_N=BLOCK_N, HEAD_DIM_V=HEAD_DIM_V, EVEN_D=EVEN_D, INDEX_64=INDEX_64,
             )
         for t in range(e, n):
             acc, m_i, l_i = _fwd_tile(
-                acc, m_i, l_i, q, rows, klo, khi, key_lo, key_hi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, hk, K_base, V_base, KP_base, VP_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
-                True, False, HAS_ADDITIVE, HAS_ALIBI, False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, drop_base, row_blocks, drop_thresh, HAS_DROPOUT, TMA_EDGES, HIDDEN_LINES, False,
+                acc, m_i, l_i, q, tl.multiple_of(lo + t * BLOCK_N, 16), qtile, kv, sizes, bias, drop, 0.0, FEATURES,
+                MASKED=True, LAYOUT_MASK=False, PRELOADED=False, TMA_KV=TMA_EDGES, EXACT=False,
+                BLOCK_N=BLOCK_N, HEAD_DIM_V=HEAD_DIM_V, EVEN_D=EVEN_D, INDEX_64=INDEX_64,
             )
 
     keep = valid & (rows < Mq)
