@@ -61,19 +61,37 @@ def _attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_tile(
-    dk, dv, dcol, k, v, cols, col_end, ilo, ihi, row_lo, row_hi, m0, b, h, Q_base, DO_base, LD_off,
-    Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
-    Mq, Mk, D, Dv, qk_scale,
-    Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
-    Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, bias_raw,
-    MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, PRELOADED: tl.constexpr,
-    FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr, COL_DBIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
-    seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT: tl.constexpr, DROP_ALIGNED: tl.constexpr,
-    HIDDEN_LINES: tl.constexpr,
+    dk, dv, dcol, k, v, m0, ktile, qdo, sizes, bias, drop, bias_raw, FEATURES: tl.constexpr,
+    MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, PRELOADED: tl.constexpr,
 ):
     """Query tile ``[m0, m0 + BLOCK_M)`` against the program's key tile, in transposed form ``[BLOCK_N, BLOCK_M]``;
-    masked tiles read only the rows of the program's span ``[row_lo, row_hi)``."""
+    masked tiles read only the rows of the program's span ``[row_lo, row_hi)``.
+
+    Grouped arguments: ``ktile`` the key tile (columns, their row bounds and span, batch, head),
+    ``qdo`` the Q/dO bases, lse, delta and bias-gradient operands of the query head, ``sizes``
+    ``(Mq, Mk, D, Dv, qk_scale)``, ``bias`` the additive, ALiBi and block-layout operands, ``drop``
+    the dropout stream, ``FEATURES`` the switches every tile of a launch shares."""
+    cols, col_end, ilo, ihi, row_lo, row_hi, b, h = ktile
+    (Q_base, DO_base, LD_off, Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod,
+     stride_gb, stride_gh, stride_gm, stride_gn) = qdo
+    Mq, Mk, D, Dv, qk_scale = sizes
+    (Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
+     Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k) = bias
+    seed, row_blocks, drop_thresh, drop_scale, c0 = drop
+    HAS_ADDITIVE: tl.constexpr = FEATURES[0]
+    HAS_ALIBI: tl.constexpr = FEATURES[1]
+    FULL_DBIAS: tl.constexpr = FEATURES[2]
+    DBIAS_ACCUM: tl.constexpr = FEATURES[3]
+    COL_DBIAS: tl.constexpr = FEATURES[4]
+    BLOCK_M: tl.constexpr = FEATURES[5]
+    HEAD_DIM: tl.constexpr = FEATURES[6]
+    HEAD_DIM_V: tl.constexpr = FEATURES[7]
+    EVEN_D: tl.constexpr = FEATURES[8]
+    DOT_PRECISION: tl.constexpr = FEATURES[9]
+    INDEX_64: tl.constexpr = FEATURES[10]
+    HAS_DROPOUT: tl.constexpr = FEATURES[11]
+    DROP_ALIGNED: tl.constexpr = FEATURES[12]
+    HIDDEN_LINES: tl.constexpr = FEATURES[13]
     rows = m0 + tl.arange(0, BLOCK_M)
     if INDEX_64:
         rows64 = rows.to(tl.int64)
@@ -164,6 +182,15 @@ def _dkdv_head(
     DO_base = DO + b64 * stride_dob + h64 * stride_doh
     LD_off = (b64 * H + h64) * Mq
     dcol = tl.zeros_like(cols).to(tl.float32)
+    ktile = (cols, n_end, ilo, ihi, lo, hi, b, h)
+    qdo = (Q_base, DO_base, LD_off, Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod,
+           stride_gb, stride_gh, stride_gm, stride_gn)
+    sizes = (Mq, Mk, D, Dv, qk_scale)
+    bias = (Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
+            Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k)
+    drop = (seed, row_blocks, drop_thresh, drop_scale, c0)
+    FEATURES: tl.constexpr = (HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, BLOCK_M, HEAD_DIM, HEAD_DIM_V,
+                              EVEN_D, DOT_PRECISION, INDEX_64, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES)
     if HAS_LAYOUT:
         count = tl.load(TileCount + b * stride_cb + h * stride_ch + pid_n)
         tiles = TileIdx + b64 * stride_tb + h64 * stride_th + pid_n.to(tl.int64) * stride_tp
@@ -172,13 +199,8 @@ def _dkdv_head(
             for t in range(0, count):
                 m0 = _list_entry(tiles, t, slots, listed, LIST_TILES) * BLOCK_M
                 dk, dv, dcol = _dkdv_tile(
-                    dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo, hi, m0, b, h, Q_base, DO_base, LD_off,
-                    Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
-                    Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                    alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
-                    False, False, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
-                    BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                    seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES,
+                    dk, dv, dcol, k, v, m0, ktile, qdo, sizes, bias, drop, 0.0, FEATURES,
+                    MASKED=False, LAYOUT_MASK=False, PRELOADED=False,
                 )
         else:
             for t in range(0, count):
@@ -187,44 +209,24 @@ def _dkdv_head(
                     if LAYOUT_EXACT:  # kernel tiles lie inside layout blocks: the list settles the layout
                         if (m0 >= full_lo) & (m0 + BLOCK_M <= full_hi):
                             dk, dv, dcol = _dkdv_tile(
-                                dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo, hi, m0, b, h, Q_base, DO_base, LD_off,
-                                Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
-                                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
-                                False, False, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
-                                BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES,
+                                dk, dv, dcol, k, v, m0, ktile, qdo, sizes, bias, drop, 0.0, FEATURES,
+                                MASKED=False, LAYOUT_MASK=False, PRELOADED=False,
                             )
                         else:
                             dk, dv, dcol = _dkdv_tile(
-                                dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo, hi, m0, b, h, Q_base, DO_base, LD_off,
-                                Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
-                                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
-                                True, False, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
-                                BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES,
+                                dk, dv, dcol, k, v, m0, ktile, qdo, sizes, bias, drop, 0.0, FEATURES,
+                                MASKED=True, LAYOUT_MASK=False, PRELOADED=False,
                             )
                     else:
                         dk, dv, dcol = _dkdv_tile(
-                            dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo, hi, m0, b, h, Q_base, DO_base, LD_off,
-                            Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
-                            Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
-                            True, True, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
-                            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                            seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES,
+                            dk, dv, dcol, k, v, m0, ktile, qdo, sizes, bias, drop, 0.0, FEATURES,
+                            MASKED=True, LAYOUT_MASK=True, PRELOADED=False,
                         )
     else:
         for t in range(0, a):
             dk, dv, dcol = _dkdv_tile(
-                dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo, hi, lo + t * BLOCK_M, b, h, Q_base, DO_base, LD_off,
-                Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
-                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
-                True, False, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
-                BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES,
+                dk, dv, dcol, k, v, lo + t * BLOCK_M, ktile, qdo, sizes, bias, drop, 0.0, FEATURES,
+                MASKED=True, LAYOUT_MASK=False, PRELOADED=False,
             )
         nxt = 0.0  # the next query tile's additive tile, loaded one iteration ahead (see the forward)
         if HAS_ADDITIVE:
@@ -237,23 +239,13 @@ def _dkdv_head(
                 nxt = _add_load((m0 + BLOCK_M + tl.arange(0, BLOCK_M))[None, :], cols[:, None], b, h, Mq, Mk,
                                 Add, stride_ab, stride_ah, stride_am, stride_an, INDEX_64)
             dk, dv, dcol = _dkdv_tile(
-                dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo, hi, m0, b, h, Q_base, DO_base, LD_off,
-                Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
-                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, cur,
-                False, False, HAS_ADDITIVE, HAS_ALIBI, HAS_ADDITIVE, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
-                BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES,
+                dk, dv, dcol, k, v, m0, ktile, qdo, sizes, bias, drop, cur, FEATURES,
+                MASKED=False, LAYOUT_MASK=False, PRELOADED=HAS_ADDITIVE,
             )
         for t in range(e, n):
             dk, dv, dcol = _dkdv_tile(
-                dk, dv, dcol, k, v, cols, n_end, ilo, ihi, lo, hi, lo + t * BLOCK_M, b, h, Q_base, DO_base, LD_off,
-                Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn,
-                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
-                True, False, HAS_ADDITIVE, HAS_ALIBI, False, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS,
-                BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES,
+                dk, dv, dcol, k, v, lo + t * BLOCK_M, ktile, qdo, sizes, bias, drop, 0.0, FEATURES,
+                MASKED=True, LAYOUT_MASK=False, PRELOADED=False,
             )
     if COL_DBIAS:
         tl.store(DCol + (b64 * H + h64) * Mk + cols64, dcol, mask=cvalid)
@@ -414,17 +406,30 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_tile(
-    dq, drow, q, do, lse2, delta, rows, klo, khi, key_lo, key_hi, n0, b, h, K_base, V_base,
-    stride_kn, stride_kd, stride_vn, stride_vd, Mq, Mk, D, Dv, qk_scale,
-    Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
-    Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, bias_raw,
-    MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, PRELOADED: tl.constexpr,
-    ROW_DBIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
-    seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT: tl.constexpr, HIDDEN_LINES: tl.constexpr,
+    dq, drow, q, do, lse2, delta, n0, qtile, kv, sizes, bias, drop, bias_raw, FEATURES: tl.constexpr,
+    MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, PRELOADED: tl.constexpr,
 ):
     """Key tile ``[n0, n0 + BLOCK_N)`` of the program's query tile: accumulates ``dS @ K``; masked
-    tiles read only the keys of the program's span ``[key_lo, key_hi)``."""
+    tiles read only the keys of the program's span ``[key_lo, key_hi)``.
+
+    Grouped arguments as :func:`_dkdv_tile`'s, with ``qtile`` the query tile and ``kv`` the K/V bases."""
+    rows, klo, khi, key_lo, key_hi, b, h = qtile
+    K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd = kv
+    Mq, Mk, D, Dv, qk_scale = sizes
+    (Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
+     Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k) = bias
+    seed, drop_base, row_blocks, drop_thresh, drop_scale = drop
+    HAS_ADDITIVE: tl.constexpr = FEATURES[0]
+    HAS_ALIBI: tl.constexpr = FEATURES[1]
+    ROW_DBIAS: tl.constexpr = FEATURES[2]
+    BLOCK_N: tl.constexpr = FEATURES[3]
+    HEAD_DIM: tl.constexpr = FEATURES[4]
+    HEAD_DIM_V: tl.constexpr = FEATURES[5]
+    EVEN_D: tl.constexpr = FEATURES[6]
+    DOT_PRECISION: tl.constexpr = FEATURES[7]
+    INDEX_64: tl.constexpr = FEATURES[8]
+    HAS_DROPOUT: tl.constexpr = FEATURES[9]
+    HIDDEN_LINES: tl.constexpr = FEATURES[10]
     cols = n0 + tl.arange(0, BLOCK_N)
     if INDEX_64:
         cols64 = cols.to(tl.int64)
@@ -531,6 +536,14 @@ def _attn_bwd_dq_kernel(
         delta = tl.load(Delta + pid_bh.to(tl.int64) * Mq + rows64, mask=rows < Mq, other=0.0)
     K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
     V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+    qtile = (rows, klo, khi, key_lo, key_hi, b, h)
+    kv = (K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd)
+    sizes = (Mq, Mk, D, Dv, qk_scale)
+    bias = (Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
+            Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k)
+    drop = (seed, drop_base, row_blocks, drop_thresh, drop_scale)
+    FEATURES: tl.constexpr = (HAS_ADDITIVE, HAS_ALIBI, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION,
+                              INDEX_64, HAS_DROPOUT, HIDDEN_LINES)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     drow = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_LAYOUT:
@@ -541,11 +554,8 @@ def _attn_bwd_dq_kernel(
             for t in range(0, count):
                 n0 = _list_entry(tiles, t, slots, listed, LIST_TILES) * BLOCK_N
                 dq, drow = _dq_tile(
-                    dq, drow, q, do, lse2, delta, rows, klo, khi, key_lo, key_hi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                    Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                    alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
-                    False, False, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                    seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT, HIDDEN_LINES,
+                    dq, drow, q, do, lse2, delta, n0, qtile, kv, sizes, bias, drop, 0.0, FEATURES,
+                    MASKED=False, LAYOUT_MASK=False, PRELOADED=False,
                 )
         else:
             for t in range(0, count):
@@ -554,38 +564,26 @@ def _attn_bwd_dq_kernel(
                     if LAYOUT_EXACT:  # kernel tiles lie inside layout blocks: the list settles the layout
                         if (n0 >= full_lo) & (n0 + BLOCK_N <= full_hi):
                             dq, drow = _dq_tile(
-                                dq, drow, q, do, lse2, delta, rows, klo, khi, key_lo, key_hi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
-                                False, False, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                                seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT, HIDDEN_LINES,
+                                dq, drow, q, do, lse2, delta, n0, qtile, kv, sizes, bias, drop, 0.0, FEATURES,
+                                MASKED=False, LAYOUT_MASK=False, PRELOADED=False,
                             )
                         else:
                             dq, drow = _dq_tile(
-                                dq, drow, q, do, lse2, delta, rows, klo, khi, key_lo, key_hi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
-                                True, False, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                                seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT, HIDDEN_LINES,
+                                dq, drow, q, do, lse2, delta, n0, qtile, kv, sizes, bias, drop, 0.0, FEATURES,
+                                MASKED=True, LAYOUT_MASK=False, PRELOADED=False,
                             )
                     else:
                         dq, drow = _dq_tile(
-                            dq, drow, q, do, lse2, delta, rows, klo, khi, key_lo, key_hi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                            Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                            alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
-                            True, True, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                            seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT, HIDDEN_LINES,
+                            dq, drow, q, do, lse2, delta, n0, qtile, kv, sizes, bias, drop, 0.0, FEATURES,
+                            MASKED=True, LAYOUT_MASK=True, PRELOADED=False,
                         )
     else:
         lo = lo // 16 * 16  # 16-aligned tile starts: a bias row is read in 16-byte vectors
         n, a, e = _tile_split(lo, hi, full_lo, full_hi, BLOCK_N)
         for t in range(0, a):
             dq, drow = _dq_tile(
-                dq, drow, q, do, lse2, delta, rows, klo, khi, key_lo, key_hi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
-                True, False, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT, HIDDEN_LINES,
+                dq, drow, q, do, lse2, delta, tl.multiple_of(lo + t * BLOCK_N, 16), qtile, kv, sizes, bias, drop, 0.0, FEATURES,
+                MASKED=True, LAYOUT_MASK=False, PRELOADED=False,
             )
         nxt = 0.0  # the next key tile's additive tile, loaded one iteration ahead (see the forward)
         if HAS_ADDITIVE:
@@ -598,19 +596,13 @@ def _attn_bwd_dq_kernel(
                 nxt = _add_load(rows[:, None], (n0 + BLOCK_N + tl.arange(0, BLOCK_N))[None, :], b, h, Mq, Mk,
                                 Add, stride_ab, stride_ah, stride_am, stride_an, INDEX_64)
             dq, drow = _dq_tile(
-                dq, drow, q, do, lse2, delta, rows, klo, khi, key_lo, key_hi, n0, b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, cur,
-                False, False, HAS_ADDITIVE, HAS_ALIBI, HAS_ADDITIVE, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT, HIDDEN_LINES,
+                dq, drow, q, do, lse2, delta, n0, qtile, kv, sizes, bias, drop, cur, FEATURES,
+                MASKED=False, LAYOUT_MASK=False, PRELOADED=HAS_ADDITIVE,
             )
         for t in range(e, n):
             dq, drow = _dq_tile(
-                dq, drow, q, do, lse2, delta, rows, klo, khi, key_lo, key_hi, tl.multiple_of(lo + t * BLOCK_N, 16), b, h, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                Mq, Mk, D, Dv, qk_scale, Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh,
-                alibi_shift, Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k, 0.0,
-                True, False, HAS_ADDITIVE, HAS_ALIBI, False, ROW_DBIAS, BLOCK_N, HEAD_DIM, HEAD_DIM_V, EVEN_D, DOT_PRECISION, INDEX_64,
-                seed, drop_base, row_blocks, drop_thresh, drop_scale, HAS_DROPOUT, HIDDEN_LINES,
+                dq, drow, q, do, lse2, delta, tl.multiple_of(lo + t * BLOCK_N, 16), qtile, kv, sizes, bias, drop, 0.0, FEATURES,
+                MASKED=True, LAYOUT_MASK=False, PRELOADED=False,
             )
     keep = valid & (rows < Mq)
     dq_ptrs = DQ + b64 * stride_dqb + h64 * stride_dqh + rows64[:, None] * stride_dqm + dqd[None, :] * stride_dqd
