@@ -62,6 +62,33 @@ def test_short_caches_in_two_16_row_blocks_and_one_tile_pieces():
     assert_close_to_reference(*run_poisoned(inp, num_splits=16), inp)
 
 
+def test_short_caches_run_unsplit_eagerly_and_split_inside_a_graph_capture():
+    """An eager call on a cache of at most ``EAGER_NO_SPLIT_KEYS`` keys makes one launch: the merge and
+    the partial buffers would cost the host more than splitting saves the GPU. Captured in a CUDA
+    graph, where launches cost no host time, the same call splits. Both exact."""
+    from biasattn.ops.triton import splitk
+
+    q, k, v = decode_inputs(1, 8, 8, 1, 512, torch.bfloat16)
+    bias = ba.PaddedKeysMask(torch.tensor([400], dtype=torch.int32, device=CUDA))
+    inp = make_inputs(q, k, v, bias)
+    assert splitk.launch_shape(inp).num_splits == 1
+    assert_close_to_reference(*run_poisoned(inp), inp)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ba.attention(q, k, v, bias, op="triton_splitk")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = splitk.launch_shape(inp)
+        out, lse = ba.attention_with_lse(q, k, v, bias, op="triton_splitk")
+    assert captured.num_splits > 1, captured
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close_to_reference(out, lse, inp)
+
+
 @pytest.mark.parametrize("lengths", [[131072, 1], [65537, 0]])
 def test_cache_lengths_up_to_128k(lengths):
     q, k, v = decode_inputs(2, 8, 2, 1, 131072, torch.bfloat16)

@@ -29,6 +29,10 @@ SPLIT_SLACK = 0.05
 MERGE_BLOCK_S = 128  # splits one merge program loads at once (MAX_SPLITS: always one round of loads) ...
 MERGE_TILE = 8192  # ... within a tile of this many partial elements (fewer columns per program as S grows)
 MERGE_OVERHEAD_TILES = 4.0  # the merge launch, in one program's tile loads (fitted on an H200: bench_decode.py --splits)
+# An eager call (no CUDA graph capture) splits no cache of at most this many keys: the merge launch
+# and the partial buffers cost the host more (about 20 µs on an H200 host) than splitting saves the
+# GPU there (at most 11 µs at 2k keys), and such a call waits on the host anyway.
+EAGER_NO_SPLIT_KEYS = 2048
 
 
 def pdl_available(device: torch.device) -> bool:
@@ -351,6 +355,8 @@ def _launch_shape(inp: AttentionInputs, Z: int, mq_stride: int, num_splits: int 
     # a band or packed segments may start a sequence's keys inside a tile: one tile more to cover
     unaligned = int(spec.band_lo is not None or spec.q_seqstart is not None)
     key_tiles = cdiv(bound, cfg.block_n) + unaligned
+    if num_splits is None and bound <= EAGER_NO_SPLIT_KEYS and _eager_on_gpu(dev):
+        num_splits = 1
     if num_splits is None:
         tile_bytes = cfg.block_n * (head_dim + head_dim_v) * q.element_size()
         num_splits = choose_num_splits(
@@ -387,11 +393,18 @@ def merge_overhead(cfg: SplitKConfig, rows: int, merged_rows: int, sms: int) -> 
     return MERGE_OVERHEAD_TILES + WARPGROUP_MERGE_ROW_TILES * merged_rows / max(1, sms)
 
 
+def _eager_on_gpu(dev: torch.device) -> bool:
+    """True for a GPU call outside CUDA graph capture (its launches cost host time on every call)."""
+    return dev.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+
+
 def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """The key of a call's launch plan in its spec's store: the tensors' signature, the launch
-    :mod:`options` in force and the tuning constants the launches read (the scale is a role)."""
+    :mod:`options` in force, the tuning constants the launches read (the scale is a role) and whether
+    the call is eager on a GPU (see :data:`EAGER_NO_SPLIT_KEYS`)."""
     return ("split-KV plan", plans.tensor_key(q, k, v), options.current(), MERGE_BLOCK_S, MERGE_TILE,
-            MERGE_OVERHEAD_TILES, WARPGROUP_MERGE_ROW_TILES, SPLIT_SLACK, SHORT_PIECE_TILES, configs.interpreted())
+            MERGE_OVERHEAD_TILES, WARPGROUP_MERGE_ROW_TILES, SPLIT_SLACK, SHORT_PIECE_TILES, EAGER_NO_SPLIT_KEYS,
+            configs.interpreted(), _eager_on_gpu(q.device))
 
 
 def _same_start(view: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
