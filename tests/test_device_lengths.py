@@ -376,3 +376,34 @@ def test_masks_from_lists_make_one_copy_of_their_lengths(monkeypatch):
     assert a.q_seqstart is a.k_seqstart and a.q_seqstart.tolist() == [0, 2, 7, 10] and a.k_seqlen.tolist() == [2, 5, 3]
     assert b.q_seqstart.tolist() == [0, 2, 7, 10] and b.k_seqstart.tolist() == [0, 4, 5, 11]
     assert b.k_seqlen.tolist() == [4, 1, 6]
+
+
+def test_documents_built_from_lists_on_a_gpu_are_lowered_as_device_data(monkeypatch):
+    """Packed self-attention documents built from lists with ``device=`` off the CPU (the meta device
+    plays the GPU here: no value can be read there) lower like lengths from a GPU tensor: their tensors
+    pass through unread and masks built anew share one spec per number of documents. Queries and keys
+    packed apart, and compositions with another block-diagonal mask, are lowered from the host copies."""
+    from biasattn.bias import spec as spec_module
+    from biasattn.bias.spec import lower
+
+    monkeypatch.setattr(spec_module, "_STRUCTURAL_SPECS", {})
+    built = []
+    real_build = spec_module.SpecBuilder.build
+    monkeypatch.setattr(spec_module.SpecBuilder, "build", lambda self: built.append(1) or real_build(self))
+    specs = []
+    for lengths in ([5, 9, 10], [20, 2, 2], [1, 1, 22]):
+        mask = ba.BlockDiagonalMask.from_seqlens(lengths, device="meta").make_causal()
+        spec = lower(mask, 1, 2, 24, 24, "meta")
+        assert spec.host.q_seqstart is None and spec.q_seqstart is mask.atoms[0].q_seqstart
+        assert spec.band_lo.numel() == 1
+        assert mask.q_seqlens == lengths, "the host copies still serve the mask's own accessors"
+        specs.append(spec)
+    assert len(built) == 1, "documents of one structure were lowered more than once"
+    assert specs[0].by_structure is specs[2].by_structure and specs[0].derived is not specs[2].derived
+    cross = lower(ba.BlockDiagonalMask.from_seqlens([5, 9], [7, 3], device="meta"), 1, 2, 14, 10, "meta")
+    assert cross.host.q_seqstart == (0, 5, 14), "a decode batch keeps its host lengths"
+    docs = ba.BlockDiagonalMask.from_seqlens([5, 9], device="meta")
+    both = lower(docs & ba.BlockDiagonalMask.from_seqlens([5, 9], device="meta"), 1, 2, 14, 14, "meta")
+    assert both.host.q_seqstart == (0, 5, 14)
+    on_cpu = lower(ba.BlockDiagonalMask.from_seqlens([5, 9]), 1, 2, 14, 14, "cpu")
+    assert on_cpu.host.q_seqstart == (0, 5, 14), "CPU lengths are read for free"

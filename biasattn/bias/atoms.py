@@ -147,9 +147,10 @@ class Atom:
         """Tensors this atom holds, by field name."""
         return {}
 
-    def lengths_on_device_only(self) -> bool:
-        """True when the atom's tensors are lengths whose values the host does not have: lowering then
-        passes them on unread, and the spec of one such atom serves every atom of its structure."""
+    def lowers_unread(self, device, atoms: tuple) -> bool:
+        """True when lowering this atom, one of ``atoms``, for a call on ``device`` passes its tensors on
+        without reading a value (lengths that only the device holds, say): the spec of one such atom
+        then serves every atom of its structure."""
         return False
 
     def combinable_with(self, other: Atom) -> bool:

@@ -62,8 +62,18 @@ class SegmentsAtom(Atom):
         return self.q_given is not None and all(
             tensor_version(t) in (0, -1) for t in (self.q_seqstart, self.k_seqstart, self.k_seqlen))
 
-    def lengths_on_device_only(self) -> bool:
-        return not self.starts_known()
+    def lowers_unread(self, device, atoms: tuple) -> bool:
+        """Lengths only the device holds are passed on unread, and so are packed self-attention documents
+        (one tensor of starts for queries and keys) held by a GPU tensor, even where the host has a copy
+        (built from lists with ``device=``): their launches and operator choice then follow from the
+        number of documents alone. Lengths on the CPU, queries and keys packed apart (a decode batch)
+        and compositions with key lengths or another block-diagonal mask are lowered from host copies."""
+        if not self.starts_known():
+            return True
+        if torch.compiler.is_compiling() or self.q_seqstart.device.type == "cpu":
+            return False
+        return self.q_seqstart is self.k_seqstart and not any(
+            a is not self and a.kind in ("segments", "padded_keys") for a in atoms)
 
     def sizes(self):
         return (None, None, self.Mq, self.Mk)
@@ -120,7 +130,7 @@ class SegmentsAtom(Atom):
             raise InputError(
                 f"{self.family} describes a packed batch: q must have batch size B=1, got B={builder.g.B}"
             )
-        if not self.starts_known():
+        if self.lowers_unread(builder.device, builder.atoms):
             builder.add_device_segments(
                 tuple(to_device(t, builder.device) for t in (self.q_seqstart, self.k_seqstart, self.k_seqlen)), self.band)
             return

@@ -46,7 +46,7 @@ class PaddedKeysAtom(Atom):
             return self.lengths()
         return None
 
-    def lengths_on_device_only(self) -> bool:
+    def lowers_unread(self, device, atoms: tuple) -> bool:
         return self.known_lengths() is None
 
     def sizes(self):

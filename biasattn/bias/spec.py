@@ -199,9 +199,10 @@ class BiasSpec:
 class SpecBuilder:
     """Collects atoms' contributions in the bias' global coordinates; :meth:`build` folds offsets."""
 
-    def __init__(self, g, device):
+    def __init__(self, g, device, atoms: tuple = ()):
         self.g = g
         self.device = device
+        self.atoms = atoms  # every term of the bias: an atom's lowering may depend on the others
         self.segments: tuple[list[int], list[int], list[int]] | None = None
         self.segment_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.segment_band: tuple[list[int], list[int]] | None = None
@@ -493,7 +494,7 @@ def _lower_new(bias, tensors: tuple, B: int, H: int, Mq: int, Mk: int, device) -
     if hit is not None:
         spec, slots = hit
         return spec.rebound({name: tensors[i] for name, i in slots}) if slots else spec
-    builder = SpecBuilder(g, dev)
+    builder = SpecBuilder(g, dev, bias.atoms)
     for atom in bias.atoms:
         atom.lower(builder)
     spec = builder.build()
@@ -536,7 +537,7 @@ def _structure_key(bias, tensors: tuple, g, device):
         return None
     parts = []
     for atom in bias.atoms:
-        if atom.tensors() and not atom.lengths_on_device_only():
+        if atom.tensors() and not atom.lowers_unread(device, bias.atoms):
             return None
         parts.append((type(atom), tuple(getattr(atom, name) for name in _structure_fields(type(atom)))))
     metas = tuple((t.shape, t.dtype, t.device, t.stride()) for t in tensors)

@@ -118,14 +118,19 @@ class CudnnOperator(VendorOperator):
         return out, lse, VendorCtx(self.NAME, lse_raw, lse_fmt, (seed, offset))
 
     def kernel_out(self, inp: AttentionInputs, layout):
+        dense = aten_entry(DENSE[0])
+        if inp.groups == 1 and dense is not None:  # SDPA's entry has torch's own binding: less host time per call
+            causal = bool(cudnn_causal(layout))
+            return dense(inp.q, inp.k, inp.v, self._bias(inp), False, inp.dropout_p, causal, False, scale=inp.scale)[0]
         return self._launch_fwd(inp, layout, compute_lse=False)[0]
 
     def kernel_graph_out(self, inp: AttentionInputs, layout):
         # SDPA's own entry point (only the ragged one takes grouped-query heads). Its gradient is wrong
         # for a dout laid out unlike out (H200, torch 2.11, SDPA included), so the hook lays it out like out.
-        if inp.groups > 1 or aten_entry(DENSE[0]) is None:
+        dense = aten_entry(DENSE[0])
+        if inp.groups > 1 or dense is None:
             return None
-        out = aten_entry(DENSE[0])(
+        out = dense(
             inp.q, inp.k, inp.v, None, True, inp.dropout_p, bool(cudnn_causal(layout)), False, scale=inp.scale
         )[0]
         out.register_hook(functools.partial(_like, out.shape, out.stride()))

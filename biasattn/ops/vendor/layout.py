@@ -147,8 +147,9 @@ def sequence_layout(spec: BiasSpec) -> SequenceLayout:
         return SequenceLayout("padded", seqs, cu_q, cu_k, gather)
     qs, ks, kl = h.q_seqstart, h.k_seqstart, h.k_seqlen
     if qs is None:
-        return SequenceLayout("segments", (), reason="needs the packed sequences' lengths on the host; these live on "
-                                                     "the device only")
+        return SequenceLayout("segments", (), reason="needs the packed sequences' lengths on the host; calls read "
+                                                     "them on the device only (lengths on a GPU tensor, or "
+                                                     "self-attention documents built on a GPU)")
     n = len(kl)
     if qs[0] != 0 or qs[n] != spec.Mq:
         return SequenceLayout(
