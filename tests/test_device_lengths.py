@@ -382,7 +382,7 @@ def test_documents_built_from_lists_on_a_gpu_are_lowered_as_device_data(monkeypa
     """Packed self-attention documents built from lists with ``device=`` off the CPU (the meta device
     plays the GPU here: no value can be read there) lower like lengths from a GPU tensor: their tensors
     pass through unread and masks built anew share one spec per number of documents. Queries and keys
-    packed apart, and compositions with another block-diagonal mask, are lowered from the host copies."""
+    packed apart, slices and compositions with another block-diagonal mask are lowered from the host copies."""
     from biasattn.bias import spec as spec_module
     from biasattn.bias.spec import lower
 
@@ -405,5 +405,7 @@ def test_documents_built_from_lists_on_a_gpu_are_lowered_as_device_data(monkeypa
     docs = ba.BlockDiagonalMask.from_seqlens([5, 9], device="meta")
     both = lower(docs & ba.BlockDiagonalMask.from_seqlens([5, 9], device="meta"), 1, 2, 14, 14, "meta")
     assert both.host.q_seqstart == (0, 5, 14)
+    part = lower(docs[..., 2:, 2:], 1, 2, 12, 12, "meta")
+    assert part.host.q_seqstart == (0, 3, 12), "a slice (a context-parallel pair) keeps its host lengths"
     on_cpu = lower(ba.BlockDiagonalMask.from_seqlens([5, 9]), 1, 2, 14, 14, "cpu")
     assert on_cpu.host.q_seqstart == (0, 5, 14), "CPU lengths are read for free"

@@ -147,8 +147,8 @@ class Atom:
         """Tensors this atom holds, by field name."""
         return {}
 
-    def lowers_unread(self, device, atoms: tuple) -> bool:
-        """True when lowering this atom, one of ``atoms``, for a call on ``device`` passes its tensors on
+    def lowers_unread(self, g: Geometry, device, atoms: tuple) -> bool:
+        """True when lowering this atom, one of ``atoms``, for a call of geometry ``g`` on ``device`` passes its tensors on
         without reading a value (lengths that only the device holds, say): the spec of one such atom
         then serves every atom of its structure."""
         return False

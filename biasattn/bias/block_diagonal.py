@@ -62,18 +62,20 @@ class SegmentsAtom(Atom):
         return self.q_given is not None and all(
             tensor_version(t) in (0, -1) for t in (self.q_seqstart, self.k_seqstart, self.k_seqlen))
 
-    def lowers_unread(self, device, atoms: tuple) -> bool:
+    def lowers_unread(self, g: Geometry, device, atoms: tuple) -> bool:
         """Lengths only the device holds are passed on unread, and so are packed self-attention documents
         (one tensor of starts for queries and keys) held by a GPU tensor, even where the host has a copy
-        (built from lists with ``device=``): their launches and operator choice then follow from the
-        number of documents alone. Lengths on the CPU, queries and keys packed apart (a decode batch)
-        and compositions with key lengths or another block-diagonal mask are lowered from host copies."""
+        (built from lists with ``device=``), for a call that covers the whole mask: their launches and
+        operator choice then follow from the number of documents alone. Lengths on the CPU, queries
+        and keys packed apart (a decode batch), slices (context-parallel pairs bound their rows from the
+        host copies) and compositions with key lengths or another block-diagonal mask are lowered from
+        the host copies."""
         if not self.starts_known():
             return True
-        if torch.compiler.is_compiling() or self.q_seqstart.device.type == "cpu":
+        if torch.compiler.is_compiling() or self.q_seqstart.device.type == "cpu" or self.q_seqstart is not self.k_seqstart:
             return False
-        return self.q_seqstart is self.k_seqstart and not any(
-            a is not self and a.kind in ("segments", "padded_keys") for a in atoms)
+        whole = (g.q_off, g.k_off, g.Mq, g.Mk) == (0, 0, g.Mq_full, g.Mk_full)
+        return whole and not any(a is not self and a.kind in ("segments", "padded_keys") for a in atoms)
 
     def sizes(self):
         return (None, None, self.Mq, self.Mk)
@@ -130,7 +132,7 @@ class SegmentsAtom(Atom):
             raise InputError(
                 f"{self.family} describes a packed batch: q must have batch size B=1, got B={builder.g.B}"
             )
-        if self.lowers_unread(builder.device, builder.atoms):
+        if self.lowers_unread(builder.g, builder.device, builder.atoms):
             builder.add_device_segments(
                 tuple(to_device(t, builder.device) for t in (self.q_seqstart, self.k_seqstart, self.k_seqlen)), self.band)
             return

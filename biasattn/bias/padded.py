@@ -46,7 +46,7 @@ class PaddedKeysAtom(Atom):
             return self.lengths()
         return None
 
-    def lowers_unread(self, device, atoms: tuple) -> bool:
+    def lowers_unread(self, g, device, atoms: tuple) -> bool:
         return self.known_lengths() is None
 
     def sizes(self):

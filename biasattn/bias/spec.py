@@ -537,7 +537,7 @@ def _structure_key(bias, tensors: tuple, g, device):
         return None
     parts = []
     for atom in bias.atoms:
-        if atom.tensors() and not atom.lowers_unread(device, bias.atoms):
+        if atom.tensors() and not atom.lowers_unread(g, device, bias.atoms):
             return None
         parts.append((type(atom), tuple(getattr(atom, name) for name in _structure_fields(type(atom)))))
     metas = tuple((t.shape, t.dtype, t.device, t.stride()) for t in tensors)
