@@ -409,3 +409,19 @@ def test_documents_built_from_lists_on_a_gpu_are_lowered_as_device_data(monkeypa
     assert part.host.q_seqstart == (0, 3, 12), "a slice (a context-parallel pair) keeps its host lengths"
     on_cpu = lower(ba.BlockDiagonalMask.from_seqlens([5, 9]), 1, 2, 14, 14, "cpu")
     assert on_cpu.host.q_seqstart == (0, 5, 14), "CPU lengths are read for free"
+
+
+def test_key_bounds_of_documents_only_the_device_holds_cover_every_key(monkeypatch):
+    """Host-side key bounds (context-parallel pairs, tile skipping) of packed documents whose lengths only
+    the device holds cover every key instead of reading lengths the host does not have."""
+    from biasattn.bias.block_diagonal import SegmentsAtom
+    from biasattn.bias.spec import lower
+    from biasattn.distributed.pairs import hides_everything
+    from biasattn.ops.tiles import key_range, query_range
+
+    monkeypatch.setattr(SegmentsAtom, "starts_known", lambda self: False)
+    mask = ba.BlockDiagonalMask._from_tensors(torch.tensor([5, 9, 10]), None, None).make_causal()
+    for spec in (lower(mask, 1, 2, 24, 24), lower(mask[..., 4:, :20], 1, 2, 20, 20)):
+        assert spec.host.q_seqstart is None
+        assert key_range(spec, 0, 3) == (0, spec.Mk) and query_range(spec) == (0, spec.Mq)
+        assert not hides_everything(spec)

@@ -37,6 +37,8 @@ def _segment_rows(spec: BiasSpec, i0: int, i1: int):
 def key_range(spec: BiasSpec, i0: int, i1: int) -> tuple[int, int]:
     """``[j_lo, j_hi)`` containing every key visible to some row in ``[i0, i1)`` (may be empty)."""
     h = spec.host
+    if spec.q_seqstart is not None and h.q_seqstart is None:
+        return (0, spec.Mk)  # lengths only the device holds: any key may be visible
     lo_all, hi_all = spec.Mk, 0
 
     def band(s: int) -> tuple[int, int]:
