@@ -425,3 +425,16 @@ def test_key_bounds_of_documents_only_the_device_holds_cover_every_key(monkeypat
         assert spec.host.q_seqstart is None
         assert key_range(spec, 0, 3) == (0, spec.Mk) and query_range(spec) == (0, spec.Mq)
         assert not hides_everything(spec)
+
+
+def test_moving_a_list_built_mask_keeps_one_tensor_of_starts_and_its_host_copies():
+    """``.to(device)`` moves a tensor that plays two roles once (self-attention documents keep one tensor of
+    starts, so they lower as device data there) and keeps the lengths the host was given."""
+    from biasattn.bias.spec import lower
+
+    docs = ba.BlockDiagonalMask.from_seqlens([3, 5]).make_causal().to("meta")
+    atom = docs.atoms[0]
+    assert atom.q_seqstart is atom.k_seqstart and atom.q_seqstart.device.type == "meta"
+    assert docs.q_seqlens == [3, 5] and lower(docs, 1, 2, 8, 8, "meta").host.q_seqstart is None
+    padded = ba.PaddedKeysMask([3, 4]).to("meta")
+    assert padded.kv_seqlens.device.type == "meta" and padded.atoms[0].lengths() == (3, 4)

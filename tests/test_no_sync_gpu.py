@@ -51,7 +51,16 @@ def _causal_padded(step):
     return ba.LowerTriangularMask() & ba.PaddedKeysMask(LENS[step % len(LENS)], device=DEV)
 
 
-FRESH = {"padded": _padded, "documents": _documents, "documents_br": _documents_br, "causal_padded": _causal_padded}
+def _documents_moved(step):
+    return ba.BlockDiagonalMask.from_seqlens(DOCS[step % len(DOCS)] * B).make_causal().to(DEV)
+
+
+def _padded_moved(step):
+    return ba.PaddedKeysMask(LENS[step % len(LENS)]).cuda()
+
+
+FRESH = {"padded": _padded, "documents": _documents, "documents_br": _documents_br, "causal_padded": _causal_padded,
+         "documents_moved": _documents_moved, "padded_moved": _padded_moved}
 REUSED = {"causal": lambda: ba.LowerTriangularMask(), "window": lambda: ba.LocalAttentionMask(31, 0),
           "padded": lambda: _padded(0), "documents": lambda: _documents(0)}
 

@@ -96,8 +96,7 @@ def _make(case: Case, dtype, requires_grad: bool, seed: int = 0):
 def _bias(case: Case, add):
     if case.bias is None:
         return None
-    b = case.bias(add)
-    return b.to(DEV) if b is not None else None
+    return case.bias(add)  # list-built masks follow q: their lengths stay on the host, where the vendor kernels read them
 
 
 def _leaf(t, dtype=None, grad=True):

@@ -168,11 +168,16 @@ class Atom:
         return False
 
     def to(self, device=None, dtype=None) -> Atom:
-        """Same atom with its tensors moved (and floating tensors cast); a device given is kept."""
-        changes = {}
+        """Same atom with its tensors moved (and floating tensors cast); a device given is kept. A tensor in
+        two roles stays one tensor, and lengths reach a GPU without a wait (:func:`to_device`)."""
+        changes, moved = {}, {}
         for name, t in self.tensors().items():
-            cast = dtype if (dtype is not None and t.is_floating_point()) else None
-            changes[name] = t.to(device=device, dtype=cast)
+            if id(t) not in moved:
+                if t.is_floating_point():
+                    moved[id(t)] = t.to(device=device, dtype=dtype)
+                else:
+                    moved[id(t)] = t if device is None else to_device(t, device)
+            changes[name] = moved[id(t)]
         if device is not None and self.follows_q:
             changes["from_lists"] = False
         return replace(self, **changes) if changes else self
