@@ -34,15 +34,15 @@ PRIORITY: dict[str, tuple[str, ...]] = {
 DEFAULT_PRIORITY: tuple[str, ...] = ("chunked", "reference")
 SPLITK_MAX_MQ = 16  # triton_splitk is a decode kernel: only tried first for sequences of at most this many queries
 # Single-query decoding with at most this many query heads per KV head, called eagerly: such steps are
-# mostly host time. Against a cache that grows by one key per step (an eager loop over a dynamic
-# cache: new sizes every call, so triton_splitk has no launch plan) the cudnn operator is faster
-# (H200, eager calls back to back, caches 1k and 8k: 1.13-1.64x triton_splitk's GB/s where host-bound);
-# a loop repeating one size replays triton_splitk's plan and favours it (0.71-0.93x), and is better
-# captured in a CUDA graph. While a graph is being captured only GPU time counts, and there
-# triton_splitk streams as fast or faster (cudnn at 0.82-1.016x its GB/s, CUDA-graph timed). With 32 query
-# heads per KV head, or several queries per sequence, triton_splitk is faster either way (cuDNN does
-# not share a K/V tile between the heads of a group).
-CUDNN_DECODE_MAX_GROUPS = 16
+# mostly host time, and the cudnn operator spends less of it than triton_splitk's split and merge
+# launches (H200, eager calls back to back, B = 1, 4, 16, caches 1k, 8k and 32k: 0.98-1.53x
+# triton_splitk's GB/s with 32 query heads per KV head, 1.0-1.63x with 4; against a cache that grows
+# by one key per step, where triton_splitk has no launch plan, 1.13-1.64x). While a graph is being
+# captured only GPU time counts, and there triton_splitk streams as fast or faster (cudnn at
+# 0.82-1.016x its GB/s, CUDA-graph timed). With several queries per sequence triton_splitk is faster
+# either way. Command: ``bench_decode.py --operators --eager --heads 32/1 32/8 --mq 1 --batch 1 4 16
+# --mk 1024 8192 32768``.
+CUDNN_DECODE_MAX_GROUPS = 32
 # A few queries per sequence without grouped heads, on a batch of at least 512 (sequence, head) pairs
 # and a cache of at most 8k keys: the cudnn operator streams faster too (H200, CUDA-graph timed, 32/32
 # heads, 2 and 4 queries, B = 16 and 64, caches 1k and 8k: 1.008-1.032x triton_splitk's GB/s); at B = 4

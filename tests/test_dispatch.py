@@ -273,8 +273,8 @@ def _decode(Hq, Hkv, Mq, bias=None, B=2, Mk=40):
 def test_cuda_priority_puts_cudnn_first_for_single_query_decoding_of_small_groups():
     order = dispatch.priority("cuda", _decode(8, 2, 1))
     assert order.index("cudnn") < order.index("triton_splitk") < order.index("triton")
-    assert dispatch.priority("cuda", _decode(16, 1, 1)).index("cudnn") == 0  # 16 query heads per KV head
-    for inp in (_decode(32, 1, 1), _decode(8, 2, 4)):  # 32 query heads per KV head; 4 queries
+    assert dispatch.priority("cuda", _decode(32, 1, 1)).index("cudnn") == 0  # 32 query heads per KV head
+    for inp in (_decode(64, 1, 1), _decode(8, 2, 4)):  # 64 query heads per KV head; 4 queries
         assert dispatch.priority("cuda", inp)[0] == "triton_splitk"
     order = dispatch.priority("cuda", _decode(2, 2, 17))  # not a decode shape
     assert order.index("cudnn") < order.index("cutlass") < order.index("triton_splitk")
@@ -311,8 +311,8 @@ def test_priority_notes_name_the_rule_and_its_numbers(monkeypatch):
     assert note.startswith("cudnn before triton_splitk") and "4 query heads per KV head" in note
     (note,) = dispatch.priority_notes("cuda", _decode(32, 32, 4, B=16))
     assert note.startswith("cudnn before triton_splitk") and "512 (sequence, KV head) pairs" in note
-    (note,) = dispatch.priority_notes("cuda", _decode(32, 1, 1))
-    assert note.startswith("triton_splitk first") and "32 query heads per KV head, called eagerly" in note
+    (note,) = dispatch.priority_notes("cuda", _decode(64, 1, 1))
+    assert note.startswith("triton_splitk first") and "64 query heads per KV head, called eagerly" in note
     (note,) = dispatch.priority_notes("cuda", _decode(2, 2, 17))
     assert note.startswith("triton_splitk tried late") and "17 queries" in note
     q = torch.randn(2, 4, 64, 8)

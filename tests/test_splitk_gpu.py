@@ -251,7 +251,7 @@ def test_torch_compile():
 
 
 def test_dispatcher_prefers_splitk_for_decoding():
-    q, k, v = decode_inputs(1, 32, 1, 1, 32768, torch.bfloat16)  # 32 query heads per KV head
+    q, k, v = decode_inputs(1, 64, 1, 1, 32768, torch.bfloat16)  # 64 query heads per KV head
     fwd, _ = dispatch.choose(make_inputs(q, k, v))
     assert fwd.NAME == "triton_splitk"
     assert "triton_splitk  chosen" in ba.explain(q, k, v)
@@ -328,9 +328,9 @@ def test_masks_built_every_step_replay_shared_plans_with_their_own_lengths(heads
 
 
 def test_explain_names_the_decode_rule_and_the_split_kv_launch():
-    q, k, v = decode_inputs(4, 32, 1, 1, 8192, torch.bfloat16)
+    q, k, v = decode_inputs(4, 64, 1, 1, 8192, torch.bfloat16)
     text = ba.explain(q, k, v)
-    assert "order: triton_splitk first: a decode step of 1 query per sequence with 32 query heads per KV head" in text
+    assert "order: triton_splitk first: a decode step of 1 query per sequence with 64 query heads per KV head" in text
     assert "triton_splitk  chosen: " in text and "key tiles" in text
     q, k, v = decode_inputs(4, 32, 8, 1, 8192, torch.bfloat16)
     assert "order: cudnn before triton_splitk" in ba.explain(q, k, v)

@@ -99,14 +99,14 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     dev = q.device
     add = spec.additive
     need_dbias = need_dbias and add is not None
-    dq = _new(q.shape, q.dtype, dev)
-    dk = _new(k.shape, k.dtype, dev)
-    dv = _new(v.shape, v.dtype, dev)
+    dq = _new(q, q.shape, q.dtype)
+    dk = _new(q, k.shape, k.dtype)
+    dv = _new(q, v.shape, v.dtype)
     if B * H * Mq == 0 or Mk == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
         return dq, dk, dv, (torch.zeros_like(add) if need_dbias else None)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    delta = torch.empty((B, H, Mq), dtype=torch.float32, device=dev)
+    delta = q.new_empty((B, H, Mq), dtype=torch.float32)
     plannable = dlse is None and not need_dbias and dropout_p == 0
     key = _plan_key("bwd", (q, k, v, out, lse, dout), spec) if plannable else None
     store, key, roles = flash.plan_home(spec, dev, key)
@@ -144,7 +144,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     g_dtype = torch.float32 if dbias_accum or add is None else add.dtype
     every_tile = not (args.has_segments or args.has_padded or args.has_band or args.has_layout)
     g_zero = kv_reduction == "full" and (dbias_accum or not every_tile)
-    dbias = _new(add.shape, g_dtype, dev, zero=g_zero) if reduction == "full" else d32
+    dbias = _new(q, add.shape, g_dtype, zero=g_zero) if reduction == "full" else d32
     dcol = torch.zeros((B, H, Mk), dtype=torch.float32, device=dev) if reduction == "col" else d32
     drow = torch.zeros((B, H, Mq), dtype=torch.float32, device=dev) if reduction == "row" else d32
     g_strides = _bcast_strides(dbias, (B, H, Mq, Mk)) if reduction == "full" else (0, 0, 0, 0)

@@ -212,11 +212,11 @@ def splitk_attention_fwd(
         shared_key = (key, lengths.dtype, lengths.data_ptr() & 15, shape)
         plan = plans.lookup(_shared_plans, shared_key)
     if plan is not None:
-        out = torch.empty((B, Hq, Mq, Dv), dtype=q.dtype, device=dev)
-        lse = torch.empty((B, Hq, Mq), dtype=torch.float32, device=dev)
+        out = q.new_empty((B, Hq, Mq, Dv))  # new_empty: less host time than torch.empty(..., device=)
+        lse = q.new_empty((B, Hq, Mq), dtype=torch.float32)
         if plan.note > 1:  # the split count
-            o_buf = torch.empty((plan.note, B, Hq, Mq, Dv), dtype=torch.float32, device=dev)
-            l_buf = torch.empty((plan.note, B, Hq, Mq), dtype=torch.float32, device=dev)
+            o_buf = q.new_empty((plan.note, B, Hq, Mq, Dv), dtype=torch.float32)
+            l_buf = q.new_empty((plan.note, B, Hq, Mq), dtype=torch.float32)
         else:
             o_buf, l_buf = out, lse
         plan.run((q, k, v, out, lse, o_buf, l_buf, qk_scale, spec.kv_seqlens))
