@@ -182,6 +182,28 @@ def test_tensor_free_biases_built_anew_share_one_spec():
     assert lower(padded, 2, 4, 3, 40) is not lower(ba.PaddedKeysMask([3, 5]), 2, 4, 3, 40)
 
 
+def test_masks_without_tensors_built_anew_are_found_without_lowering_them(monkeypatch):
+    """A causal mask or a window built in every call holds the atom of the last one, so its spec is found
+    by one lookup; a bias of other sizes or other atoms is checked and lowered as before."""
+    from biasattn.bias import spec as spec_module
+    from biasattn.errors import InputError
+    from biasattn.inputs import make_inputs
+
+    q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 4, 40, 8)
+    assert ba.LocalAttentionMask(5).atoms[0] is ba.LocalAttentionMask(5).atoms[0]
+    window = make_inputs(q, k, k, ba.LocalAttentionMask(5)).spec
+    bound = make_inputs(q, k, k, ba.LowerTriangularMask().bind(3, 40)).spec
+    lowered = []
+    real = spec_module._lower_new
+    monkeypatch.setattr(spec_module, "_lower_new", lambda *a: lowered.append(a[0]) or real(*a))
+    assert make_inputs(q, k, k, ba.LocalAttentionMask(5)).spec is window
+    assert make_inputs(q, k, k, ba.LowerTriangularMask().bind(3, 40)).spec is bound and not lowered
+    assert make_inputs(q, k, k, ba.LocalAttentionMask(6)).spec.host.band_lo != window.host.band_lo
+    assert len(lowered) == 1
+    with pytest.raises(InputError, match="Mq 3, q has 4"):
+        make_inputs(torch.randn(2, 4, 4, 8), k, k, ba.LowerTriangularMask().bind(3, 40))
+
+
 @pytest.mark.parametrize(
     "bias,Mq,Mk,hides",
     [

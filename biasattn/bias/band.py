@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -58,3 +59,10 @@ class BandAtom(Atom):
 
     def __repr__(self) -> str:
         return f"band({self.alignment}, left={self.window_left}, right={self.window_right})"
+
+
+@functools.lru_cache(maxsize=256)
+def band_atom(alignment: str, window_left: int | None, window_right: int | None, family: str) -> BandAtom:
+    """The one :class:`BandAtom` of a band: masks built afresh every call hold the same atom, so the
+    spec lowered for one of them is found for the next by identity (:func:`~biasattn.bias.spec.lowered_before`)."""
+    return BandAtom(alignment, window_left, window_right, family=family)

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from ..errors import InputError
-from .band import BOTTOM_RIGHT, BandAtom
+from .band import BOTTOM_RIGHT, band_atom
 from .base import AttentionBias
 
 
@@ -35,4 +35,4 @@ class LocalAttentionMask(AttentionBias):
     def __new__(cls, window_left: int, window_right: int = 0):
         left = check_window("window_left", window_left)
         right = check_window("window_right", window_right)
-        return cls._create([BandAtom(BOTTOM_RIGHT, left, right, family=cls.__name__)])
+        return cls._create([band_atom(BOTTOM_RIGHT, left, right, cls.__name__)])

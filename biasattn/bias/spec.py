@@ -461,15 +461,27 @@ def lower(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasSpec:
     spec = cache.get(key)
     if spec is None:
         spec = cache[key] = _lower_new(bias, tensors, B, H, Mq, Mk, device)
+        if not tensors and all(type(n) is int for n in key[:4]):
+            _SPECS_BY_ATOMS[_atoms_key(bias, key)] = spec
     return spec
 
 
+#: Specs of biases without tensors by their atoms (compared by identity), slicing and call size: masks built
+#: afresh every call from the same atoms (:func:`~biasattn.bias.band.band_atom`) find theirs in one lookup.
+_SPECS_BY_ATOMS = BoundedCache(256)
+
+
+def _atoms_key(bias, size_key: tuple) -> tuple:
+    return (type(bias), bias._atoms, bias._offsets, bias._lengths, bias._full, *size_key)
+
+
 def lowered_before(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasSpec | None:
-    """The spec :func:`lower` keeps for this bias and call size, or None."""
+    """The spec :func:`lower` keeps for this bias and call size, or None. A bias without tensors also finds
+    the spec of an earlier bias of the same atoms (its checks against this call size passed then)."""
     cache = bias.__dict__.get("_spec_cache")
-    if cache is None:
-        return None
     try:
+        if cache is None:
+            return _SPECS_BY_ATOMS.get(_atoms_key(bias, (B, H, Mq, Mk, device)))
         return cache.get(_spec_key(bias, B, H, Mq, Mk, device)[1])
     except TypeError:  # symbolic sizes (tracing) are unhashable
         return None
