@@ -182,9 +182,10 @@ def test_tensor_free_biases_built_anew_share_one_spec():
     assert lower(padded, 2, 4, 3, 40) is not lower(ba.PaddedKeysMask([3, 5]), 2, 4, 3, 40)
 
 
-def test_masks_without_tensors_built_anew_are_found_without_lowering_them(monkeypatch):
-    """A causal mask or a window built in every call holds the atom of the last one, so its spec is found
-    by one lookup; a bias of other sizes or other atoms is checked and lowered as before."""
+def test_masks_built_anew_are_found_by_their_atoms_without_lowering_them(monkeypatch):
+    """A causal mask or a window built in every call holds the atom of the last one, and key lengths from a
+    device tensor are passed through unread: either finds the spec of an earlier mask of the same atom
+    tokens in one lookup (with its own length tensor); other sizes or tokens are checked and lowered."""
     from biasattn.bias import spec as spec_module
     from biasattn.errors import InputError
     from biasattn.inputs import make_inputs
@@ -193,15 +194,22 @@ def test_masks_without_tensors_built_anew_are_found_without_lowering_them(monkey
     assert ba.LocalAttentionMask(5).atoms[0] is ba.LocalAttentionMask(5).atoms[0]
     window = make_inputs(q, k, k, ba.LocalAttentionMask(5)).spec
     bound = make_inputs(q, k, k, ba.LowerTriangularMask().bind(3, 40)).spec
+    mq, mk = (t.to("meta") for t in (q, k))  # lengths only a device holds: never read
+    padded = make_inputs(mq, mk, mk, ba.PaddedKeysMask(torch.tensor([3, 40], device="meta"))).spec
     lowered = []
-    real = spec_module._lower_new
-    monkeypatch.setattr(spec_module, "_lower_new", lambda *a: lowered.append(a[0]) or real(*a))
+    real = spec_module._lower_by_structure
+    monkeypatch.setattr(spec_module, "_lower_by_structure", lambda *a: lowered.append(a[0]) or real(*a))
     assert make_inputs(q, k, k, ba.LocalAttentionMask(5)).spec is window
-    assert make_inputs(q, k, k, ba.LowerTriangularMask().bind(3, 40)).spec is bound and not lowered
+    assert make_inputs(q, k, k, ba.LowerTriangularMask().bind(3, 40)).spec is bound
+    lengths = torch.tensor([7, 9], dtype=torch.int32, device="meta")
+    fresh = make_inputs(mq, mk, mk, ba.PaddedKeysMask(lengths)).spec
+    assert fresh is not padded and fresh.kv_seqlens is lengths and fresh.host.kv_seqlens is None and not lowered
     assert make_inputs(q, k, k, ba.LocalAttentionMask(6)).spec.host.band_lo != window.host.band_lo
     assert len(lowered) == 1
     with pytest.raises(InputError, match="Mq 3, q has 4"):
         make_inputs(torch.randn(2, 4, 4, 8), k, k, ba.LowerTriangularMask().bind(3, 40))
+    with pytest.raises(InputError, match="batch size 3, q has 2"):
+        make_inputs(mq, mk, mk, ba.PaddedKeysMask(torch.tensor([1, 2, 3], device="meta")))
 
 
 @pytest.mark.parametrize(

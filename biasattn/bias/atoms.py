@@ -147,6 +147,13 @@ class Atom:
         """Tensors this atom holds, by field name."""
         return {}
 
+    def spec_token(self):
+        """What the spec of a bias holding this atom takes from it, as a hashable token, where that is
+        cheaper to tell than lowering; None where lowering must look (a value it reads, say). An atom
+        without tensors is its own token (atoms never change; :func:`~biasattn.bias.band.band_atom`
+        gives masks built afresh the same one)."""
+        return None if self.tensors() else self
+
     def lowers_unread(self, g: Geometry, device, atoms: tuple) -> bool:
         """True when lowering this atom, one of ``atoms``, for a call of geometry ``g`` on ``device`` passes its tensors on
         without reading a value (lengths that only the device holds, say): the spec of one such atom

@@ -49,6 +49,13 @@ class PaddedKeysAtom(Atom):
     def lowers_unread(self, g, device, atoms: tuple) -> bool:
         return self.known_lengths() is None
 
+    def spec_token(self):
+        """Lengths only the device holds, built from a tensor: their layout (the values pass through unread)."""
+        t = self.kv_seqlens
+        if self.host is not None or t.device.type == "cpu" or torch.compiler.is_compiling():
+            return None
+        return (PaddedKeysAtom, self.family, t.shape, t.dtype, t.device, t.stride())
+
     def sizes(self):
         n = self.kv_seqlens.shape[0]
         return (n if n > 1 else None, None, None, None)

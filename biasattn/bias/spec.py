@@ -443,13 +443,14 @@ def _plain_spec(B, H, Mq, Mk) -> BiasSpec:
 _STRUCTURAL_SPECS = BoundedCache(256)
 
 
-def lower(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasSpec:
+def lower(bias, B: int, H: int, Mq: int, Mk: int, device=None, *, found: tuple | None = None) -> BiasSpec:
     """Lower ``bias`` (an AttentionBias or None) for a call with q ``[B, H, Mq, D]`` and k ``[B, *, Mk, D]``.
 
     Specs are kept per bias object and call size. Biases whose lowering reads no tensor value (causal
     masks and windows, lengths that only the device holds) share one spec per structure and size,
     and a bias that hides nothing in the call gets the plain spec of that size: what operators derive
-    from a spec then serves biases built anew every step.
+    from a spec then serves biases built anew every step. ``found``: the ``(spec, slots)`` that
+    :func:`lowered_before` found for the bias's atom tokens.
     """
     if bias is None:
         return _plain_spec(B, H, Mq, Mk)
@@ -460,31 +461,42 @@ def lower(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasSpec:
         cache = bias.__dict__["_spec_cache"] = BoundedCache(16)
     spec = cache.get(key)
     if spec is None:
-        spec = cache[key] = _lower_new(bias, tensors, B, H, Mq, Mk, device)
-        if not tensors and all(type(n) is int for n in key[:4]):
-            _SPECS_BY_ATOMS[_atoms_key(bias, key)] = spec
+        spec = cache[key] = _lower_new(bias, tensors, B, H, Mq, Mk, device, found)
     return spec
 
 
-#: Specs of biases without tensors by their atoms (compared by identity), slicing and call size: masks built
-#: afresh every call from the same atoms (:func:`~biasattn.bias.band.band_atom`) find theirs in one lookup.
-_SPECS_BY_ATOMS = BoundedCache(256)
+#: ``(spec, slots)`` as in :data:`_STRUCTURAL_SPECS`, by the tokens of a bias's atoms
+#: (:meth:`~biasattn.bias.atoms.Atom.spec_token`), its slicing and the call size: a mask built afresh
+#: every call (a causal mask, a window, key lengths from a GPU tensor) finds its spec in one lookup.
+_SPECS_BY_TOKENS = BoundedCache(256)
 
 
-def _atoms_key(bias, size_key: tuple) -> tuple:
-    return (type(bias), bias._atoms, bias._offsets, bias._lengths, bias._full, *size_key)
+def _token_key(bias, B: int, H: int, Mq: int, Mk: int, device) -> tuple | None:
+    """The key of ``bias`` in :data:`_SPECS_BY_TOKENS`, or None (an atom without a token, symbolic sizes)."""
+    if not (type(B) is int and type(H) is int and type(Mq) is int and type(Mk) is int):
+        return None
+    atoms = bias._atoms
+    tokens = (atoms[0].spec_token(),) if len(atoms) == 1 else tuple([atom.spec_token() for atom in atoms])
+    if None in tokens:
+        return None
+    return (type(bias), tokens, bias._offsets, bias._lengths, bias._full, B, H, Mq, Mk, device)
 
 
 def lowered_before(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasSpec | None:
-    """The spec :func:`lower` keeps for this bias and call size, or None. A bias without tensors also finds
-    the spec of an earlier bias of the same atoms (its checks against this call size passed then)."""
+    """The spec :func:`lower` keeps for this bias and call size, or None. A bias not lowered before also
+    finds the spec of an earlier bias of the same atom tokens (whose checks against this call size
+    passed then)."""
     cache = bias.__dict__.get("_spec_cache")
     try:
-        if cache is None:
-            return _SPECS_BY_ATOMS.get(_atoms_key(bias, (B, H, Mq, Mk, device)))
-        return cache.get(_spec_key(bias, B, H, Mq, Mk, device)[1])
+        if cache is not None:
+            return cache.get(_spec_key(bias, B, H, Mq, Mk, device)[1])
+        key = _token_key(bias, B, H, Mq, Mk, device)
+        hit = _SPECS_BY_TOKENS.get(key) if key is not None else None
     except TypeError:  # symbolic sizes (tracing) are unhashable
         return None
+    if hit is None:
+        return None
+    return hit[0] if not hit[1] else lower(bias, B, H, Mq, Mk, device, found=hit)  # rebinds the bias's tensors, once
 
 
 def _spec_key(bias, B: int, H: int, Mq: int, Mk: int, device) -> tuple[tuple, tuple]:
@@ -497,26 +509,39 @@ def _spec_key(bias, B: int, H: int, Mq: int, Mk: int, device) -> tuple[tuple, tu
     return tensors, key
 
 
-def _lower_new(bias, tensors: tuple, B: int, H: int, Mq: int, Mk: int, device) -> BiasSpec:
-    """The spec of a bias not lowered for this call size before: by structure where it has one."""
+def _lower_new(bias, tensors: tuple, B: int, H: int, Mq: int, Mk: int, device, found: tuple | None = None) -> BiasSpec:
+    """The spec of a bias not lowered for this call size before: by its atoms' tokens (``found``: already
+    looked up) or its structure where it has them."""
+    token_key, hit = None, found
+    if hit is None:
+        token_key = _token_key(bias, B, H, Mq, Mk, device)
+        hit = _SPECS_BY_TOKENS.get(token_key) if token_key is not None else None
+    if hit is None:
+        hit = _lower_by_structure(bias, tensors, B, H, Mq, Mk, device)
+        if token_key is not None and hit[1] is not None:
+            _SPECS_BY_TOKENS[token_key] = hit
+    spec, slots = hit
+    return spec.rebound({name: tensors[i] for name, i in slots}) if slots else spec
+
+
+def _lower_by_structure(bias, tensors: tuple, B: int, H: int, Mq: int, Mk: int, device) -> tuple[BiasSpec, tuple | None]:
+    """``(spec, slots)``: the spec kept for the bias's structure, or a new one (slots None where it cannot be shared)."""
     g = bias.geometry(B, H, Mq, Mk)
     dev = device if device is not None else bias.device
     shared = _structure_key(bias, tensors, g, dev)
     hit = _STRUCTURAL_SPECS.get(shared) if shared is not None else None
     if hit is not None:
-        spec, slots = hit
-        return spec.rebound({name: tensors[i] for name, i in slots}) if slots else spec
+        return hit
     builder = SpecBuilder(g, dev, bias.atoms)
     for atom in bias.atoms:
         atom.lower(builder)
     spec = builder.build()
     if not spec.features and all(type(n) is int for n in (B, H, Mq, Mk)):
         spec = _plain_spec(B, H, Mq, Mk)
-    if shared is not None:
-        slots = _slots(spec, tensors, constant_band=builder.constant_band)
-        if slots is not None:
-            _STRUCTURAL_SPECS[shared] = (spec, slots)
-    return spec
+    slots = _slots(spec, tensors, constant_band=builder.constant_band) if shared is not None else None
+    if slots is not None:
+        _STRUCTURAL_SPECS[shared] = (spec, slots)
+    return spec, slots
 
 
 TENSOR_FIELDS = ("q_seqstart", "k_seqstart", "k_seqlen", "kv_seqlens", "band_lo", "band_hi", "layout", "additive",
