@@ -212,6 +212,37 @@ def test_masks_built_anew_are_found_by_their_atoms_without_lowering_them(monkeyp
         make_inputs(mq, mk, mk, ba.PaddedKeysMask(torch.tensor([1, 2, 3], device="meta")))
 
 
+def test_packed_documents_built_anew_from_device_lengths_are_found_without_lowering(monkeypatch):
+    """Documents whose lengths only a device holds lower to their tensors, unread: a mask built from the
+    next batch's lengths finds that spec by its atom's token and carries its own tensors; a mask of
+    another structure (a band, other shapes) or a call that breaks a rule is lowered and checked."""
+    from biasattn.bias import spec as spec_module
+    from biasattn.errors import InputError
+    from biasattn.inputs import make_inputs
+
+    q = torch.randn(1, 2, 24, 8, device="meta")
+
+    def documents(lengths, causal=True):
+        mask = ba.BlockDiagonalMask.from_seqlens(torch.tensor(lengths, dtype=torch.int32, device="meta"))
+        return mask.make_causal() if causal else mask
+
+    first = make_inputs(q, q, q, documents([5, 19])).spec
+    lowered = []
+    real = spec_module._lower_by_structure
+    monkeypatch.setattr(spec_module, "_lower_by_structure", lambda *a: lowered.append(a[0]) or real(*a))
+    mask = documents([20, 4])
+    fresh = make_inputs(q, q, q, mask).spec
+    starts = mask._segments.q_seqstart
+    assert fresh is not first and fresh.q_seqstart is starts and fresh.k_seqstart is starts and not lowered
+    assert fresh.features == first.features
+    make_inputs(q, q, q, documents([20, 4], causal=False))
+    make_inputs(q, q, q, documents([6, 6, 12]))
+    assert len(lowered) == 2
+    with pytest.raises(InputError, match="batch size B=1"):
+        make_inputs(torch.randn(2, 2, 24, 8, device="meta"), q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1),
+                    documents([12, 12]))
+
+
 @pytest.mark.parametrize(
     "bias,Mq,Mk,hides",
     [

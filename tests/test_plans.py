@@ -137,6 +137,41 @@ def test_plans_serve_packed_documents_built_anew_every_step(triton_options, plan
                        if isinstance(r, torch.Tensor) and r.dtype == torch.int32), "old lengths replayed"
 
 
+@pytest.mark.parametrize("need_lse", [False, True])
+def test_a_compiled_training_step_replays_the_backward_plan(plans, monkeypatch, need_lse):
+    """Under ``torch.compile`` the traced backward fills the gradient of an lse nobody asked for with
+    zeros; the backward must still take the call as one without an lse gradient, and so replay its
+    plan like the eager call does. With the lse returned (and used), its gradient is real."""
+    def step(q, k, v, lengths):
+        bias = ba.BlockDiagonalMask.from_seqlens(lengths).make_causal()
+        if need_lse:
+            out, lse = ba.attention_with_lse(q, k, v, bias, op="triton")
+            return out + lse[..., None]
+        return ba.attention(q, k, v, bias, op="triton")
+
+    from biasattn.ops.triton import flash, options
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=True)
+    replays = []
+    real_run = plans.Plan.run
+    monkeypatch.setattr(plans.Plan, "run", lambda self, roles: replays.append(self) or real_run(self, roles))
+    steps = [[5, 19], [20, 4], [1, 23], [12, 12], [24, 0]]  # the fifth compiled step replays
+    for call, lengths in enumerate(steps[:2] if need_lse else steps):
+        q, k, v, dout = (t.requires_grad_() for t in _tensors(seed=call))
+        lengths = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+        del replays[:]
+        got = torch.autograd.grad(compiled(q, k, v, lengths), (q, k, v), dout)
+        compiled_replays = list(replays)
+        with options.use(plans=False):
+            want = torch.autograd.grad(step(q, k, v, lengths), (q, k, v), dout)
+        for what, a, b in zip(("dq", "dk", "dv"), got, want):
+            torch.testing.assert_close(a, b, msg=lambda m, what=what, call=call: f"call {call}, {what}: {m}")
+    backward = [v for key, v in flash._SHARED_PLANS.items() if key[0][:2] == ("launch plan", "bwd")]
+    if not need_lse:
+        assert any(type(p) is plans.Plan and p in compiled_replays for p in backward), \
+            "the compiled backward did not replay its plan"
+
+
 @pytest.mark.parametrize("name", ["causal", "documents"])
 def test_a_new_scale_every_call_replays_the_same_plan(triton_options, plans, monkeypatch, name):
     """The softmax scale is a role of a plan, not part of its key (a learned temperature changes it every

@@ -77,6 +77,16 @@ class SegmentsAtom(Atom):
         whole = (g.q_off, g.k_off, g.Mq, g.Mk) == (0, 0, g.Mq_full, g.Mk_full)
         return whole and not any(a is not self and a.kind in ("segments", "padded_keys") for a in atoms)
 
+    def spec_token(self):
+        """Segments on a GPU: what lowering looks at when it passes them on unread (see
+        :meth:`lowers_unread`), i.e. their layout, band, size and whether the host knows them."""
+        qs, ks, kl = self.q_seqstart, self.k_seqstart, self.k_seqlen
+        if qs.device.type == "cpu" or torch.compiler.is_compiling():
+            return None
+        return (SegmentsAtom, self.family, self.band, self.Mq, self.Mk, self.from_lists, self.starts_known(), qs is ks,
+                qs.shape, ks.shape, kl.shape, qs.dtype, ks.dtype, kl.dtype, qs.device, ks.device, kl.device,
+                qs.stride(), ks.stride(), kl.stride())
+
     def sizes(self):
         return (None, None, self.Mq, self.Mk)
 

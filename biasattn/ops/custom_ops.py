@@ -310,21 +310,28 @@ protocol.register_torch_dispatch(torch.ops.biasattn.attention_fwd.default, _fwd_
 protocol.register_torch_dispatch(torch.ops.biasattn.attention_bwd.default, _bwd_with_bias)
 
 
-def _save(ctx, q, k, v, bias_tensors, out, lse, state, scale, dropout_p) -> None:
+def _save(ctx, q, k, v, bias_tensors, out, lse, state, scale, dropout_p, need_lse) -> None:
     ctx.save_for_backward(q, k, v, out, lse, state, *bias_tensors)
-    ctx.scale, ctx.dropout_p = scale, dropout_p
+    ctx.scale, ctx.dropout_p, ctx.need_lse = scale, dropout_p, need_lse
     ctx.bias_grad = [t.requires_grad and t.is_floating_point() for t in bias_tensors]
 
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, bias, bias_tensors, scale, dropout_p, requires_grad, need_lse, op = inputs
-    _save(ctx, q, k, v, bias_tensors, *output, scale, dropout_p)
+    _save(ctx, q, k, v, bias_tensors, *output, scale, dropout_p, need_lse)
     ctx.bias = bias
+
+
+def _lse_grad(ctx, dlse):
+    """``dlse`` when the caller asked for lse, else None: traced backward graphs fill the gradient of an
+    output nobody saw with zeros, and a zero ``dlse`` would cost the backward its launch plan."""
+    return dlse if ctx.need_lse else None
 
 
 def _backward(ctx, dout, dlse, dstate):
     q, k, v, out, lse, state, *bias_tensors = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout
+    dlse = _lse_grad(ctx, dlse)
     dq, dk, dv, dbias = attention_bwd(
         dout, dlse, q, k, v, ctx.bias, bias_tensors, out, lse, state, ctx.scale, ctx.dropout_p, ctx.bias_grad
     )
@@ -334,13 +341,14 @@ def _backward(ctx, dout, dlse, dstate):
 
 def _setup_context_flat(ctx, inputs, output) -> None:
     q, k, v, bias_tensors, text, shape, scale, dropout_p, requires_grad, need_lse, op = inputs
-    _save(ctx, q, k, v, bias_tensors, *output, scale, dropout_p)
+    _save(ctx, q, k, v, bias_tensors, *output, scale, dropout_p, need_lse)
     ctx.text, ctx.shape = text, shape
 
 
 def _backward_flat(ctx, dout, dlse, dstate):
     q, k, v, out, lse, state, *bias_tensors = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout
+    dlse = _lse_grad(ctx, dlse)
     dq, dk, dv, dbias = attention_bwd_flat(
         dout, dlse, q, k, v, out, lse, state, bias_tensors, ctx.text, ctx.shape, ctx.scale, ctx.dropout_p, ctx.bias_grad
     )
