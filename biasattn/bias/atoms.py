@@ -87,6 +87,12 @@ def to_device(t, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     return t.to(device)
 
 
+def tensor_layout(t: torch.Tensor) -> tuple:
+    """What lowering and launches take from a tensor whose values they pass on unread: shape, dtype,
+    device, strides."""
+    return (t.shape, t.dtype, t.device, t.stride())
+
+
 def readable(t: torch.Tensor) -> bool:
     """Whether ``t``'s values can be read on the host now (not meta, not a fake tensor of a trace)."""
     if t.device.type == "meta" or torch.compiler.is_compiling():

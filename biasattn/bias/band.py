@@ -37,9 +37,6 @@ class BandAtom(Atom):
     def needs_full_size(self) -> bool:
         return self.alignment == BOTTOM_RIGHT
 
-    def spec_token(self):
-        return self  # no tensors: the atom itself
-
     def diagonal_bounds(self, g: Geometry) -> tuple[int | None, int | None]:
         """Bounds on ``d = j - i`` in the bias' global coordinates (None = unbounded)."""
         shift = 0 if self.alignment == TOP_LEFT else g.Mk_full - g.Mq_full

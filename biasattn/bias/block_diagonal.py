@@ -16,7 +16,17 @@ from itertools import accumulate
 import torch
 
 from ..errors import InputError
-from .atoms import Atom, Geometry, as_lengths, check_length_tensor, readable, tensor_version, to_device, visible_to_additive
+from .atoms import (
+    Atom,
+    Geometry,
+    as_lengths,
+    check_length_tensor,
+    readable,
+    tensor_layout,
+    tensor_version,
+    to_device,
+    visible_to_additive,
+)
 from .band import BOTTOM_RIGHT, TOP_LEFT, segment_diagonals
 from .base import AttentionBias
 from .local import check_window
@@ -84,8 +94,7 @@ class SegmentsAtom(Atom):
         if qs.device.type == "cpu" or torch.compiler.is_compiling():
             return None
         return (SegmentsAtom, self.family, self.band, self.Mq, self.Mk, self.from_lists, self.starts_known(), qs is ks,
-                qs.shape, ks.shape, kl.shape, qs.dtype, ks.dtype, kl.dtype, qs.device, ks.device, kl.device,
-                qs.stride(), ks.stride(), kl.stride())
+                tensor_layout(qs), tensor_layout(ks), tensor_layout(kl))
 
     def sizes(self):
         return (None, None, self.Mq, self.Mk)

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import InputError
 from ..memo import BoundedCache
-from .atoms import tensor_version, to_device
+from .atoms import tensor_layout, tensor_version, to_device
 from .band import segment_diagonals
 
 BAND_UNBOUNDED = 2**30
@@ -577,7 +577,7 @@ def _structure_key(bias, tensors: tuple, g, device):
         if atom.tensors() and not atom.lowers_unread(g, device, bias.atoms):
             return None
         parts.append((type(atom), tuple(getattr(atom, name) for name in _structure_fields(type(atom)))))
-    metas = tuple((t.shape, t.dtype, t.device, t.stride()) for t in tensors)
+    metas = tuple(map(tensor_layout, tensors))
     aliases = tuple(next(i for i, u in enumerate(tensors) if u is t) for t in tensors)  # one tensor in two roles
     return (type(bias), tuple(parts), metas, aliases, g, str(device))
 
