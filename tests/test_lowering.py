@@ -276,3 +276,24 @@ def test_two_alibi_terms_add(seed):
     ref, _ = reference_attention(q, k, v, ba.ALiBi(s1 + s2))
     for op in (CHUNKED_SMALL, "reference"):
         assert_close_to_reference(ba.attention(q, k, v, bias, op=op), ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("make, B", [(lambda: ba.PaddedKeysMask([9, 13]), 2),
+                                     (lambda: ba.BlockDiagonalMask.from_seqlens([5, 11]).make_causal(), 1)],
+                         ids=["padded", "documents"])
+def test_lengths_in_a_traces_fake_cpu_tensors_are_never_read(make, B):
+    """A trace outside Dynamo (``make_fx``, AOTAutograd) rebuilds a bias around fake tensors, on the CPU and
+    without the host copies: lowering passes them on unread instead of asking a fake tensor for values."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from biasattn.bias.base import AttentionBias
+
+    bias, mode = make(), FakeTensorMode()
+    names, ctx = bias.__tensor_flatten__()
+    fake = AttentionBias.__tensor_unflatten__({n: mode.from_tensor(getattr(bias, n)) for n in names}, ctx,
+                                              bias.shape, bias.stride())
+    with mode:
+        spec = lower(fake, B, 4, 16, 16)
+    lengths = spec.kv_seqlens if B == 2 else spec.q_seqstart
+    assert lengths is not None and spec.host.kv_seqlens is None and spec.host.q_seqstart is None
+    assert spec.features == lower(bias, B, 4, 16, 16).features

@@ -65,9 +65,9 @@ class SegmentsAtom(Atom):
 
     def starts_known(self) -> bool:
         """Whether the host has the starts for free: given as lists and not written since, or held by CPU
-        tensors outside ``torch.compile`` (which reads them as it always has). The attention path never
-        reads a GPU tensor's lengths."""
-        if torch.compiler.is_compiling() or self.q_seqstart.device.type == "cpu":
+        tensors outside ``torch.compile`` (which reads them as it always has) that hold values (not a
+        trace's fake tensors). The attention path never reads a GPU tensor's lengths."""
+        if torch.compiler.is_compiling() or (self.q_seqstart.device.type == "cpu" and readable(self.q_seqstart)):
             return True
         return self.q_given is not None and all(
             tensor_version(t) in (0, -1) for t in (self.q_seqstart, self.k_seqstart, self.k_seqlen))

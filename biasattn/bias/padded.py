@@ -37,12 +37,12 @@ class PaddedKeysAtom(Atom):
 
     def known_lengths(self) -> tuple[int, ...] | None:
         """The lengths where the host has them for free (given as a list and not written since, or held
-        by a CPU tensor outside ``torch.compile``), else None: the attention path never reads a GPU
-        tensor's values, nor a traced one's."""
+        by a CPU tensor outside ``torch.compile`` and not a trace's fake tensor), else None: the attention
+        path never reads a GPU tensor's values, nor a traced one's."""
         t = self.kv_seqlens
         if torch.compiler.is_compiling():
             return None
-        if t.device.type == "cpu" or (self.host is not None and tensor_version(t) in (0, -1)):
+        if (t.device.type == "cpu" and readable(t)) or (self.host is not None and tensor_version(t) in (0, -1)):
             return self.lengths()
         return None
 
