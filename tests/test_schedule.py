@@ -5,6 +5,7 @@ follows from shapes alone."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 import biasattn as ba
 from biasattn.inputs import make_inputs
-from biasattn.ops.triton.schedule import key_schedule, query_schedule, segment_table
+from biasattn.ops.triton.schedule import key_schedule, query_schedule, segment_tables
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -51,21 +52,44 @@ def _rows(table: torch.Tensor) -> list[tuple[int, int, int]]:
 
 @pytest.mark.parametrize("seed", range(40))
 def test_tables_match_the_plain_loops(seed):
+    """One launch builds tables along the keys (segments with holes between them, ordered by query
+    count) and along the queries (ordered by key count), of several tile lengths."""
     rng = random.Random(seed)
     total = rng.choice([0, 1, 17, 64, 300, 1000])
     n = rng.randint(1, 150 if seed % 10 == 0 else 9)  # more than one program of the table kernel at times
     starts, ends = _random_segments(rng, total, n, holes=seed % 2 == 1)
-    block = rng.choice([16, 32, 64, 128])
-    spans = [rng.randint(0, 500) for _ in starts]
-    i32 = dict(dtype=torch.int32, device=DEVICE)
     lens = [e - a for a, e in zip(starts, ends)]
-    sched = segment_table(torch.tensor(starts, **i32), torch.tensor(lens, **i32), torch.tensor(spans, **i32), total, block,
-                          spans_from_starts=False)
-    got, want = _rows(sched.table), _plain(starts, ends, total, block, spans)
-    assert sched.n == total // block + 2 * len(starts) + 2
-    assert got == want + [(0, 0, -1)] * (sched.n - len(want))
-    covered = sorted(line for a, e, _ in got for line in range(a, e))
-    assert covered == list(range(total))
+    q_counts = [rng.randint(0, 40) for _ in starts]
+    q_starts = [0, *itertools.accumulate(q_counts)]
+    wanted = tuple(rng.sample([(keys, b) for keys in (False, True) for b in (16, 32, 64, 128)], rng.randint(1, 6)))
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    scheds = segment_tables(torch.tensor(q_starts, **i32), torch.tensor(starts, **i32), torch.tensor(lens, **i32),
+                            q_starts[-1], total, wanted)
+    for (keys, block), sched in zip(wanted, scheds):
+        lines = total if keys else q_starts[-1]
+        want = (_plain(starts, ends, total, block, q_counts) if keys
+                else _plain(q_starts[:-1], q_starts[1:], lines, block, lens))
+        got = _rows(sched.table)
+        assert (sched.n, sched.total, sched.block) == (lines // block + 2 * len(starts) + 2, lines, block)
+        assert got == want + [(0, 0, -1)] * (sched.n - len(want)), (keys, block)
+        covered = sorted(line for a, e, _ in got for line in range(a, e))
+        assert covered == list(range(lines))
+
+
+def test_one_launch_makes_the_tables_of_every_usual_tile(monkeypatch):
+    """The first table a packed spec asks for brings both roles' tables of the usual tile lengths."""
+    from biasattn.ops.triton import schedule
+
+    q = torch.zeros(1, 1, 24, 8, device=DEVICE)
+    spec = make_inputs(q, q, q, ba.BlockDiagonalMask.from_seqlens([5, 9, 10])).spec
+    launches = []
+    real = schedule.segment_tables
+    monkeypatch.setattr(schedule, "segment_tables", lambda *a: launches.append(a[-1]) or real(*a))
+    first = key_schedule(spec, 16, q.device)
+    assert [query_schedule(spec, b, q.device).block for b in (16, *schedule.TABLE_BLOCKS)] == [16, 64, 128]
+    assert [key_schedule(spec, b, q.device).block for b in schedule.TABLE_BLOCKS] == [64, 128]
+    assert key_schedule(spec, 16, q.device) is first
+    assert launches == [((False, 16), (True, 16), (False, 64), (True, 64), (False, 128), (True, 128))]
 
 
 def test_schedules_of_a_packed_call():

@@ -351,9 +351,10 @@ class ChunkedOperator(Operator):
 def _nonfinite(t: torch.Tensor) -> bool:
     """Whether ``t`` holds NaN or inf: one reduction per call, so finite inputs skip the hidden-value masking.
 
-    True while a CUDA graph is being captured (no host sync is allowed there; masking is then always on).
+    True while a CUDA graph is being captured or ``torch.compile`` traces (neither may branch on a value;
+    masking is then always on).
     """
-    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+    if torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
         return True
     return t.numel() > 0 and not bool(torch.isfinite(t).all())
 

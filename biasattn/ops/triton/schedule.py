@@ -2,9 +2,10 @@
 
 Packed (block-diagonal) inputs are tiled per segment, so no tile straddles two sequences: the table
 ``[programs, 3]`` (int32) holds ``(first line, end line, segment)`` for every program. One launch
-builds it on the device from the segments' tensors, without reading a value, and the number of
-programs follows from shapes alone (lines, tile, number of segments): a new set of lengths changes
-no grid. Lines that belong to no segment get programs with segment ``-1``, which write zeros.
+builds a spec's tables for the usual tile lengths on the device from the segments' tensors, without
+reading a value, and the number of programs follows from shapes alone (lines, tile, number of
+segments): a new set of lengths changes no grid. Lines that belong to no segment get programs with
+segment ``-1``, which write zeros.
 
 A block layout becomes, per (batch, head, program), the ascending list of kernel tiles along the
 other axis that hold at least one visible layout block, computed on the device with torch ops
@@ -56,22 +57,30 @@ def table_rows(total: int, block: int, segments: int) -> int:
 
 
 TABLE_BLOCK = 64  # segments each program of the table kernel places
+# Tile lengths whose tables a spec's first table brings along, in the same launch: the forward's
+# query tiles, dQ's and dK/dV's are among them, so a packed call makes one table launch, not three.
+TABLE_BLOCKS = (64, 128)
 
 
-def segment_table(starts: torch.Tensor, lens: torch.Tensor | None, spans: torch.Tensor, total: int, block: int,
-                  *, spans_from_starts: bool) -> Schedule:
-    """The tile table of segments ``[starts[s], starts[s] + lens[s])`` over ``total`` lines, built on the
-    device without reading a value (``lens`` None: the lengths are the differences of ``starts``, one
-    longer). Tiles of a segment with a larger span come first (``spans[s]``, or the differences of
-    ``spans`` with ``spans_from_starts``), later tiles first within it; see ``_segment_table_kernel``."""
-    S = lens.numel() if lens is not None else starts.numel() - 1
-    rows = table_rows(total, block, S)
-    table = torch.empty((rows, 3), dtype=torch.int32, device=starts.device)
+def segment_tables(q_seqstart: torch.Tensor, k_seqstart: torch.Tensor, k_seqlen: torch.Tensor, Mq: int, Mk: int,
+                   wanted: tuple[tuple[bool, int], ...]) -> tuple[Schedule, ...]:
+    """The tile tables of packed segments, one per ``(along_keys, block)`` of ``wanted``, built in one
+    launch on the device without reading a value. Along the queries, segment ``s`` holds the lines
+    ``[q_seqstart[s], q_seqstart[s + 1])`` and its tiles are ordered by its key count; along the keys,
+    ``[k_seqstart[s], k_seqstart[s] + k_seqlen[s])`` by its query count. Tiles of a segment with more
+    work come first, later tiles first within it; see ``_segment_table_kernel``."""
+    if not 0 < len(wanted) <= 6 or any(block <= 0 or block & (block - 1) for _, block in wanted):
+        raise ValueError(f"wanted must hold 1 to 6 tables with power-of-two blocks, got {wanted}")
+    S = k_seqlen.numel()
+    rows = [table_rows(Mk if keys else Mq, block, S) for keys, block in wanted]
+    tables = torch.empty((sum(rows), 3), dtype=torch.int32, device=q_seqstart.device).split(rows)
+    along_keys = sum(1 << t for t, (keys, _) in enumerate(wanted) if keys)
+    log_blocks = sum((block.bit_length() - 1) << (4 * t) for t, (_, block) in enumerate(wanted))
     _table_kernel().unrecorded(
-        (cdiv(S + 1, TABLE_BLOCK),), table, starts, lens if lens is not None else starts, spans, S, total, block, rows,
-        LENS_FROM_STARTS=lens is None, SPANS_FROM_STARTS=spans_from_starts, BLOCK=TABLE_BLOCK,
+        (cdiv(S + 1, TABLE_BLOCK), len(wanted)), tables[0], q_seqstart, k_seqstart, k_seqlen, S, Mq, Mk,
+        along_keys, log_blocks, BLOCK=TABLE_BLOCK,
     )
-    return Schedule(rows, table, total, block)
+    return tuple(Schedule(n, table, Mk if keys else Mq, block) for n, table, (keys, block) in zip(rows, tables, wanted))
 
 
 @functools.lru_cache(maxsize=256)
@@ -82,21 +91,27 @@ def _regular(total: int, block: int) -> Schedule:
 def query_schedule(spec: BiasSpec, block_m: int, device) -> Schedule:
     """Query-tile programs: the regular grid, or per-segment tiles when the spec has segments (ordered by
     each segment's key count), built once per spec."""
-    if spec.q_seqstart is None:
-        return _regular(spec.Mq, block_m)
-    return spec.cached(("query schedule", block_m, str(device)), lambda: segment_table(
-        int32_on(spec.q_seqstart, device), None, int32_on(spec.k_seqlen, device), spec.Mq, block_m,
-        spans_from_starts=False))
+    return _schedule(spec, False, block_m, device)
 
 
 def key_schedule(spec: BiasSpec, block_n: int, device) -> Schedule:
     """Key-tile programs: the regular grid, or per-segment tiles when the spec has segments (ordered by
     each segment's query count), built once per spec."""
+    return _schedule(spec, True, block_n, device)
+
+
+def _schedule(spec: BiasSpec, along_keys: bool, block: int, device) -> Schedule:
     if spec.q_seqstart is None:
-        return _regular(spec.Mk, block_n)
-    return spec.cached(("key schedule", block_n, str(device)), lambda: segment_table(
-        int32_on(spec.k_seqstart, device), int32_on(spec.k_seqlen, device), int32_on(spec.q_seqstart, device), spec.Mk,
-        block_n, spans_from_starts=True))
+        return _regular(spec.Mk if along_keys else spec.Mq, block)
+    made = spec.cached(("segment tables", str(device)), dict)
+    sched = made.get((along_keys, block))
+    if sched is None:  # this table, and both roles' tables of the usual tile lengths not made yet
+        wanted = tuple((keys, b) for b in sorted({block, *TABLE_BLOCKS}) for keys in (False, True)
+                       if (keys, b) not in made)
+        made.update(zip(wanted, segment_tables(*(int32_on(t, device) for t in (
+            spec.q_seqstart, spec.k_seqstart, spec.k_seqlen)), spec.Mq, spec.Mk, wanted)))
+        sched = made[(along_keys, block)]
+    return sched
 
 
 def line_ranges(sched: Schedule, device) -> tuple[torch.Tensor, torch.Tensor]:

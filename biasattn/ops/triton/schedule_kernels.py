@@ -1,23 +1,22 @@
-"""The per-segment tile table of packed inputs, built on the device from the segments' tensors."""
+"""The per-segment tile tables of packed inputs, built on the device from the segments' tensors in one launch."""
 
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _pieces(idx, Starts, Lens, Spans, S, total, LENS_FROM_STARTS: tl.constexpr, SPANS_FROM_STARTS: tl.constexpr):
-    """Segment ``idx``'s lines ``[a, a + n)`` (clipped to ``[0, total)``) and span; index ``S`` stands for the
-    end of the lines (``a = total``, no lines), so that the gap before it is the uncovered tail."""
+def _pieces(idx, QStarts, KStarts, KLens, S, total, keys):
+    """Segment ``idx``'s lines ``[a, a + n)`` (clipped to ``[0, total)``) and span: along the queries its
+    query lines and key count, along the keys (``keys``) its key lines and query count. Index ``S``
+    stands for the end of the lines (``a = total``, no lines), so that the gap before it is the
+    uncovered tail."""
     seg = idx < S
-    a = tl.load(Starts + idx, mask=seg, other=0)
-    if LENS_FROM_STARTS:
-        n = tl.load(Starts + idx + 1, mask=seg, other=0) - a
-    else:
-        n = tl.load(Lens + idx, mask=seg, other=0)
-    if SPANS_FROM_STARTS:
-        span = tl.load(Spans + idx + 1, mask=seg, other=0) - tl.load(Spans + idx, mask=seg, other=0)
-    else:
-        span = tl.load(Spans + idx, mask=seg, other=0)
+    qa = tl.load(QStarts + idx, mask=seg, other=0)
+    q_count = tl.load(QStarts + idx + 1, mask=seg, other=0) - qa
+    k_count = tl.load(KLens + idx, mask=seg, other=0)
+    a = tl.where(keys, tl.load(KStarts + idx, mask=seg, other=0), qa)
+    n = tl.where(keys, k_count, q_count)
+    span = tl.where(keys, q_count, k_count)
     a = tl.where(seg, tl.minimum(tl.maximum(a, 0), total), total)
     e = tl.minimum(a + tl.maximum(n, 0), total)
     return a, e, span
@@ -36,10 +35,12 @@ def _put_tile(Table, first_row, t, tiles, a, e, seg, block, n_rows):
 
 @triton.jit
 def _segment_table_kernel(
-    Table, Starts, Lens, Spans, S, total, block, n_rows,
-    LENS_FROM_STARTS: tl.constexpr, SPANS_FROM_STARTS: tl.constexpr, BLOCK: tl.constexpr,
+    Table, QStarts, KStarts, KLens, S, Mq, Mk, along_keys, log_blocks, BLOCK: tl.constexpr,
 ):
-    """Grid ``(cdiv(S + 1, BLOCK),)``. Writes ``Table [n_rows, 3]``: rows ``(first line, end line, segment)``.
+    """Grid ``(cdiv(S + 1, BLOCK), tables)``. Writes the tables one after the other in ``Table``; table
+    ``t`` runs along the keys when bit ``t`` of ``along_keys`` is set (else along the queries), in
+    tiles of ``2 ** (log_blocks >> 4 t & 15)`` lines, and has ``lines // block + 2 S + 2`` rows
+    ``(first line, end line, segment)``.
 
     Every segment's lines are cut into tiles of ``block`` lines, and so is each run of lines that no
     segment covers (segment -1: their programs write zeros). Rows are ordered by the span of the
@@ -47,14 +48,24 @@ def _segment_table_kernel(
     lines come last, and rows past the last tile are ``(0, 0, -1)`` (programs with no lines).
     Segments must be ordered and disjoint where they have lines. Each program places the tiles of
     ``BLOCK`` segments and of the gaps before them, counting by comparison with every other piece."""
+    t = tl.program_id(1)
+    first_row = t * 0
+    for u in range(0, t):  # the rows of the tables before mine
+        lines_u = tl.where(((along_keys >> u) & 1) == 1, Mk, Mq)
+        first_row += lines_u // (1 << ((log_blocks >> (4 * u)) & 15)) + 2 * S + 2
+    keys = ((along_keys >> t) & 1) == 1
+    block = 1 << ((log_blocks >> (4 * t)) & 15)
+    total = tl.where(keys, Mk, Mq)
+    n_rows = total // block + 2 * S + 2
+    Table += first_row * 3
     pid = tl.program_id(0)
     mine = pid * BLOCK + tl.arange(0, BLOCK)
-    a_m, e_m, span_m = _pieces(mine, Starts, Lens, Spans, S, total, LENS_FROM_STARTS, SPANS_FROM_STARTS)
+    a_m, e_m, span_m = _pieces(mine, QStarts, KStarts, KLens, S, total, keys)
     # the gap before each of my segments starts where the last non-empty segment before it ends
     gap_m = tl.zeros([BLOCK], dtype=tl.int32)
     for c in range(0, S, BLOCK):
         o = c + tl.arange(0, BLOCK)
-        a_o, e_o, _ = _pieces(o, Starts, Lens, Spans, S, total, LENS_FROM_STARTS, SPANS_FROM_STARTS)
+        a_o, e_o, _ = _pieces(o, QStarts, KStarts, KLens, S, total, keys)
         earlier = (o[None, :] < mine[:, None]) & (e_o > a_o)[None, :]
         gap_m = tl.maximum(gap_m, tl.max(tl.where(earlier, e_o[None, :], 0), axis=1))
     owns_gap = (mine <= S) & ((e_m > a_m) | (mine == S)) & (a_m > gap_m)
@@ -68,7 +79,7 @@ def _segment_table_kernel(
     gap_total = pid * 0
     for c in range(0, S + 1, BLOCK):
         o = c + tl.arange(0, BLOCK)
-        a_o, e_o, span_o = _pieces(o, Starts, Lens, Spans, S, total, LENS_FROM_STARTS, SPANS_FROM_STARTS)
+        a_o, e_o, span_o = _pieces(o, QStarts, KStarts, KLens, S, total, keys)
         filled = e_o > a_o
         inner = (o[None, :] < o[:, None]) & filled[None, :]
         gap_o = tl.maximum(tl.max(tl.where(inner, e_o[None, :], 0), axis=1), covered)
