@@ -340,3 +340,26 @@ def test_query_range_of_documents_seen_from_another_chunk():
     spec = lower(bias[..., 10:20, 0:10], 1, 1, 10, 10)  # rows 10..19 against keys 0..9: document 2's rows 10..13
     assert query_range(spec) == (0, 4)
     assert query_range(lower(bias[..., 14:20, 0:10], 1, 1, 6, 10)) == (0, 0)
+
+
+def test_a_trace_masks_hidden_values_without_reading_them():
+    """Traced outside Dynamo (``make_fx``, as AOTAutograd traces), the chunked operator cannot ask a fake
+    tensor whether it holds NaN: it masks hidden values always. The graph computes what the reference
+    does, with a NaN in a value that the causal band hides from the first rows, and the trace leaves
+    no fake tensor in a cache that a later eager call reads (that call once returned zeros)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 9, 8, generator=gen)
+    k, v = (torch.randn(2, 2, 13, 8, generator=gen) for _ in range(2))
+    v[:, :, 8] = float("nan")  # key 8: hidden from rows 0..3 by the bottom-right band (Mk - Mq = 4)
+
+    def f(q, k, v, op=CHUNKED_SMALL):
+        bias = ba.PaddedKeysMask([9, 13]) & ba.LowerTriangularFromBottomRightMask()
+        return ba.attention(q, k, v, bias, op=op)
+
+    traced = make_fx(lambda q, k, v: f(q, k, v), tracing_mode="fake")(q, k, v)
+    want = f(q.double(), k.double(), v.double(), op="reference").float()
+    torch.testing.assert_close(traced(q, k, v), want, equal_nan=True)
+    torch.testing.assert_close(f(q, k, v), want, equal_nan=True)
+    assert not want[:, :, :4].isnan().any() and want[:, :, 4:].isnan().all()

@@ -93,6 +93,12 @@ def tensor_layout(t: torch.Tensor) -> tuple:
     return (t.shape, t.dtype, t.device, t.stride())
 
 
+def faking() -> bool:
+    """Whether a trace outside Dynamo runs (``make_fx``, AOTAutograd, export): tensors made now are fake,
+    and nothing made now may be kept for later calls."""
+    return not torch.compiler.is_compiling() and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
 def readable(t: torch.Tensor) -> bool:
     """Whether ``t``'s values can be read on the host now (not meta, not a fake tensor of a trace)."""
     if t.device.type == "meta" or torch.compiler.is_compiling():

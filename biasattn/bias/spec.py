@@ -24,7 +24,7 @@ import torch
 
 from ..errors import InputError
 from ..memo import BoundedCache
-from .atoms import tensor_layout, tensor_version, to_device
+from .atoms import faking, tensor_layout, tensor_version, to_device
 from .band import segment_diagonals
 
 BAND_UNBOUNDED = 2**30
@@ -38,6 +38,8 @@ def _int_tensor(values, device) -> torch.Tensor:
     device = torch.get_default_device() if device is None else torch.device(device)
     if device.type == "cuda" and device.index is None:  # "cuda" means the current device, which may change
         device = torch.device("cuda", torch.cuda.current_device())
+    if faking():
+        return to_device(list(values), device, torch.int32)
     key = (tuple(values), str(device))
     t = _INT_TENSORS.get(key)
     if t is None:
@@ -454,6 +456,8 @@ def lower(bias, B: int, H: int, Mq: int, Mk: int, device=None, *, found: tuple |
     """
     if bias is None:
         return _plain_spec(B, H, Mq, Mk)
+    if faking():  # a spec of fake tensors serves this trace only
+        return _build(bias, B, H, Mq, Mk, device)[0]
     tensors, key = _spec_key(bias, B, H, Mq, Mk, device)
     cacheable = not any(t.requires_grad for t in tensors)
     cache = bias.__dict__.get("_spec_cache") if cacheable else {}
@@ -532,16 +536,23 @@ def _lower_by_structure(bias, tensors: tuple, B: int, H: int, Mq: int, Mk: int, 
     hit = _STRUCTURAL_SPECS.get(shared) if shared is not None else None
     if hit is not None:
         return hit
-    builder = SpecBuilder(g, dev, bias.atoms)
+    spec, constant_band = _build(bias, B, H, Mq, Mk, device)
+    slots = _slots(spec, tensors, constant_band=constant_band) if shared is not None else None
+    if slots is not None:
+        _STRUCTURAL_SPECS[shared] = (spec, slots)
+    return spec, slots
+
+
+def _build(bias, B: int, H: int, Mq: int, Mk: int, device) -> tuple[BiasSpec, bool]:
+    """``(a new spec of bias for this call size, lowered atom by atom; whether its band follows from the
+    structure alone)``."""
+    builder = SpecBuilder(bias.geometry(B, H, Mq, Mk), device if device is not None else bias.device, bias.atoms)
     for atom in bias.atoms:
         atom.lower(builder)
     spec = builder.build()
     if not spec.features and all(type(n) is int for n in (B, H, Mq, Mk)):
         spec = _plain_spec(B, H, Mq, Mk)
-    slots = _slots(spec, tensors, constant_band=builder.constant_band) if shared is not None else None
-    if slots is not None:
-        _STRUCTURAL_SPECS[shared] = (spec, slots)
-    return spec, slots
+    return spec, builder.constant_band
 
 
 TENSOR_FIELDS = ("q_seqstart", "k_seqstart", "k_seqlen", "kv_seqlens", "band_lo", "band_hi", "layout", "additive",

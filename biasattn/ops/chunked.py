@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..bias.atoms import readable
 from ..bias.spec import FEATURES
 from ..inputs import AttentionInputs
 from .base import Operator
@@ -351,10 +352,10 @@ class ChunkedOperator(Operator):
 def _nonfinite(t: torch.Tensor) -> bool:
     """Whether ``t`` holds NaN or inf: one reduction per call, so finite inputs skip the hidden-value masking.
 
-    True while a CUDA graph is being captured or ``torch.compile`` traces (neither may branch on a value;
+    True while a CUDA graph is being captured or a trace holds ``t`` (neither may branch on a value;
     masking is then always on).
     """
-    if torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not readable(t) or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
         return True
     return t.numel() > 0 and not bool(torch.isfinite(t).all())
 
