@@ -122,6 +122,9 @@ def test_flatten_unflatten_round_trip():
     again = type(bias).__tensor_unflatten__({n: getattr(bias, n) for n in names}, ctx, bias.shape, bias.stride())
     assert again.__tensor_flatten__()[1] == ctx
     torch.testing.assert_close(again.materialize((2, 3, 6, 6)), bias.materialize((2, 3, 6, 6)))
+    # made once per bias (compiled calls flatten every bias argument in their guards), handed out as a new list
+    names.append("_t9")
+    assert bias.__tensor_flatten__() == (names[:-1], ctx) and bias.__tensor_flatten__()[1] is ctx
 
 
 # ------------------------------------------------------------------------------------ fullgraph

@@ -198,12 +198,16 @@ def set_inner_tensors(bias) -> None:
 
 
 def tensor_flatten(bias) -> tuple[list[str], tuple]:
-    """``__tensor_flatten__``: the inner tensors' attribute names and the metadata."""
-    with torch._C.DisableTorchFunctionSubclass():
-        device, dtype = bias.device, bias.dtype
-    ctx = flatten_ctx(type(bias), device, dtype, bias._atoms, bias._offsets, bias._lengths, bias._full)
-    n = sum(len(names) for _, _, names in ctx[3])
-    return [f"_t{i}" for i in range(max(n, 1))], ctx
+    """``__tensor_flatten__``: the inner tensors' attribute names and the metadata, made once per bias (a
+    bias never changes; torch.compile's guards flatten every bias argument on every call)."""
+    flat = bias.__dict__.get("_flat")
+    if flat is None:
+        with torch._C.DisableTorchFunctionSubclass():
+            device, dtype = bias.device, bias.dtype
+        ctx = flatten_ctx(type(bias), device, dtype, bias._atoms, bias._offsets, bias._lengths, bias._full)
+        n = sum(len(names) for _, _, names in ctx[3])
+        flat = bias.__dict__["_flat"] = (tuple(f"_t{i}" for i in range(max(n, 1))), ctx)
+    return list(flat[0]), flat[1]
 
 
 def stable_hash(bias) -> str:
