@@ -222,6 +222,31 @@ HIDDEN_CASES = ["padded", "padded_causal_br_gqa", "padded_window", "segments", "
                 "padded_shared_additive", "padded_own_additive"]
 
 
+@pytest.mark.parametrize("name", ["window", "causal"])
+def test_a_masked_d256_tile_reads_its_values_after_the_softmax(triton_options, monkeypatch, name):
+    """At head dims of 256 a masked tile fetched through descriptors loads V after its softmax (held
+    from the top, the V tile spills): the results are the references', and a NaN value reaches
+    exactly the rows that see it."""
+    from biasattn.ops.triton import configs
+
+    if not configs.interpreted():
+        pytest.skip("descriptors are forced only under the interpreter; the GPU suite runs D=256 masks")
+    triton_options(descriptors_interpreted=True, descriptors_min_scores=0)
+    built = record_descriptors(monkeypatch)
+    q, k, v = qkv(Mq=20, Mk=20, D=256)
+    bias = ba.LocalAttentionMask(window_left=4, window_right=0) if name == "window" else ba.LowerTriangularMask()
+    check(q, k, v, const(bias), grads=False)
+    clean = ba.attention(q, k, v, bias, op="triton")
+    bad = 5 if name == "window" else 14
+    v[:, :, bad] = float("nan")
+    out = ba.attention(q, k, v, bias, op="triton")
+    sees = torch.zeros(20, dtype=torch.bool)
+    sees[bad:bad + 5 if name == "window" else None] = True
+    assert out[:, :, sees].isnan().all()
+    torch.testing.assert_close(out[:, :, ~sees], clean[:, :, ~sees], rtol=0, atol=0)
+    assert built and all(d is not None for d in built)
+
+
 @pytest.mark.parametrize("case", HIDDEN_CASES)
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
 def test_hidden_lines_hold_nan(triton_options, monkeypatch, case, tma):
