@@ -42,3 +42,26 @@ def test_the_forward_keeps_its_registers(case, D):
     assert run.returncode == 0 and found, f"the tool failed:\n{run.stdout}\n{run.stderr[-2000:]}"
     for stack, spills in found:
         assert int(spills) == 0, f"{case}, D={D}, {c}: {spills} spill loads/stores, {stack} B stack"
+
+
+def test_descriptors_compile_the_forward_a_hopper_gpu_runs():
+    """``--descriptors`` compiles the forward with K/V tensor descriptors: other machine code than the
+    pointer loads (the variant that runs on the GPU for every call above ``descriptors_min_scores``)."""
+    triton = pytest.importorskip("triton")
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
+        pytest.skip("this Triton ships no cuobjdump")
+    c = configs.candidates("fwd", 128)[0]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    hashes = {}
+    for extra in ([], ["--descriptors"]):
+        run = subprocess.run(
+            [sys.executable, TOOL, "--case", "causal", "--D", "128", "--kernel", "fwd", "--sass-hash",
+             "--config", f"{c.block_m},{c.block_n},{c.num_warps},{c.num_stages}", *extra],
+            capture_output=True, text=True, env=env, timeout=600,
+        )
+        found = re.findall(r"fwd +\S+ \S+ \S+( descriptors)?: .*SASS (\w+)", run.stdout)
+        assert run.returncode == 0 and len(found) == 1, f"the tool failed:\n{run.stdout}\n{run.stderr[-2000:]}"
+        assert bool(found[0][0]) == bool(extra)
+        hashes[bool(extra)] = found[0][1]
+    assert hashes[True] != hashes[False]

@@ -6,12 +6,15 @@ CPU tensors with every kernel launch intercepted, compiles each launch for the t
 sm_90) with the installed Triton, and reads the resource usage of the cubin with the ``cuobjdump`` that Triton
 ships. The numbers are those of the installed Triton, which
 may differ from the Triton on the GPU machine: treat them as leads, and confirm with a timing.
+The forward compiles with pointer loads of K and V; a Hopper GPU runs a variant of its own, with
+tensor descriptors, on every call above ``descriptors_min_scores``: ``--descriptors`` compiles that one.
 
     python benchmarks/tools/kernel_resources.py --case none --D 128
     python benchmarks/tools/kernel_resources.py --case causal --kernel dkdv --config 64,128,8,2 --config 32,128,4,3
     python benchmarks/tools/kernel_resources.py --case none varlen --dropout 0.1 --config 64,128,8,2
     python benchmarks/tools/kernel_resources.py --case none padded varlen window --sass-hash   # before and after a refactor
     python benchmarks/tools/kernel_resources.py --case window additive --kernel fwd fwd_exact   # the forward's exact pass too
+    python benchmarks/tools/kernel_resources.py --case causal --D 256 --kernel fwd --descriptors   # as a Hopper GPU runs it
 
 ``--sass-hash`` adds a hash of each kernel's machine code: a change of the kernel sources that
 leaves every hash as it was compiles to the same code, so it needs no new timing.
@@ -37,7 +40,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 import biasattn as ba  # noqa: E402
 from biasattn.bias.spec import lower  # noqa: E402
-from biasattn.ops.triton import configs, flash, flash_bwd  # noqa: E402
+from biasattn.ops.triton import configs, flash, flash_bwd, options, tma  # noqa: E402
 
 
 def _biases(M: int) -> dict:
@@ -54,8 +57,10 @@ def _biases(M: int) -> dict:
     }
 
 
-def capture(case: str, D: int, dtype, kernel: str, cfg: configs.TileConfig, dropout_p: float = 0.0) -> list[tuple]:
-    """``[(jit function, args, kwargs)]`` of the launches of one forward or backward call."""
+def capture(case: str, D: int, dtype, kernel: str, cfg: configs.TileConfig, dropout_p: float = 0.0,
+            descriptors: bool = False) -> list[tuple]:
+    """``[(jit function, args, kwargs)]`` of the launches of one forward or backward call; with
+    ``descriptors`` the forward takes K/V tensor descriptors, as on a Hopper GPU (else pointer loads)."""
     B, H, M = (1 if case == "varlen" else 2), 2, 256
     q, k, v = (torch.randn(B, H, M, D, dtype=dtype) for _ in range(3))
     bias = _biases(M)[case]
@@ -75,8 +80,11 @@ def capture(case: str, D: int, dtype, kernel: str, cfg: configs.TileConfig, drop
         launches.append((self, args, kwargs))
 
     JITFunction.run = fake_run
+    available = tma.available
+    if descriptors:
+        tma.available = lambda device: True
     try:
-        with configs.override(**{kernel: cfg}):
+        with configs.override(**{kernel: cfg}), options.use(**({"descriptors_min_scores": 0} if descriptors else {})):
             if kernel == "fwd":
                 flash.attn_fwd(q, k, v, spec, D ** -0.5, dropout_p, 2**40 + 1)
             else:
@@ -86,6 +94,7 @@ def capture(case: str, D: int, dtype, kernel: str, cfg: configs.TileConfig, drop
                                    isinstance(bias, ba.AdditiveBias), dropout_p, 2**40 + 1)
     finally:
         JITFunction.run = real_run
+        tma.available = available
     return launches
 
 
@@ -145,6 +154,8 @@ def main(argv=None) -> int:
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--dropout", type=float, default=0.0, help="compile the dropout variants (this drop probability)")
     p.add_argument("--sass-hash", action="store_true", help="also print a hash of each kernel's machine code")
+    p.add_argument("--descriptors", action="store_true",
+                   help="the forward with K/V tensor descriptors, as Hopper GPUs run it (default: pointer loads)")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     names = {"fwd": "_attn_fwd_kernel", "fwd_exact": "_attn_fwd_exact_kernel", "dkdv": "_attn_bwd_dkdv_kernel",
@@ -155,12 +166,13 @@ def main(argv=None) -> int:
             cfgs = ([configs.TileConfig(*map(int, c.split(","))) for c in args.config] if args.config
                     else configs.candidates(launcher, args.D))
             for cfg in cfgs:
-                for fn, fargs, fkwargs in capture(case, args.D, dtype, launcher, cfg, args.dropout):
+                for fn, fargs, fkwargs in capture(case, args.D, dtype, launcher, cfg, args.dropout, args.descriptors):
                     if fn.__name__ != names[kernel]:
                         continue
                     try:
                         r = resources(fn, fargs, fkwargs, args.arch)
-                        tile = f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+                        tile = f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}" + (
+                            " descriptors" if args.descriptors and kernel == "fwd" else "")
                         print(f"{case:9s} D={args.D} {kernel:5s} {tile}: {r['regs']} regs, {r['stack']} B stack, "
                               f"{r['spill_ops']} LDL/STL, {r['shared'] // 1024} KiB shared"
                               + (f", SASS {r['sass_hash']}" if args.sass_hash else ""), flush=True)
