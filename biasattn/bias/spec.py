@@ -457,7 +457,7 @@ def lower(bias, B: int, H: int, Mq: int, Mk: int, device=None, *, found: tuple |
     if bias is None:
         return _plain_spec(B, H, Mq, Mk)
     if faking():  # a spec of fake tensors serves this trace only
-        return _build(bias, B, H, Mq, Mk, device)[0]
+        return _build(bias, bias.geometry(B, H, Mq, Mk), device if device is not None else bias.device)[0]
     tensors, key = _spec_key(bias, B, H, Mq, Mk, device)
     cacheable = not any(t.requires_grad for t in tensors)
     cache = bias.__dict__.get("_spec_cache") if cacheable else {}
@@ -536,22 +536,22 @@ def _lower_by_structure(bias, tensors: tuple, B: int, H: int, Mq: int, Mk: int, 
     hit = _STRUCTURAL_SPECS.get(shared) if shared is not None else None
     if hit is not None:
         return hit
-    spec, constant_band = _build(bias, B, H, Mq, Mk, device)
+    spec, constant_band = _build(bias, g, dev)
     slots = _slots(spec, tensors, constant_band=constant_band) if shared is not None else None
     if slots is not None:
         _STRUCTURAL_SPECS[shared] = (spec, slots)
     return spec, slots
 
 
-def _build(bias, B: int, H: int, Mq: int, Mk: int, device) -> tuple[BiasSpec, bool]:
-    """``(a new spec of bias for this call size, lowered atom by atom; whether its band follows from the
-    structure alone)``."""
-    builder = SpecBuilder(bias.geometry(B, H, Mq, Mk), device if device is not None else bias.device, bias.atoms)
+def _build(bias, g, device) -> tuple[BiasSpec, bool]:
+    """``(a new spec of bias for the call geometry g, lowered atom by atom; whether its band follows from
+    the structure alone)``."""
+    builder = SpecBuilder(g, device, bias.atoms)
     for atom in bias.atoms:
         atom.lower(builder)
     spec = builder.build()
-    if not spec.features and all(type(n) is int for n in (B, H, Mq, Mk)):
-        spec = _plain_spec(B, H, Mq, Mk)
+    if not spec.features and all(type(n) is int for n in (g.B, g.H, g.Mq, g.Mk)):
+        spec = _plain_spec(g.B, g.H, g.Mq, g.Mk)
     return spec, builder.constant_band
 
 
