@@ -6,7 +6,6 @@ cost of that layer and everything beneath it:
 
 - ``launch fwd`` / ``launch bwd``: the Triton launchers (:mod:`biasattn.ops.triton.flash`,
   :mod:`biasattn.ops.triton.flash_bwd`);
-- ``custom op fwd``: the ``torch.library`` op around the forward launcher (what traced code calls);
 - ``operator fwd``: the ``triton`` operator's ``fwd`` (eager: the launcher itself);
 - ``attention fwd``: :func:`biasattn.attention` without gradients, forced and dispatched;
 - ``attention fwd+bwd``: the same with ``torch.autograd.grad``;
@@ -56,7 +55,7 @@ def layers(case) -> dict:
     """``{layer name: zero-argument call}`` for one case."""
     from biasattn.inputs import make_inputs
     from biasattn.ops.triton import flash, flash_bwd
-    from biasattn.ops.triton_flash import TritonOperator, _spec_to_args, triton_flash_fwd
+    from biasattn.ops.triton_flash import TritonOperator
 
     q, k, v = case.q, case.k, case.v
     bias = case.bias.to(q.device) if case.bias is not None else None
@@ -74,7 +73,6 @@ def layers(case) -> dict:
     calls = {
         "launch fwd": lambda: flash.attn_fwd(q, k, v, spec, scale),
         "launch bwd": lambda: flash_bwd.attn_bwd(q, k, v, out, lse, dout, None, spec, scale, False),
-        "custom op fwd": lambda: triton_flash_fwd(q, k, v, *_spec_to_args(spec), scale),
         "operator fwd": lambda: op.fwd(inp),
         "attention fwd (op=triton)": lambda: ba.attention(q, k, v, bias, op="triton"),
         "attention fwd (dispatched)": lambda: ba.attention(q, k, v, bias),
