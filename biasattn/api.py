@@ -32,8 +32,7 @@ def attention(q, k, v, attn_bias=None, *, scale: float | None = None, dropout_p:
     """
     if torch.compiler.is_compiling():  # torch.compile / export: through the custom ops
         return custom_ops.attention(q, k, v, attn_bias, scale=scale, dropout_p=dropout_p, op=op)[0]
-    inp = make_inputs(q, k, v, attn_bias, scale=scale, dropout_p=dropout_p)
-    fwd, bwd = dispatch.choose(inp, op=op)
+    inp, fwd, bwd = dispatch.prepare(q, k, v, attn_bias, scale=scale, dropout_p=dropout_p, op=op)
     return autograd.run(inp, fwd, bwd, need_lse=False)[0]
 
 
@@ -44,8 +43,7 @@ def attention_with_lse(q, k, v, attn_bias=None, *, scale: float | None = None, o
     """
     if torch.compiler.is_compiling():
         return custom_ops.attention(q, k, v, attn_bias, scale=scale, op=op, need_lse=True)
-    inp = make_inputs(q, k, v, attn_bias, scale=scale)
-    fwd, bwd = dispatch.choose(inp, need_lse=True, op=op)
+    inp, fwd, bwd = dispatch.prepare(q, k, v, attn_bias, scale=scale, need_lse=True, op=op)
     return autograd.run(inp, fwd, bwd)
 
 

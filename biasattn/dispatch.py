@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator
 
 import torch
 
 from . import ops
+from .bias import AttentionBias
+from .bias.spec import tensorless_key
 from .errors import NotSupportedError
-from .inputs import AttentionInputs
+from .inputs import AttentionInputs, make_inputs
 from .memo import BoundedCache
 from .ops.base import Operator
 from .ops.common import interpreted
@@ -243,6 +246,57 @@ def choose(inp: AttentionInputs, *, need_lse: bool = False, op=None) -> tuple[Op
 
 
 _length_mask_choices = BoundedCache(1024)
+
+#: Calls prepared before, by :func:`_call_key`: ``(spec, scale, requires_grad, forward, backward)``.
+_CALLS = BoundedCache(256)
+
+
+def prepare(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, need_lse=False, op=None):
+    """``(inputs, forward operator, backward operator or None)``: :func:`~biasattn.inputs.make_inputs`
+    then :func:`choose`, with their errors.
+
+    A call without a bias, or with one that holds no tensor (causal masks, windows, built anew or
+    not), on plain tensors, is prepared once per signature (:func:`_call_key`): a later call with
+    the same signature passed the same checks and gets the same choice, so it costs one lookup.
+    """
+    key = _call_key(q, k, v, attn_bias, scale, dropout_p, need_lse, op)
+    hit = _CALLS.get(key) if key is not None else None
+    if hit is not None:
+        spec, kept_scale, requires_grad, fwd, bwd = hit
+        scale = kept_scale if scale is None else scale
+        return AttentionInputs(q, k, v, attn_bias, spec, scale, dropout_p, requires_grad), fwd, bwd
+    inp = make_inputs(q, k, v, attn_bias, scale=scale, dropout_p=dropout_p)
+    fwd, bwd = choose(inp, need_lse=need_lse, op=op)
+    if key is not None:
+        _CALLS[key] = (inp.spec, inp.scale, inp.requires_grad, fwd, bwd)
+    return inp, fwd, bwd
+
+
+def _call_key(q, k, v, bias, scale, dropout_p, need_lse, op) -> tuple | None:
+    """What make_inputs and choose read for a call, where that is cheap to tell: the tensors' sizes,
+    dtypes and devices, the bias's structure, the sign of an explicit scale, whether dropout is on,
+    the gradient mode and everything :func:`_decision_key` keys; None for other calls (a bias holding
+    a tensor, tensor subclasses, a value make_inputs must reject)."""
+    T = torch.Tensor
+    if type(q) is not T or type(k) is not T or type(v) is not T:
+        return None
+    if scale is not None and (type(scale) is not float or not math.isfinite(scale)):
+        return None
+    if type(dropout_p) is not float or not 0.0 <= dropout_p < 1.0:
+        return None
+    structure = None
+    if bias is not None:
+        structure = tensorless_key(bias) if isinstance(bias, AttentionBias) else None
+        if structure is None:
+            return None
+    cuda = q.is_cuda
+    return (
+        q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, structure,
+        None if scale is None else scale > 0, dropout_p > 0, need_lse, None if op is None else _op_key(op),
+        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+        torch.are_deterministic_algorithms_enabled(), _allowed.get(), PRIORITY.get("cuda" if cuda else q.device.type),
+        cuda and torch.cuda.is_current_stream_capturing(), not cuda and interpreted(), ops.generation(),
+    )
 
 
 def _decision_key(inp: AttentionInputs, need_lse: bool, op) -> tuple:

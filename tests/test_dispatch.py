@@ -398,3 +398,57 @@ def test_cuda_large_head_dims_try_flash2_before_triton_per_pass(D, Dv, forward_f
     small = make_inputs(q[..., :128].detach().requires_grad_(), k[..., :128], v[..., :128], ba.LocalAttentionMask(16, 0))
     assert dispatch.priority("cuda", small, backward=True) == dispatch.priority("cuda", small)
     assert not any("head dim" in note for note in dispatch.priority_notes("cuda", small))
+
+
+def test_a_call_prepared_before_skips_checks_and_walk(monkeypatch):
+    """A call without a bias or with one holding no tensor (a causal mask built anew) is checked and
+    walked once per signature; a new flag, dtype or bias structure prepares again."""
+    dispatch._CALLS.clear()
+    made = []
+    real = dispatch.make_inputs
+    monkeypatch.setattr(dispatch, "make_inputs", lambda *a, **kw: made.append(a) or real(*a, **kw))
+    q, k, v = qkv(M=7)
+    for _ in range(3):
+        inp, fwd, _ = dispatch.prepare(q, k, v)
+        inp_c, fwd_c, _ = dispatch.prepare(q, k, v, ba.LowerTriangularMask(), scale=0.3)
+    assert len(made) == 2
+    assert inp.scale == make_inputs(q, k, v).scale and inp_c.scale == 0.3 and inp_c.spec.features == {"band"}
+    assert (inp.spec, fwd) == (make_inputs(q, k, v).spec, dispatch.choose(make_inputs(q, k, v))[0])
+    dispatch.prepare(q, k, v, ba.LowerTriangularMask(), need_lse=True)
+    dispatch.prepare(q, k, v, ba.LocalAttentionMask(2, 0))
+    dispatch.prepare(*qkv(M=7, dtype=torch.float64))
+    dispatch.prepare(*qkv(M=7, requires_grad=True))
+    with ba.use_ops("reference"):
+        assert dispatch.prepare(q, k, v)[1].name == "reference"
+    assert len(made) == 7
+    dispatch.prepare(q, k, v, ba.PaddedKeysMask([3]))  # a bias holding a tensor: checked on every call
+    dispatch.prepare(q, k, v, ba.PaddedKeysMask([3]))
+    assert len(made) == 9
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"scale": float("nan")}, "scale must be a finite float"),
+    ({"scale": True}, "scale must be a finite float"),
+    ({"dropout_p": 1.0}, "dropout_p must be a float in"),
+    ({"dropout_p": -0.5}, "dropout_p must be a float in"),
+    ({"v": torch.randn(1, 2, 7, 8, dtype=torch.float64)}, "v has dtype"),
+    ({"k": torch.randn(1, 2, 6, 8)}, "v has Mk=7 keys, k has 6"),
+])
+def test_a_prepared_signature_still_rejects_bad_values(change, message):
+    """Values a signature does not fix are checked on every call: a hit never lets a bad one through."""
+    q, k, v = qkv(M=7)
+    args = {"q": q, "k": k, "v": v, "scale": 0.5, "dropout_p": 0.1}
+    for _ in range(2):
+        dispatch.prepare(**args)
+    with pytest.raises((ba.InputError, ba.InputTypeError), match=message):
+        dispatch.prepare(**{**args, **change})
+
+
+def test_distinct_scales_and_dropout_values_prepare_one_entry():
+    """A learned temperature or a dropout schedule: one prepared signature for all values."""
+    q, k, v = qkv(M=7)
+    ba.attention(q, k, v, scale=0.5, dropout_p=0.1)
+    before = len(dispatch._CALLS)
+    for n in range(500):
+        out = ba.attention(q, k, v, scale=0.1 + n * 1e-3, dropout_p=0.05 + n * 1e-4)
+    assert len(dispatch._CALLS) == before and torch.isfinite(out).all()

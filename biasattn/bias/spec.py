@@ -486,6 +486,17 @@ def _token_key(bias, B: int, H: int, Mq: int, Mk: int, device) -> tuple | None:
     return (type(bias), tokens, bias._offsets, bias._lengths, bias._full, B, H, Mq, Mk, device)
 
 
+def tensorless_key(bias) -> tuple | None:
+    """A hashable key for a bias that holds no tensor (causal masks, windows): its type, atoms and
+    slicing, which with the call size and device fix its spec (as :func:`_token_key` does); None for
+    a bias that holds a tensor."""
+    atoms = bias._atoms
+    for a in atoms:
+        if a.tensors():
+            return None
+    return (type(bias), atoms, bias._offsets, bias._lengths, bias._full)
+
+
 def lowered_before(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasSpec | None:
     """The spec :func:`lower` keeps for this bias and call size, or None. A bias not lowered before also
     finds the spec of an earlier bias of the same atom tokens (whose checks against this call size
