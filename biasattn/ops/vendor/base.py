@@ -127,8 +127,8 @@ class VendorOperator(Operator):
 
     def fwd_out(self, inp: AttentionInputs) -> torch.Tensor:
         layout = self.layout(inp)
-        if not layout.has_work or self.rows_may_be_hidden(inp, layout):  # rows are fixed up from the lse
-            return self.fwd(inp)[0]
+        if layout.cached("out from the lse", lambda: not layout.has_work or self.rows_may_be_hidden(inp, layout)):
+            return self.fwd(inp)[0]  # no work, or rows that may see no key: fixed up from the lse
         return self.kernel_out(inp, layout)
 
     def graph_out(self, inp: AttentionInputs) -> torch.Tensor | None:

@@ -34,6 +34,12 @@ DENSE = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_atten
 
 
 @functools.cache
+def _dense_entry():
+    """SDPA's cuDNN forward entry (:func:`~biasattn.ops.vendor.base.aten_entry`), looked up once."""
+    return aten_entry(DENSE[0])
+
+
+@functools.cache
 def _entry_points() -> tuple[str, str] | None:
     for names in (RAGGED, DENSE):
         if all(aten_entry(n) is not None for n in names):
@@ -118,10 +124,11 @@ class CudnnOperator(VendorOperator):
         return out, lse, VendorCtx(self.NAME, lse_raw, lse_fmt, (seed, offset))
 
     def kernel_out(self, inp: AttentionInputs, layout):
-        dense = aten_entry(DENSE[0])
-        if inp.groups == 1 and dense is not None:  # SDPA's entry has torch's own binding: less host time per call
+        dense = _dense_entry()
+        q, k = inp.q, inp.k
+        if dense is not None and q.shape[1] == k.shape[1]:  # SDPA's entry has torch's own binding: less host time
             causal = bool(cudnn_causal(layout))
-            return dense(inp.q, inp.k, inp.v, self._bias(inp), False, inp.dropout_p, causal, False, scale=inp.scale)[0]
+            return dense(q, k, inp.v, self._bias(inp), False, inp.dropout_p, causal, False, scale=inp.scale)[0]
         return self._launch_fwd(inp, layout, compute_lse=False)[0]
 
     def kernel_graph_out(self, inp: AttentionInputs, layout):

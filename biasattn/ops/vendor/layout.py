@@ -103,9 +103,14 @@ class SequenceLayout:
         and the kernels leave them undefined (NaN seen from CUTLASS with ``cu_seqlens``)."""
         return tuple((s.b, s.q_start, s.q_start + s.Lq) for s in self.seqs if s.Lq > 0 and s.Lk == 0)
 
+    @functools.cached_property
+    def memo(self) -> dict:
+        """Values computed from this layout, by key (see :meth:`cached`)."""
+        return {}
+
     def cached(self, key, make):
         """``make()``, computed once per layout and ``key`` (the layout is immutable and reused within a call)."""
-        store = self.__dict__.setdefault("_memo", {})
+        store = self.memo
         value = store.get(key, store)  # the store itself is never a value
         if value is store:
             value = store[key] = make()

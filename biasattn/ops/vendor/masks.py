@@ -20,9 +20,15 @@ NO_MASK, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2  # aten._efficient_atten
 def _per_layout(fn):
     """Memoize ``fn(layout)`` on the layout: dispatch asks each question several times per call."""
 
+    name = fn.__name__
+
     @functools.wraps(fn)
     def memoized(layout: SequenceLayout):
-        return layout.cached(fn.__name__, lambda: fn(layout))
+        store = layout.memo
+        value = store.get(name, store)  # the store itself is never a value
+        if value is store:
+            value = store[name] = fn(layout)
+        return value
 
     return memoized
 
