@@ -15,7 +15,7 @@ import torch
 
 from . import ops
 from .bias import AttentionBias
-from .bias.spec import tensorless_key
+from .bias.spec import kept_slots, rebind, structure_token
 from .errors import NotSupportedError
 from .inputs import AttentionInputs, make_inputs
 from .memo import BoundedCache
@@ -247,7 +247,7 @@ def choose(inp: AttentionInputs, *, need_lse: bool = False, op=None) -> tuple[Op
 
 _length_mask_choices = BoundedCache(1024)
 
-#: Calls prepared before, by :func:`_call_key`: ``(spec, scale, requires_grad, forward, backward)``.
+#: Calls prepared before, by :func:`_call_key`: ``(spec, slots, scale, requires_grad, forward, backward)``.
 _CALLS = BoundedCache(256)
 
 
@@ -255,28 +255,33 @@ def prepare(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, need_lse=Fals
     """``(inputs, forward operator, backward operator or None)``: :func:`~biasattn.inputs.make_inputs`
     then :func:`choose`, with their errors.
 
-    A call without a bias, or with one that holds no tensor (causal masks, windows, built anew or
-    not), on plain tensors, is prepared once per signature (:func:`_call_key`): a later call with
-    the same signature passed the same checks and gets the same choice, so it costs one lookup.
+    A call on plain tensors without a bias, or with one whose spec follows from its structure (causal
+    masks and windows; lengths only the device holds, as in a mask built every step from a GPU
+    tensor), is prepared once per signature (:func:`_call_key`): a later call with that signature
+    passed the same checks and gets the same choice, so it costs a lookup, and the kept spec takes
+    the new bias's tensors (:func:`~biasattn.bias.spec.rebind`).
     """
     key = _call_key(q, k, v, attn_bias, scale, dropout_p, need_lse, op)
     hit = _CALLS.get(key) if key is not None else None
     if hit is not None:
-        spec, kept_scale, requires_grad, fwd, bwd = hit
+        spec, slots, kept_scale, requires_grad, fwd, bwd = hit
+        spec = rebind(spec, slots, attn_bias)
         scale = kept_scale if scale is None else scale
         return AttentionInputs(q, k, v, attn_bias, spec, scale, dropout_p, requires_grad), fwd, bwd
     inp = make_inputs(q, k, v, attn_bias, scale=scale, dropout_p=dropout_p)
     fwd, bwd = choose(inp, need_lse=need_lse, op=op)
     if key is not None:
-        _CALLS[key] = (inp.spec, inp.scale, inp.requires_grad, fwd, bwd)
+        slots = () if attn_bias is None else kept_slots(attn_bias, inp.B, inp.Hq, inp.Mq, inp.Mk, q.device)
+        if slots is not None:
+            _CALLS[key] = (inp.spec, slots, inp.scale, inp.requires_grad, fwd, bwd)
     return inp, fwd, bwd
 
 
 def _call_key(q, k, v, bias, scale, dropout_p, need_lse, op) -> tuple | None:
     """What make_inputs and choose read for a call, where that is cheap to tell: the tensors' sizes,
-    dtypes and devices, the bias's structure, the sign of an explicit scale, whether dropout is on,
-    the gradient mode and everything :func:`_decision_key` keys; None for other calls (a bias holding
-    a tensor, tensor subclasses, a value make_inputs must reject)."""
+    dtypes and devices, the bias's structure token, the sign of an explicit scale, whether dropout is
+    on, the gradient mode and everything :func:`_decision_key` keys; None for other calls (a bias
+    whose lowering reads a value, tensor subclasses, a value make_inputs must reject)."""
     T = torch.Tensor
     if type(q) is not T or type(k) is not T or type(v) is not T:
         return None
@@ -286,7 +291,7 @@ def _call_key(q, k, v, bias, scale, dropout_p, need_lse, op) -> tuple | None:
         return None
     structure = None
     if bias is not None:
-        structure = tensorless_key(bias) if isinstance(bias, AttentionBias) else None
+        structure = structure_token(bias) if isinstance(bias, AttentionBias) else None
         if structure is None:
             return None
     cuda = q.is_cuda

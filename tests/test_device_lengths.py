@@ -438,3 +438,35 @@ def test_moving_a_list_built_mask_keeps_one_tensor_of_starts_and_its_host_copies
     assert docs.q_seqlens == [3, 5] and lower(docs, 1, 2, 8, 8, "meta").host.q_seqstart is None
     padded = ba.PaddedKeysMask([3, 4]).to("meta")
     assert padded.kv_seqlens.device.type == "meta" and padded.atoms[0].lengths() == (3, 4)
+
+
+@pytest.mark.parametrize("op", ["reference", "chunked"])
+def test_masks_built_every_call_from_device_lengths_are_prepared_once(monkeypatch, op):
+    """A decode or training loop that builds its mask every call from lengths only the device holds is
+    checked and dispatched once (dispatch.prepare); each later call runs on its own mask's lengths
+    (a CPU tensor plays the GPU's part: its host copy is withheld and it gives a layout token)."""
+    from biasattn import dispatch
+    from biasattn.bias.block_diagonal import SegmentsAtom
+    from biasattn.bias.padded import PaddedKeysAtom
+
+    def token(self):
+        t = self.kv_seqlens
+        return (PaddedKeysAtom, self.family, t.shape, t.dtype, t.device, t.stride())
+
+    monkeypatch.setattr(PaddedKeysAtom, "known_lengths", lambda self: None)
+    monkeypatch.setattr(PaddedKeysAtom, "spec_token", token)
+    monkeypatch.setattr(SegmentsAtom, "starts_known", lambda self: False)
+    made = []
+    real = dispatch.make_inputs
+    monkeypatch.setattr(dispatch, "make_inputs", lambda *a, **kw: made.append(a) or real(*a, **kw))
+    dispatch._CALLS.clear()
+    q, k, v = _qkv(3, 7, 0)
+    cases = [[7, 2, 5], [1, 6, 3], [4, 4, 0], [0, 7, 7]]
+    outs = [ba.attention(q, k, v, ba.PaddedKeysMask(torch.tensor(n)) & CAUSAL_BR, op=op) for n in cases]
+    assert len(made) == 1
+    inp, _, _ = dispatch.prepare(q, k, v, ba.PaddedKeysMask(torch.tensor([1, 2, 3])) & CAUSAL_BR, op=op)
+    assert inp.spec.kv_seqlens.tolist() == [1, 2, 3] and inp.spec.derived is not dispatch._CALLS[next(iter(
+        dispatch._CALLS))][0].derived, "a prepared call's spec holds its own lengths and store"
+    monkeypatch.undo()
+    for out, n in zip(outs, cases):
+        _check(out, q, k, v, ba.PaddedKeysMask(n) & CAUSAL_BR)

@@ -479,22 +479,35 @@ def _token_key(bias, B: int, H: int, Mq: int, Mk: int, device) -> tuple | None:
     """The key of ``bias`` in :data:`_SPECS_BY_TOKENS`, or None (an atom without a token, symbolic sizes)."""
     if not (type(B) is int and type(H) is int and type(Mq) is int and type(Mk) is int):
         return None
+    token = structure_token(bias)
+    return None if token is None else (*token, B, H, Mq, Mk, device)
+
+
+def structure_token(bias) -> tuple | None:
+    """What fixes the spec of ``bias`` for a call size and device, where that is cheap to tell: its type,
+    its atoms' tokens (:meth:`~biasattn.bias.atoms.Atom.spec_token`) and its slicing; None where
+    lowering must read a value."""
     atoms = bias._atoms
     tokens = (atoms[0].spec_token(),) if len(atoms) == 1 else tuple([atom.spec_token() for atom in atoms])
     if None in tokens:
         return None
-    return (type(bias), tokens, bias._offsets, bias._lengths, bias._full, B, H, Mq, Mk, device)
+    return (type(bias), tokens, bias._offsets, bias._lengths, bias._full)
 
 
-def tensorless_key(bias) -> tuple | None:
-    """A hashable key for a bias that holds no tensor (causal masks, windows): its type, atoms and
-    slicing, which with the call size and device fix its spec (as :func:`_token_key` does); None for
-    a bias that holds a tensor."""
-    atoms = bias._atoms
-    for a in atoms:
-        if a.tensors():
-            return None
-    return (type(bias), atoms, bias._offsets, bias._lengths, bias._full)
+def kept_slots(bias, B: int, H: int, Mq: int, Mk: int, device) -> tuple | None:
+    """Where the spec kept for the atom tokens of ``bias`` holds the bias's own tensors (``()`` for none;
+    see :func:`rebind`), or None when no spec is kept for them."""
+    key = _token_key(bias, B, H, Mq, Mk, device)
+    hit = _SPECS_BY_TOKENS.get(key) if key is not None else None
+    return None if hit is None else hit[1]
+
+
+def rebind(spec: BiasSpec, slots: tuple, bias) -> BiasSpec:
+    """``spec`` holding the tensors of ``bias`` in its ``slots`` (:func:`kept_slots`); ``spec`` itself without slots."""
+    if not slots:
+        return spec
+    tensors = _bias_tensors(bias)
+    return spec.rebound({name: tensors[i] for name, i in slots})
 
 
 def lowered_before(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasSpec | None:
@@ -516,12 +529,18 @@ def lowered_before(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasS
 
 def _spec_key(bias, B: int, H: int, Mq: int, Mk: int, device) -> tuple[tuple, tuple]:
     """``(the bias's tensors, the key of its spec for this call size)``."""
-    tensors = bias.__dict__.get("_lowered_tensors")
-    if tensors is None:  # a bias's terms never change: its tensors are listed once
-        tensors = bias.__dict__["_lowered_tensors"] = tuple(t for a in bias.atoms for t in a.tensors().values())
+    tensors = _bias_tensors(bias)
     # an in-place write to a length tensor makes a new spec (its host copies are read again)
     key = (B, H, Mq, Mk, device, *(tensor_version(t) for t in tensors)) if tensors else (B, H, Mq, Mk, device)
     return tensors, key
+
+
+def _bias_tensors(bias) -> tuple:
+    """The tensors of the bias's atoms, in order (listed once: a bias's terms never change)."""
+    tensors = bias.__dict__.get("_lowered_tensors")
+    if tensors is None:
+        tensors = bias.__dict__["_lowered_tensors"] = tuple(t for a in bias.atoms for t in a.tensors().values())
+    return tensors
 
 
 def _lower_new(bias, tensors: tuple, B: int, H: int, Mq: int, Mk: int, device, found: tuple | None = None) -> BiasSpec:
