@@ -467,6 +467,12 @@ def test_masks_built_every_call_from_device_lengths_are_prepared_once(monkeypatc
     inp, _, _ = dispatch.prepare(q, k, v, ba.PaddedKeysMask(torch.tensor([1, 2, 3])) & CAUSAL_BR, op=op)
     assert inp.spec.kv_seqlens.tolist() == [1, 2, 3] and inp.spec.derived is not dispatch._CALLS[next(iter(
         dispatch._CALLS))][0].derived, "a prepared call's spec holds its own lengths and store"
+    lengths = torch.tensor([2, 3, 4], dtype=torch.int32)  # kept by the mask as it is
+    reused = ba.PaddedKeysMask(lengths) & CAUSAL_BR
+    first = dispatch.prepare(q, k, v, reused, op=op)[0].spec
+    assert dispatch.prepare(q, k, v, reused, op=op)[0].spec is first, "a bias used again keeps its spec (and store)"
+    lengths[0] = 6
+    assert dispatch.prepare(q, k, v, reused, op=op)[0].spec is not first, "an in-place write makes a new one"
     monkeypatch.undo()
     for out, n in zip(outs, cases):
         _check(out, q, k, v, ba.PaddedKeysMask(n) & CAUSAL_BR)

@@ -503,11 +503,19 @@ def kept_slots(bias, B: int, H: int, Mq: int, Mk: int, device) -> tuple | None:
 
 
 def rebind(spec: BiasSpec, slots: tuple, bias) -> BiasSpec:
-    """``spec`` holding the tensors of ``bias`` in its ``slots`` (:func:`kept_slots`); ``spec`` itself without slots."""
+    """``spec`` holding the tensors of ``bias`` in its ``slots`` (:func:`kept_slots`); ``spec`` itself without
+    slots. A bias used again gets the same copy (what operators derived from it, tile tables say, is
+    kept) until an in-place write to one of its tensors."""
     if not slots:
         return spec
     tensors = _bias_tensors(bias)
-    return spec.rebound({name: tensors[i] for name, i in slots})
+    versions = tuple([tensor_version(t) for t in tensors])
+    kept = bias.__dict__.get("_rebound")
+    if kept is not None and kept[0] is spec and kept[1] == versions:
+        return kept[2]
+    new = spec.rebound({name: tensors[i] for name, i in slots})
+    bias.__dict__["_rebound"] = (spec, versions, new)
+    return new
 
 
 def lowered_before(bias, B: int, H: int, Mq: int, Mk: int, device=None) -> BiasSpec | None:
