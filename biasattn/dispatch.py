@@ -251,7 +251,7 @@ _length_mask_choices = BoundedCache(1024)
 _CALLS = BoundedCache(256)
 
 
-def prepare(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, need_lse=False, op=None):
+def prepare(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, need_lse=False, op=None, requires_grad=None):
     """``(inputs, forward operator, backward operator or None)``: :func:`~biasattn.inputs.make_inputs`
     then :func:`choose`, with their errors.
 
@@ -259,16 +259,16 @@ def prepare(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, need_lse=Fals
     masks and windows; lengths only the device holds, as in a mask built every step from a GPU
     tensor), is prepared once per signature (:func:`_call_key`): a later call with that signature
     passed the same checks and gets the same choice, so it costs a lookup, and the kept spec takes
-    the new bias's tensors (:func:`~biasattn.bias.spec.rebind`).
+    the new bias's tensors (:func:`~biasattn.bias.spec.rebind`). ``requires_grad`` as in make_inputs.
     """
-    key = _call_key(q, k, v, attn_bias, scale, dropout_p, need_lse, op)
+    key = _call_key(q, k, v, attn_bias, scale, dropout_p, need_lse, op, requires_grad)
     hit = _CALLS.get(key) if key is not None else None
     if hit is not None:
         spec, slots, kept_scale, requires_grad, fwd, bwd = hit
         spec = rebind(spec, slots, attn_bias)
         scale = kept_scale if scale is None else scale
         return AttentionInputs(q, k, v, attn_bias, spec, scale, dropout_p, requires_grad), fwd, bwd
-    inp = make_inputs(q, k, v, attn_bias, scale=scale, dropout_p=dropout_p)
+    inp = make_inputs(q, k, v, attn_bias, scale=scale, dropout_p=dropout_p, requires_grad=requires_grad)
     fwd, bwd = choose(inp, need_lse=need_lse, op=op)
     if key is not None:
         slots = () if attn_bias is None else kept_slots(attn_bias, inp.B, inp.Hq, inp.Mq, inp.Mk, q.device)
@@ -277,7 +277,7 @@ def prepare(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, need_lse=Fals
     return inp, fwd, bwd
 
 
-def _call_key(q, k, v, bias, scale, dropout_p, need_lse, op) -> tuple | None:
+def _call_key(q, k, v, bias, scale, dropout_p, need_lse, op, requires_grad=None) -> tuple | None:
     """What make_inputs and choose read for a call, where that is cheap to tell: the tensors' sizes,
     dtypes and devices, the bias's structure token, the sign of an explicit scale, whether dropout is
     on, the gradient mode and everything :func:`_decision_key` keys; None for other calls (a bias
@@ -294,12 +294,14 @@ def _call_key(q, k, v, bias, scale, dropout_p, need_lse, op) -> tuple | None:
         structure = structure_token(bias) if isinstance(bias, AttentionBias) else None
         if structure is None:
             return None
+    if requires_grad is None:
+        requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     cuda = q.is_cuda
     return (
         q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, structure,
         None if scale is None else scale > 0, dropout_p > 0, need_lse, None if op is None else _op_key(op),
-        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
-        torch.are_deterministic_algorithms_enabled(), _allowed.get(), PRIORITY.get("cuda" if cuda else q.device.type),
+        bool(requires_grad), torch.are_deterministic_algorithms_enabled(), _allowed.get(),
+        PRIORITY.get("cuda" if cuda else q.device.type),
         cuda and torch.cuda.is_current_stream_capturing(), not cuda and interpreted(), ops.generation(),
     )
 

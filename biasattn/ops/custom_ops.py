@@ -174,8 +174,8 @@ def attention_fwd_flat(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Attention forward on plain tensors: ``(out [B, Hq, Mq, Dv], lse [B, Hq, Mq], state int64 [4])``."""
     bias = rebuild_bias(bias_tensors, bias_metadata, bias_shape)
-    inp = make_inputs(q, k, v, bias, scale=scale, dropout_p=dropout_p, requires_grad=requires_grad)
-    fwd_op, bwd_op = dispatch.choose(inp, need_lse=need_lse, op=op or None)
+    inp, fwd_op, bwd_op = dispatch.prepare(q, k, v, bias, scale=scale, dropout_p=dropout_p, need_lse=need_lse,
+                                           op=op or None, requires_grad=requires_grad)
     with torch.no_grad():
         out, lse, saved = fwd_op.fwd(inp)
     keep = inp if requires_grad and bwd_op is not None else None
