@@ -113,3 +113,13 @@ def test_block_sparse_repr_on_meta_reads_no_values():
     assert "density=1.00" in repr(ba.BlockSparseMask(layout, 4))
     text = repr(ba.BlockSparseMask(layout.to("meta"), 4) & ba.PaddedKeysMask([5]).to("meta"))
     assert "layout=[1, 2, 3, 3], block=(4, 4)" in text and "density" not in text
+
+
+def test_biases_without_tensors_share_one_empty_inner_tensor_per_device():
+    """A causal mask or window built every call allocates nothing: its inner tensor (what fake-tensor
+    conversion needs) is one empty tensor per device, made outside inference mode."""
+    with torch.inference_mode():
+        a = ba.LowerTriangularMask().to("meta")
+    b = ba.LocalAttentionMask(4).to("meta")
+    assert a._t0 is b._t0 and a._t0.device.type == "meta" and a._t0.numel() == 0 and not a._t0.is_inference()
+    assert ba.LowerTriangularMask()._t0 is ba.LowerTriangularFromBottomRightMask()._t0 is not a._t0

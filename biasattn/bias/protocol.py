@@ -192,9 +192,21 @@ def set_inner_tensors(bias) -> None:
         for t in a.tensors().values():
             setattr(bias, f"_t{n}", t)
             n += 1
-    if n == 0:  # fake-tensor conversion needs at least one inner tensor: an empty anchor
-        with torch._C.DisableTorchFunctionSubclass():
-            bias._t0 = torch.empty(0, dtype=torch.int32, device=bias.device)
+    if n == 0:  # fake-tensor conversion needs at least one inner tensor: an empty anchor, one per device
+        device = bias.__dict__.get("_device")
+        if device is None or torch.compiler.is_compiling():  # a traced bias makes its own
+            with torch._C.DisableTorchFunctionSubclass():
+                bias._t0 = torch.empty(0, dtype=torch.int32, device=bias.device)
+            return
+        anchor = _ANCHORS.get(device)
+        if anchor is None:
+            with torch._C.DisableTorchFunctionSubclass(), torch.inference_mode(False):  # a plain tensor, wherever made
+                anchor = _ANCHORS[device] = torch.empty(0, dtype=torch.int32, device=device)
+        bias._t0 = anchor
+
+
+#: The empty inner tensor of biases that hold none, by device (never written: it holds no element).
+_ANCHORS: dict = {}
 
 
 def tensor_flatten(bias) -> tuple[list[str], tuple]:
