@@ -266,8 +266,8 @@ def prepare(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, need_lse=Fals
     if hit is not None:
         spec, slots, kept_scale, requires_grad, fwd, bwd = hit
         spec = rebind(spec, slots, attn_bias)
-        scale = kept_scale if scale is None else scale
-        return AttentionInputs(q, k, v, attn_bias, spec, scale, dropout_p, requires_grad), fwd, bwd
+        scale = kept_scale if scale is None else float(scale)
+        return AttentionInputs(q, k, v, attn_bias, spec, scale, float(dropout_p), requires_grad), fwd, bwd
     inp = make_inputs(q, k, v, attn_bias, scale=scale, dropout_p=dropout_p, requires_grad=requires_grad)
     fwd, bwd = choose(inp, need_lse=need_lse, op=op)
     if key is not None:
@@ -285,9 +285,9 @@ def _call_key(q, k, v, bias, scale, dropout_p, need_lse, op, requires_grad=None)
     T = torch.Tensor
     if type(q) is not T or type(k) is not T or type(v) is not T:
         return None
-    if scale is not None and (type(scale) is not float or not math.isfinite(scale)):
+    if scale is not None and (type(scale) not in (float, int) or not math.isfinite(scale)):
         return None
-    if type(dropout_p) is not float or not 0.0 <= dropout_p < 1.0:
+    if type(dropout_p) not in (float, int) or not 0.0 <= dropout_p < 1.0:
         return None
     structure = None
     if bias is not None:

@@ -421,9 +421,12 @@ def test_a_call_prepared_before_skips_checks_and_walk(monkeypatch):
     with ba.use_ops("reference"):
         assert dispatch.prepare(q, k, v)[1].name == "reference"
     assert len(made) == 7
+    inp_i = dispatch.prepare(q, k, v, dropout_p=0, scale=2)[0]  # ints as make_inputs takes them: floats inside
+    assert dispatch.prepare(q, k, v, dropout_p=0, scale=3)[0].scale == 3.0 and type(inp_i.dropout_p) is float
+    assert len(made) == 8
     dispatch.prepare(q, k, v, ba.PaddedKeysMask([3]))  # a bias holding a tensor: checked on every call
     dispatch.prepare(q, k, v, ba.PaddedKeysMask([3]))
-    assert len(made) == 9
+    assert len(made) == 10
 
 
 @pytest.mark.parametrize(("change", "message"), [
