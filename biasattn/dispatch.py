@@ -15,7 +15,7 @@ import torch
 
 from . import ops
 from .bias import AttentionBias
-from .bias.spec import kept_slots, rebind, structure_token
+from .bias.spec import kept_by_tokens, rebind, structure_token
 from .errors import NotSupportedError
 from .inputs import AttentionInputs, make_inputs
 from .memo import BoundedCache
@@ -271,9 +271,9 @@ def prepare(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, need_lse=Fals
     inp = make_inputs(q, k, v, attn_bias, scale=scale, dropout_p=dropout_p, requires_grad=requires_grad)
     fwd, bwd = choose(inp, need_lse=need_lse, op=op)
     if key is not None:
-        slots = () if attn_bias is None else kept_slots(attn_bias, inp.B, inp.Hq, inp.Mq, inp.Mk, q.device)
-        if slots is not None:
-            _CALLS[key] = (inp.spec, slots, inp.scale, inp.requires_grad, fwd, bwd)
+        kept = (inp.spec, ()) if attn_bias is None else kept_by_tokens(attn_bias, inp.B, inp.Hq, inp.Mq, inp.Mk, q.device)
+        if kept is not None:
+            _CALLS[key] = (*kept, inp.scale, inp.requires_grad, fwd, bwd)
     return inp, fwd, bwd
 
 

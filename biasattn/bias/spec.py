@@ -494,16 +494,16 @@ def structure_token(bias) -> tuple | None:
     return (type(bias), tokens, bias._offsets, bias._lengths, bias._full)
 
 
-def kept_slots(bias, B: int, H: int, Mq: int, Mk: int, device) -> tuple | None:
-    """Where the spec kept for the atom tokens of ``bias`` holds the bias's own tensors (``()`` for none;
-    see :func:`rebind`), or None when no spec is kept for them."""
+def kept_by_tokens(bias, B: int, H: int, Mq: int, Mk: int, device) -> tuple | None:
+    """``(spec, slots)`` kept for the atom tokens of ``bias`` at this call size: the spec as lowered (never
+    used by a call itself) and where it holds the bias's own tensors (``()`` for none; see
+    :func:`rebind`); None when none is kept."""
     key = _token_key(bias, B, H, Mq, Mk, device)
-    hit = _SPECS_BY_TOKENS.get(key) if key is not None else None
-    return None if hit is None else hit[1]
+    return _SPECS_BY_TOKENS.get(key) if key is not None else None
 
 
 def rebind(spec: BiasSpec, slots: tuple, bias) -> BiasSpec:
-    """``spec`` holding the tensors of ``bias`` in its ``slots`` (:func:`kept_slots`); ``spec`` itself without
+    """``spec`` holding the tensors of ``bias`` in its ``slots`` (:func:`kept_by_tokens`); ``spec`` itself without
     slots. A bias used again gets the same copy (what operators derived from it, tile tables say, is
     kept) until an in-place write to one of its tensors."""
     if not slots:
