@@ -300,9 +300,7 @@ def _call_key(q, k, v, bias, scale, dropout_p, need_lse, op, requires_grad=None)
     return (
         q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, structure,
         None if scale is None else scale > 0, dropout_p > 0, need_lse, None if op is None else _op_key(op),
-        bool(requires_grad), torch.are_deterministic_algorithms_enabled(), _allowed.get(),
-        PRIORITY.get("cuda" if cuda else q.device.type),
-        cuda and torch.cuda.is_current_stream_capturing(), not cuda and interpreted(), ops.generation(),
+        bool(requires_grad), *_dispatch_state(cuda, "cuda" if cuda else q.device.type),
     )
 
 
@@ -313,15 +311,20 @@ def _decision_key(inp: AttentionInputs, need_lse: bool, op) -> tuple:
     q, k, v = inp.q, inp.k, inp.v
     dev = q.device
     add = inp.spec.additive
-    cuda = dev.type == "cuda"
     return (
         q.shape, k.shape, v.shape[3], q.dtype, dev, None if op is None else _op_key(op), need_lse, inp.requires_grad,
         inp.dropout_p > 0,
         inp.scale > 0,
-        add is not None and add.requires_grad, torch.are_deterministic_algorithms_enabled(), _allowed.get(),
-        PRIORITY.get(dev.type),
-        cuda and torch.cuda.is_current_stream_capturing(),
-        not cuda and interpreted(), ops.generation(), "dispatch",
+        add is not None and add.requires_grad, *_dispatch_state(dev.type == "cuda", dev.type), "dispatch",
+    )
+
+
+def _dispatch_state(cuda: bool, device_type: str) -> tuple:
+    """What a choice reads besides the call: the deterministic switch, ``use_ops``, the priority list,
+    graph capture (CUDA), the interpreter switch (CPU) and the registry (both kept choices key it)."""
+    return (
+        torch.are_deterministic_algorithms_enabled(), _allowed.get(), PRIORITY.get(device_type),
+        cuda and torch.cuda.is_current_stream_capturing(), not cuda and interpreted(), ops.generation(),
     )
 
 
