@@ -123,3 +123,14 @@ def test_biases_without_tensors_share_one_empty_inner_tensor_per_device():
     b = ba.LocalAttentionMask(4).to("meta")
     assert a._t0 is b._t0 and a._t0.device.type == "meta" and a._t0.numel() == 0 and not a._t0.is_inference()
     assert ba.LowerTriangularMask()._t0 is ba.LowerTriangularFromBottomRightMask()._t0 is not a._t0
+
+
+def test_a_bias_made_under_a_fake_trace_holds_a_tensor_of_that_trace():
+    """A mask moved to a device inside a trace (Dynamo runs ``.to`` of a bias under its fake mode) gets an
+    inner tensor of that trace, never the eager anchor, which a trace cannot take as an input."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+
+    eager = ba.LowerTriangularMask().to("cpu")
+    with FakeTensorMode():
+        traced = ba.LowerTriangularMask().to("cpu")
+    assert is_fake(traced._t0) and not is_fake(eager._t0) and traced._t0 is not eager._t0

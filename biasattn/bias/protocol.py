@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError
-from .atoms import ATOM_CLASSES, class_name
+from .atoms import ATOM_CLASSES, class_name, faking
 
 MATERIALIZE_WARN_BYTES = 256 * 2**20
 _warned_large_materialize = False
@@ -194,7 +194,7 @@ def set_inner_tensors(bias) -> None:
             n += 1
     if n == 0:  # fake-tensor conversion needs at least one inner tensor: an empty anchor, one per device
         device = bias.__dict__.get("_device")
-        if device is None or torch.compiler.is_compiling():  # a traced bias makes its own
+        if device is None or torch.compiler.is_compiling() or faking():  # a traced bias makes its own
             with torch._C.DisableTorchFunctionSubclass():
                 bias._t0 = torch.empty(0, dtype=torch.int32, device=bias.device)
             return
