@@ -134,3 +134,24 @@ def test_a_bias_made_under_a_fake_trace_holds_a_tensor_of_that_trace():
     with FakeTensorMode():
         traced = ba.LowerTriangularMask().to("cpu")
     assert is_fake(traced._t0) and not is_fake(eager._t0) and traced._t0 is not eager._t0
+
+
+def test_a_causal_mask_built_every_call_is_one_object():
+    """``LowerTriangularMask()`` in every call (as SDPA users write ``is_causal=True``) returns one shared
+    bias, and its moves to a device are kept per device and dtype; a bias holding tensors is moved anew,
+    and a trace builds its own."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert ba.LowerTriangularMask() is ba.LowerTriangularMask()
+    assert ba.LowerTriangularFromBottomRightMask() is ba.LowerTriangularFromBottomRightMask()
+    assert ba.LowerTriangularMask() is not ba.LowerTriangularFromBottomRightMask()
+    causal = ba.LowerTriangularMask()
+    assert causal.to("meta") is causal.to("meta") and causal.to("meta").device.type == "meta"
+    assert causal.to("meta") is not causal.to("meta", torch.float16)
+    padded = ba.PaddedKeysMask([3, 5])
+    assert padded.to("meta") is not padded.to("meta")
+    with torch.inference_mode():
+        inside = ba.LowerTriangularMask()
+    assert inside is causal and not inside.is_inference()
+    with FakeTensorMode():
+        assert ba.LowerTriangularMask() is not causal

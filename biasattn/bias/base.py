@@ -20,7 +20,7 @@ import torch
 
 from ..errors import BiasCompositionError, InputError
 from . import drawing, protocol
-from .atoms import Atom, Geometry, class_name
+from .atoms import Atom, Geometry, class_name, faking
 
 
 def _merge_sizes(atoms: Sequence[Atom]) -> list[int | None]:
@@ -299,10 +299,19 @@ class AttentionBias(torch.Tensor):
 
     # ----------------------------------------------------------------------------- lazy tensor methods
     def to(self, *args, **kwargs) -> AttentionBias:
-        """Move or cast the bias' small tensors; stays lazy."""
+        """Move or cast the bias' small tensors; stays lazy. A bias that holds no tensor keeps what it
+        returned per device and dtype (a causal mask moved in every call is made once)."""
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        atoms = tuple(a.to(device=device, dtype=dtype) for a in self._atoms)
-        return self._derive(atoms=atoms, device=device or self.device)
+        if any(a.tensors() for a in self._atoms) or torch.compiler.is_compiling() or faking():
+            atoms = tuple(a.to(device=device, dtype=dtype) for a in self._atoms)
+            return self._derive(atoms=atoms, device=device or self.device)
+        moved = self.__dict__.setdefault("_moved", {})
+        key = (torch.device(device) if device is not None else None, dtype)
+        out = moved.get(key)
+        if out is None:
+            atoms = tuple(a.to(device=device, dtype=dtype) for a in self._atoms)
+            out = moved[key] = self._derive(atoms=atoms, device=device or self.device)
+        return out
 
     def cuda(self, device=None, non_blocking=False) -> AttentionBias:
         """The bias on a CUDA device; stays lazy."""
@@ -419,6 +428,23 @@ class _BiasConstructor(AttentionBias):
             with torch._C.DisableTorchFunctionSubclass():
                 inner["_t0"] = torch.empty(0, dtype=torch.int32, device=ctx[1])
         return protocol.tensor_unflatten(inner, ctx, shape, stride)
+
+
+_SHARED: dict = {}  # bias class -> its one instance (classes whose constructor takes no argument)
+
+
+def shared(cls: type, build) -> AttentionBias:
+    """The one instance of ``cls``, a bias family whose constructor takes no argument and whose bias holds
+    no tensor (a causal mask), made by ``build()`` on first use: a mask built in every call then costs a
+    lookup, and every call finds the dispatch and launch decisions kept on that one object. Biases never
+    change, so sharing is invisible; a trace (``torch.compile``, fake tensors) builds its own."""
+    if torch.compiler.is_compiling() or faking():
+        return build()
+    bias = _SHARED.get(cls)
+    if bias is None:
+        with torch.inference_mode(False):  # usable by calls outside inference mode too
+            bias = _SHARED[cls] = build()
+    return bias
 
 
 def _resolved(device) -> torch.device | None:

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from .band import BOTTOM_RIGHT, TOP_LEFT, band_atom
-from .base import AttentionBias
+from .base import AttentionBias, shared
 
 
 class LowerTriangularMask(AttentionBias):
@@ -20,7 +20,7 @@ class LowerTriangularMask(AttentionBias):
     """
 
     def __new__(cls):
-        return cls._create([band_atom(TOP_LEFT, None, 0, cls.__name__)])
+        return shared(cls, lambda: cls._create([band_atom(TOP_LEFT, None, 0, cls.__name__)]))
 
 
 class LowerTriangularFromBottomRightMask(AttentionBias):
@@ -31,4 +31,4 @@ class LowerTriangularFromBottomRightMask(AttentionBias):
     """
 
     def __new__(cls):
-        return cls._create([band_atom(BOTTOM_RIGHT, None, 0, cls.__name__)])
+        return shared(cls, lambda: cls._create([band_atom(BOTTOM_RIGHT, None, 0, cls.__name__)]))
