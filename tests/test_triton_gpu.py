@@ -278,6 +278,31 @@ def test_direct_launches_match_tritons_own():
         assert torch.equal(a, b)
 
 
+def test_direct_launches_report_to_launch_hooks():
+    """A launch hook (a profiler's) sees every direct launch with its metadata; without one, direct
+    launches skip building that metadata."""
+    from triton import knobs
+
+    from biasattn.ops.triton import flash
+
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Mq=200, Mk=200, D=64, dtype=torch.float16)
+    ba.attention(q, k, v, ba.LowerTriangularMask(), op="triton")
+    seen = []
+
+    def hook(meta):
+        seen.append(meta.get()["name"])
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        hits = flash._fwd.hits
+        ba.attention(q, k, v, ba.LowerTriangularMask(), op="triton")
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert flash._fwd.hits > hits and "_attn_fwd_kernel" in seen
+    ba.attention(q, k, v, ba.LowerTriangularMask(), op="triton")
+    assert seen.count("_attn_fwd_kernel") == 1
+
+
 @pytest.mark.parametrize("name", list(SYNC_FREE))
 def test_planned_launches_match_unplanned(triton_options, monkeypatch, name):
     """Once two calls of a signature are recorded, its launches are replayed from a plan (descriptors rebuilt

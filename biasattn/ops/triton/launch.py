@@ -57,6 +57,11 @@ def _runtime():
     return driver.active.get_current_stream, knobs
 
 
+def _hook(hook):
+    """A launch hook to call, or None where none is set (Triton's hooks are chains, empty when unused)."""
+    return None if hook is None or not getattr(hook, "calls", True) else hook
+
+
 def _picker(positions: list[int]):
     """A function returning the tuple of ``args[i]`` for ``i`` in ``positions``."""
     if not positions:
@@ -166,9 +171,10 @@ class _Direct:
         values = (*args, *tail)
         stream = get_stream(args[0].device.index)
         g = tuple(grid) + (1, 1)
-        compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
-                     compiled.launch_metadata(grid, stream, *values),
-                     knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *values)
+        enter, leave = _hook(knobs.runtime.launch_enter_hook), _hook(knobs.runtime.launch_exit_hook)
+        # the metadata only the hooks read: without one, neither it nor a call into an empty chain
+        meta = None if enter is None and leave is None else compiled.launch_metadata(grid, stream, *values)
+        compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, meta, enter, leave, *values)
 
     def fire(self, grid, args, meta, entry) -> None:
         """Replay a recorded launch with new arguments of the same signature (:mod:`.plans`)."""
