@@ -13,6 +13,7 @@ cost of that layer and everything beneath it:
 
     PYTHONPATH=. python benchmarks/host_overhead.py --cases none causal varlen --profile causal
     PYTHONPATH=. python benchmarks/host_overhead.py --targets   # the target rows against SDPA
+    PYTHONPATH=. python benchmarks/host_overhead.py --launches  # each kernel launch against an empty one
 
 ``--threads`` splits a forward+backward call into the forward, the backward's body (timed and profiled
 on whichever thread autograd runs it) and the rest (autograd's engine and its thread hand-off), with
@@ -23,6 +24,7 @@ autograd's device thread and with the backward on the caller's thread, next to a
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -201,6 +203,40 @@ def ab_plans(calls: dict, rounds: int, iters: int) -> None:
         print(f"  plans on {on:8.1f}  off {off:8.1f}  ({off / on:.2f}x)  {n}")
 
 
+def launch_costs(iters: int, D: int) -> None:
+    """Host µs of each kernel launch a causal ``op="triton"`` forward+backward makes (M=256, B=1, H=2),
+    replayed alone through its compiled entry, next to an empty Triton kernel of one argument: what a
+    launch costs whatever it passes, and what our arguments add."""
+    import triton
+
+    from biasattn.ops.triton import launch
+
+    @triton.jit
+    def _empty(x):
+        pass
+
+    q, k, v = (torch.randn(1, 2, 256, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn_like(q)
+
+    def step():
+        torch.autograd.grad(ba.attention(q, k, v, ba.LowerTriangularMask(), op="triton"), (q, k, v), dout)
+
+    for _ in range(3):  # compiled, then recorded, then replayed from a plan
+        step()
+    run, seen = launch._Direct._run, []
+    launch._Direct._run = staticmethod(lambda entry, grid, args: (seen.append((entry, grid, args)), run(entry, grid, args)))
+    try:
+        step()
+    finally:
+        launch._Direct._run = staticmethod(run)
+    empty, x = launch.direct(_empty), torch.zeros(16, device="cuda")
+    print("   host µs  launch")
+    print(f"  {per_call_us(lambda: empty[(1,)](x), iters):8.1f}  empty kernel, 1 argument")
+    for entry, grid, args in seen:
+        us = per_call_us(functools.partial(run, entry, grid, args), iters)
+        print(f"  {us:8.1f}  {entry[0].name}, {len(args)} arguments")
+
+
 def target_rows(iters: int, D: int, rounds: int = 7) -> None:
     """Host µs per call of the rows the host-path targets name, each next to SDPA on the same tensors:
     tiny prefill (causal, the mask reused and built per call), decode at B=1 and B=8, and a padded-key
@@ -264,7 +300,11 @@ def main(argv=None) -> int:
     p.add_argument("--ab-plans", type=int, default=0, metavar="ROUNDS",
                    help="time the forced-operator layers with launch plans on and off in ROUNDS alternating rounds")
     p.add_argument("--targets", action="store_true", help="only the target rows against SDPA (prefill, decode, padded masks)")
+    p.add_argument("--launches", action="store_true", help="only the host cost of each kernel launch, against an empty kernel")
     args = p.parse_args(argv)
+    if args.launches:
+        launch_costs(args.iters, args.D)
+        return 0
     if args.targets:
         target_rows(args.iters, args.D)
         return 0
