@@ -848,6 +848,25 @@ def test_descriptor_rules(triton_options, monkeypatch):
     assert tma.kv_descriptors(x, x, 32, 16, 16, scores) is None
 
 
+def test_descriptor_threshold_counts_the_scores_computed():
+    """The descriptors' threshold reads the scores a forward computes as far as shapes tell: packed
+    documents count as equal ones, a band on a square call as half."""
+    from biasattn.inputs import make_inputs
+    from biasattn.ops.triton.flash import computed_scores
+
+    q, short = torch.zeros(1, 2, 64, 16), torch.zeros(1, 2, 16, 16)
+
+    def scores(bias, qq=q):
+        return computed_scores(make_inputs(qq, q, q, bias).spec, 1, 2, qq.shape[2], 64)
+
+    docs = ba.BlockDiagonalMask.from_seqlens([10, 30, 20, 4])
+    assert scores(None) == 2 * 64 * 64
+    assert scores(ba.LowerTriangularMask()) == 2 * 64 * 64 // 2
+    assert scores(docs) == 2 * 64 * 64 // 4
+    assert scores(docs.make_causal()) == 2 * 64 * 64 // 8
+    assert scores(ba.LowerTriangularFromBottomRightMask(), short) == 2 * 16 * 64  # a band on a wide call: not halved
+
+
 @settings(max_examples=12, deadline=None)
 @given(case=cases())
 def test_random_compositions_through_descriptors(case):

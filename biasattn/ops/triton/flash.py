@@ -74,6 +74,19 @@ def _shared_structure(spec: BiasSpec, device) -> tuple[tuple, tuple] | None:
     return (*structure, plans.tensor_key(*roles)), roles
 
 
+def computed_scores(spec: BiasSpec, B: int, H: int, Mq: int, Mk: int) -> int:
+    """The scores a forward computes as far as shapes tell (what ``descriptors_min_scores`` is compared
+    with): ``B·H·Mq·Mk`` over the number of packed segments (equal documents hold the fewest), halved
+    by a band on a square call (causal). Packed short documents are host-bound calls that the nominal
+    size would send through descriptors."""
+    n = B * H * Mq * Mk
+    if spec.q_seqstart is not None:
+        n //= max(1, spec.q_seqstart.shape[0] - 1)
+    if spec.band_lo is not None and Mq == Mk:
+        n //= 2
+    return n
+
+
 def _new(like: torch.Tensor, shape, dtype, zero: bool = False) -> torch.Tensor:
     """A tensor of ``shape`` and ``dtype`` on ``like``'s device (``new_empty``: less host time than
     ``torch.empty(..., device=)``), NaN-filled under the ``poison_outputs`` option."""
@@ -352,7 +365,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
     plan = plans.lookup(store, key)
     if plan is not None:
         block_n, block_m = plan.note
-        descs = tma.kv_descriptors(k, v, block_n, hd, hdv, B * H * Mq * Mk) if block_n else ()
+        descs = tma.kv_descriptors(k, v, block_n, hd, hdv, computed_scores(spec, B, H, Mq, Mk)) if block_n else ()
         if descs is not None:
             table = schedule.query_schedule(spec, block_m, q.device).table if block_m else None
             plan.run((q, k, v, out, lse, *descs, *roles, *((table,) if roles and table is not None else ()), qk_scale))
@@ -369,7 +382,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
         count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_n, True, q.device)
         grid = (sched.n * B, H) if batch_inner else (sched.n, B * H)
         chunk = program_chunk(B * H, sched.n, num_sms(q.device), kv_bytes, args.has_band)
-        descs = tma.kv_descriptors(k, v, cfg.block_n, hd, hdv, B * H * Mq * Mk)
+        descs = tma.kv_descriptors(k, v, cfg.block_n, hd, hdv, computed_scores(spec, B, H, Mq, Mk))
         made[:] = [descs or (), (cfg.block_n if descs else 0, cfg.block_m if sched.table is not None else 0), sched.table]
         _fwd[grid](
             q, *(descs or (k, v)), k, v, out, lse,

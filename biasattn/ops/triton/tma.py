@@ -53,9 +53,9 @@ def describable(t: torch.Tensor) -> bool:
 def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, head_dim: int, head_dim_v: int, scores: int):
     """Descriptors of ``k [B, Hkv, Mk, D]`` and ``v [B, Hkv, Mk, Dv]`` that fetch ``[1, 1, block_n, head_dim]``
     tiles (head dims padded to the kernel's with zeros), or None when either tensor does not qualify
-    or the launch computes fewer ``scores`` (``B * Hq * Mq * Mk``) than the ``descriptors_min_scores``
-    option: building and passing two descriptors costs about 30 µs of host time, more than the copy
-    engine saves on a launch of about 20 µs of GPU time."""
+    or the launch computes fewer ``scores`` (:func:`~biasattn.ops.triton.flash.computed_scores`) than the
+    ``descriptors_min_scores`` option: building and passing two descriptors costs about 30 µs of host
+    time, more than the copy engine saves on a launch of about 20 µs of GPU time."""
     if scores < options.current().descriptors_min_scores or not (available(k.device) and describable(k) and describable(v)):
         return None
     cls = _descriptor_class()
