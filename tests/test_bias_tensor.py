@@ -115,19 +115,9 @@ def test_block_sparse_repr_on_meta_reads_no_values():
     assert "layout=[1, 2, 3, 3], block=(4, 4)" in text and "density" not in text
 
 
-def test_biases_without_tensors_share_one_empty_inner_tensor_per_device():
-    """A causal mask or window built every call allocates nothing: its inner tensor (what fake-tensor
-    conversion needs) is one empty tensor per device, made outside inference mode."""
-    with torch.inference_mode():
-        a = ba.LowerTriangularMask().to("meta")
-    b = ba.LocalAttentionMask(4).to("meta")
-    assert a._t0 is b._t0 and a._t0.device.type == "meta" and a._t0.numel() == 0 and not a._t0.is_inference()
-    assert ba.LowerTriangularMask()._t0 is ba.LowerTriangularFromBottomRightMask()._t0 is not a._t0
-
-
 def test_a_bias_made_under_a_fake_trace_holds_a_tensor_of_that_trace():
     """A mask moved to a device inside a trace (Dynamo runs ``.to`` of a bias under its fake mode) gets an
-    inner tensor of that trace, never the eager anchor, which a trace cannot take as an input."""
+    inner tensor of that trace, never one made eagerly, which a trace cannot take as an input."""
     from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
     eager = ba.LowerTriangularMask().to("cpu")
@@ -152,6 +142,7 @@ def test_a_causal_mask_built_every_call_is_one_object():
     assert padded.to("meta") is not padded.to("meta")
     with torch.inference_mode():
         inside = ba.LowerTriangularMask()
-    assert inside is causal and not inside.is_inference()
+        moved = ba.LocalAttentionMask(3).to("meta")
+    assert inside is causal and not inside.is_inference() and not moved._t0.is_inference()
     with FakeTensorMode():
         assert ba.LowerTriangularMask() is not causal

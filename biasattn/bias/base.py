@@ -303,15 +303,22 @@ class AttentionBias(torch.Tensor):
         returned per device and dtype (a causal mask moved in every call is made once)."""
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         if any(a.tensors() for a in self._atoms) or torch.compiler.is_compiling() or faking():
-            atoms = tuple(a.to(device=device, dtype=dtype) for a in self._atoms)
-            return self._derive(atoms=atoms, device=device or self.device)
-        moved = self.__dict__.setdefault("_moved", {})
-        key = (torch.device(device) if device is not None else None, dtype)
+            return self._moved(device, dtype)
+        moved = self.__dict__.setdefault("_moved_to", {})
+        key = (device, dtype)
         out = moved.get(key)
         if out is None:
-            atoms = tuple(a.to(device=device, dtype=dtype) for a in self._atoms)
-            out = moved[key] = self._derive(atoms=atoms, device=device or self.device)
+            if torch.is_inference_mode_enabled():  # kept for calls outside inference mode too
+                with torch.inference_mode(False):
+                    out = self._moved(device, dtype)
+            else:
+                out = self._moved(device, dtype)
+            moved[key] = out
         return out
+
+    def _moved(self, device, dtype) -> AttentionBias:
+        atoms = tuple(a.to(device=device, dtype=dtype) for a in self._atoms)
+        return self._derive(atoms=atoms, device=device or self.device)
 
     def cuda(self, device=None, non_blocking=False) -> AttentionBias:
         """The bias on a CUDA device; stays lazy."""

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError
-from .atoms import ATOM_CLASSES, class_name, faking
+from .atoms import ATOM_CLASSES, class_name
 
 MATERIALIZE_WARN_BYTES = 256 * 2**20
 _warned_large_materialize = False
@@ -186,27 +186,15 @@ def _class(name: str) -> type:
 
 
 def set_inner_tensors(bias) -> None:
-    """Attach the atoms' tensors to ``bias`` as ``_t0``, ``_t1``, ... (an empty anchor when it has none)."""
+    """Attach the atoms' tensors to ``bias`` as ``_t0``, ``_t1``, ... (an empty tensor when it has none)."""
     n = 0
     for a in bias._atoms:
         for t in a.tensors().values():
             setattr(bias, f"_t{n}", t)
             n += 1
-    if n == 0:  # fake-tensor conversion needs at least one inner tensor: an empty anchor, one per device
-        device = bias.__dict__.get("_device")
-        if device is None or torch.compiler.is_compiling() or faking():  # a traced bias makes its own
-            with torch._C.DisableTorchFunctionSubclass():
-                bias._t0 = torch.empty(0, dtype=torch.int32, device=bias.device)
-            return
-        anchor = _ANCHORS.get(device)
-        if anchor is None:
-            with torch._C.DisableTorchFunctionSubclass(), torch.inference_mode(False):  # a plain tensor, wherever made
-                anchor = _ANCHORS[device] = torch.empty(0, dtype=torch.int32, device=device)
-        bias._t0 = anchor
-
-
-#: The empty inner tensor of biases that hold none, by device (never written: it holds no element).
-_ANCHORS: dict = {}
+    if n == 0:  # fake-tensor conversion needs at least one inner tensor: an empty one
+        with torch._C.DisableTorchFunctionSubclass():
+            bias._t0 = torch.empty(0, dtype=torch.int32, device=bias.device)
 
 
 def tensor_flatten(bias) -> tuple[list[str], tuple]:
