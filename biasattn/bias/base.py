@@ -308,12 +308,7 @@ class AttentionBias(torch.Tensor):
         key = (device, dtype)
         out = moved.get(key)
         if out is None:
-            if torch.is_inference_mode_enabled():  # kept for calls outside inference mode too
-                with torch.inference_mode(False):
-                    out = self._moved(device, dtype)
-            else:
-                out = self._moved(device, dtype)
-            moved[key] = out
+            out = moved[key] = _for_every_mode(lambda: self._moved(device, dtype))
         return out
 
     def _moved(self, device, dtype) -> AttentionBias:
@@ -449,9 +444,16 @@ def shared(cls: type, build) -> AttentionBias:
         return build()
     bias = _SHARED.get(cls)
     if bias is None:
-        with torch.inference_mode(False):  # usable by calls outside inference mode too
-            bias = _SHARED[cls] = build()
+        bias = _SHARED[cls] = _for_every_mode(build)
     return bias
+
+
+def _for_every_mode(build):
+    """``build()`` outside inference mode: a bias kept for later calls serves calls in and out of it."""
+    if not torch.is_inference_mode_enabled():
+        return build()
+    with torch.inference_mode(False):
+        return build()
 
 
 def _resolved(device) -> torch.device | None:
