@@ -24,11 +24,7 @@ def _per_layout(fn):
 
     @functools.wraps(fn)
     def memoized(layout: SequenceLayout):
-        store = layout.memo
-        value = store.get(name, store)  # the store itself is never a value
-        if value is store:
-            value = store[name] = fn(layout)
-        return value
+        return layout.cached(name, fn, layout)
 
     return memoized
 
