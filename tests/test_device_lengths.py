@@ -362,13 +362,14 @@ def test_host_lists_reach_the_device_as_given():
 
 
 def test_masks_from_lists_make_one_copy_of_their_lengths(monkeypatch):
-    """A mask built from Python lists copies its lengths to the device once (one pinned, non-blocking copy on a
-    GPU), and documents of self-attention share one tensor of starts for queries and keys."""
+    """A mask built from Python lists uploads its lengths once (one pinned host tensor on a GPU, copied
+    without waiting into a tensor per role), and documents of self-attention share one tensor of starts
+    for queries and keys."""
     from biasattn.bias import block_diagonal
 
     copies = []
-    real = block_diagonal.to_device
-    monkeypatch.setattr(block_diagonal, "to_device", lambda *a, **kw: copies.append(a[0]) or real(*a, **kw))
+    real = block_diagonal.to_device_parts
+    monkeypatch.setattr(block_diagonal, "to_device_parts", lambda *a, **kw: copies.append(a[0]) or real(*a, **kw))
     self_attention = ba.BlockDiagonalMask.from_seqlens([2, 5, 3])
     cross = ba.BlockDiagonalMask.from_seqlens([2, 5, 3], [4, 1, 6])
     assert len(copies) == 2

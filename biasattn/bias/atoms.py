@@ -7,6 +7,7 @@ ALiBi slopes): it knows its sizes, its dense meaning (:meth:`Atom.dense`) and it
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -75,16 +76,33 @@ def to_device(t, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     steps). The pinned block is not reused before its copy has run (PyTorch records the copy).
     """
     if not isinstance(t, torch.Tensor):
+        if device is not None and _pinned_copy(torch.device(device)):
+            return torch.tensor(t, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
         t = torch.tensor(t, dtype=dtype)
     elif dtype is not None:
         t = t.to(dtype)
     device = torch.device(device) if device is not None else t.device
-    if t.device.type == "cpu" and device.type == "cuda" and not torch.compiler.is_compiling():
-        # a graph captured now would read the pinned block at every replay, after it has been reused:
-        # while capturing, the plain copy (which capture refuses) keeps that from happening silently
-        if not torch.cuda.is_current_stream_capturing():
-            return t.pin_memory().to(device, non_blocking=True)
+    if t.device.type == "cpu" and _pinned_copy(device):
+        return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def to_device_parts(values: Sequence[int], sizes: Sequence[int], device) -> tuple[torch.Tensor, ...]:
+    """int32 tensors on ``device`` (None: the CPU) holding ``values`` cut into consecutive parts of
+    ``sizes``, each with a storage of its own: to a GPU, one pinned host tensor and a copy per part,
+    none of them waiting (as :func:`to_device`)."""
+    if device is not None and _pinned_copy(torch.device(device)):
+        host = torch.tensor(values, dtype=torch.int32, pin_memory=True)
+        return tuple(part.to(device, non_blocking=True) for part in host.split(sizes))
+    return tuple(part.clone() for part in to_device(list(values), device, torch.int32).split(sizes))
+
+
+def _pinned_copy(device: torch.device) -> bool:
+    """Whether a copy from the host to ``device`` goes through pinned memory: to a GPU, outside
+    ``torch.compile`` and outside graph capture (a captured graph would read the pinned block at
+    every replay, after it has been reused; capture refuses the plain copy instead, so that this
+    cannot happen silently)."""
+    return device.type == "cuda" and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()
 
 
 def tensor_layout(t: torch.Tensor) -> tuple:

@@ -25,6 +25,7 @@ from .atoms import (
     tensor_layout,
     tensor_version,
     to_device,
+    to_device_parts,
     visible_to_additive,
 )
 from .band import BOTTOM_RIGHT, TOP_LEFT, segment_diagonals
@@ -238,11 +239,10 @@ class BlockDiagonalMask(AttentionBias):
     def _from_host(cls, q, k, band, device) -> BlockDiagonalMask:
         qh = tuple([0] + list(accumulate(q)))
         kh = qh if k is q else tuple([0] + list(accumulate(k)))
-        # one copy to the device, split into a tensor per role; self-attention shares one tensor of starts
+        # one upload, a tensor per role; self-attention shares one tensor of starts
         n = len(qh)
         values = qh + tuple(k) if kh is qh else qh + kh + tuple(k)
-        packed = to_device(list(values), device, torch.int32)
-        qs, *rest = (t.clone() for t in packed.split([n, len(k)] if kh is qh else [n, n, len(k)]))  # no shared storage
+        qs, *rest = to_device_parts(values, [n, len(k)] if kh is qh else [n, n, len(k)], device)
         ks, kl = (qs, *rest) if kh is qh else rest
         if not torch.compiler.is_compiling():
             # The number of documents is data: under torch.compile a new count must not be a new graph.
