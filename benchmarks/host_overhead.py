@@ -14,6 +14,7 @@ cost of that layer and everything beneath it:
     PYTHONPATH=. python benchmarks/host_overhead.py --cases none causal varlen --profile causal
     PYTHONPATH=. python benchmarks/host_overhead.py --targets   # the target rows against SDPA
     PYTHONPATH=. python benchmarks/host_overhead.py --launches  # each kernel launch against an empty one
+    PYTHONPATH=. python benchmarks/host_overhead.py --masks     # building each mask afresh
 
 ``--threads`` splits a forward+backward call into the forward, the backward's body (timed and profiled
 on whichever thread autograd runs it) and the rest (autograd's engine and its thread hand-off), with
@@ -25,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
+import random
 import statistics
 import sys
 import time
@@ -237,6 +240,28 @@ def launch_costs(iters: int, D: int) -> None:
         print(f"  {us:8.1f}  {entry[0].name}, {len(args)} arguments")
 
 
+def mask_costs(iters: int, docs: int = 16) -> None:
+    """Host µs to build each mask a training or decoding step builds afresh (``docs`` packed documents
+    or batch rows, new lengths every call), the kernels' work left out."""
+    dev = "cuda"
+    rng = random.Random(0)
+    lists = [[rng.randint(1, 512) for _ in range(docs)] for _ in range(64)]
+    tensors = [torch.tensor(n, device=dev, dtype=torch.int32) for n in lists]
+    it = itertools.cycle(range(64))
+    rows = [
+        ("BlockDiagonalMask.from_seqlens(list, device=).make_causal()",
+         lambda: ba.BlockDiagonalMask.from_seqlens(lists[next(it)], device=dev).make_causal()),
+        ("BlockDiagonalMask.from_seqlens(GPU tensor).make_causal()",
+         lambda: ba.BlockDiagonalMask.from_seqlens(tensors[next(it)]).make_causal()),
+        ("PaddedKeysMask(list, device=)", lambda: ba.PaddedKeysMask(lists[next(it)], device=dev)),
+        ("PaddedKeysMask(GPU tensor)", lambda: ba.PaddedKeysMask(tensors[next(it)])),
+        ("LowerTriangularMask()", ba.LowerTriangularMask),
+    ]
+    print(f"   host µs  mask ({docs} documents or rows, new lengths every call)")
+    for name, build in rows:
+        print(f"  {per_call_us(build, iters):8.1f}  {name}")
+
+
 def target_rows(iters: int, D: int, rounds: int = 7) -> None:
     """Host µs per call of the rows the host-path targets name, each next to SDPA on the same tensors:
     tiny prefill (causal, the mask reused and built per call), decode at B=1 and B=8, and a padded-key
@@ -301,7 +326,11 @@ def main(argv=None) -> int:
                    help="time the forced-operator layers with launch plans on and off in ROUNDS alternating rounds")
     p.add_argument("--targets", action="store_true", help="only the target rows against SDPA (prefill, decode, padded masks)")
     p.add_argument("--launches", action="store_true", help="only the host cost of each kernel launch, against an empty kernel")
+    p.add_argument("--masks", action="store_true", help="only the host cost of building each mask afresh")
     args = p.parse_args(argv)
+    if args.masks:
+        mask_costs(args.iters)
+        return 0
     if args.launches:
         launch_costs(args.iters, args.D)
         return 0
