@@ -13,12 +13,16 @@ tensors, every step with new random document lengths (none repeats; 12 other bat
   lengths each step (``torch.tensor(..., device=...)``), as FlashAttention-2 users write it.
 
     PYTHONPATH=. python benchmarks/bench_fresh_masks.py            # 16k/14 docs, 16k/64 docs, 4k/16 docs
+
+Every variant runs in each of ``--rounds`` rounds, back to back; the table prints medians over the
+rounds, and each ratio is the median of the rounds' ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 
 import torch
 
@@ -48,15 +52,16 @@ def _timed(step, batches, warmup) -> float:
     return start.elapsed_time(end) / len(batches)
 
 
-def run(M: int, docs: int, H: int, D: int, steps: int, seed: int) -> dict[str, float]:
+def run(M: int, docs: int, H: int, D: int, steps: int, seed: int, num_rounds: int) -> list[dict[str, float]]:
+    """TFLOP/s of every variant in each of ``num_rounds`` rounds."""
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(seed)
     q, k, v = (torch.randn(1, H, M, D, device=dev, dtype=dt, generator=g).requires_grad_() for _ in range(3))
     dout = torch.randn(1, H, M, D, device=dev, dtype=dt, generator=g)
     rng = random.Random(seed)
     batches = [_split(rng, M, docs) for _ in range(steps + WARMUP)]
-    masks = [ba.BlockDiagonalMask.from_seqlens(lens, device=dev).make_causal() for lens in batches]
-    by_id = {id(lens): m for lens, m in zip(batches, masks)}
+    reused = ba.BlockDiagonalMask.from_seqlens(batches[0], device=dev).make_causal()
+    by_id = {}  # the prebuilt masks, built anew before each round: a mask keeps what its first call made
     on_device = {id(lens): torch.tensor(lens, device=dev, dtype=torch.int32) for lens in batches}
 
     def ours(mask):
@@ -73,7 +78,7 @@ def run(M: int, docs: int, H: int, D: int, steps: int, seed: int) -> dict[str, f
         ours(by_id[id(lens)])
 
     def same(lens):
-        ours(masks[0])
+        ours(reused)
 
     qf, kf, vf, df = (t.detach()[0].transpose(0, 1).contiguous() for t in (q, k, v, dout))  # [M, H, D]
 
@@ -86,13 +91,16 @@ def run(M: int, docs: int, H: int, D: int, steps: int, seed: int) -> dict[str, f
                                                  rng_state, unused)
 
     flops = 3.5 * 4 * H * D * sum(n * (n + 1) / 2 for lens in batches[WARMUP:] for n in lens) / steps
-    result = {}
     same_flops = 3.5 * 4 * H * D * sum(n * (n + 1) / 2 for n in batches[0])
-    for name, step in (("fresh", fresh), ("tensor", tensor), ("prebuilt", prebuilt), ("same", same),
-                       ("flash2 varlen", flash2)):
-        ms = _timed(step, batches[WARMUP:], batches[:WARMUP])
-        result[name] = (same_flops if name == "same" else flops) / (ms * 1e-3) / 1e12
-    return result
+    variants = (("fresh", fresh), ("tensor", tensor), ("prebuilt", prebuilt), ("same", same), ("flash2 varlen", flash2))
+    rounds = []  # the variants back to back in each round: the host's drift moves a round's ratios less
+    for _ in range(num_rounds):
+        by_id.clear()
+        by_id.update({id(lens): ba.BlockDiagonalMask.from_seqlens(lens, device=dev).make_causal() for lens in batches})
+        rounds.append({name: (same_flops if name == "same" else flops) / (_timed(step, batches[WARMUP:], batches[:WARMUP])
+                                                                           * 1e-3) / 1e12
+                       for name, step in variants})
+    return rounds
 
 
 def main(argv=None) -> int:
@@ -100,16 +108,19 @@ def main(argv=None) -> int:
     p.add_argument("--H", type=int, default=16)
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=5, help="rounds of every variant back to back; medians are printed")
     args = p.parse_args(argv)
     print(f"{torch.cuda.get_device_name()}, bf16, H={args.H}, D={args.D}, causal fwd+bwd, TFLOP/s "
-          f"(new document lengths every step, {args.steps} steps)")
+          f"(new document lengths every step, {args.steps} steps; medians of {args.rounds} rounds, ratios per round)")
     print(f"{'tokens':>7} {'docs':>5} {'fresh':>7} {'tensor':>7} {'prebuilt':>8} {'same':>7} {'flash2':>7}  fresh/same"
           f"  fresh/flash2  tensor/same")
     for M, docs in CASES:
-        r = run(M, docs, args.H, args.D, args.steps, seed=M + docs)
-        print(f"{M:7d} {docs:5d} {r['fresh']:7.1f} {r['tensor']:7.1f} {r['prebuilt']:8.1f} {r['same']:7.1f}"
-              f" {r['flash2 varlen']:7.1f}  {r['fresh'] / r['same']:10.2f}  {r['fresh'] / r['flash2 varlen']:12.2f}"
-              f"  {r['tensor'] / r['same']:11.2f}")
+        rounds = run(M, docs, args.H, args.D, args.steps, seed=M + docs, num_rounds=args.rounds)
+        cols = [statistics.median(r[n] for r in rounds) for n in ("fresh", "tensor", "prebuilt", "same", "flash2 varlen")]
+        ratios = [statistics.median(r[a] / r[b] for r in rounds)
+                  for a, b in (("fresh", "same"), ("fresh", "flash2 varlen"), ("tensor", "same"))]
+        print(f"{M:7d} {docs:5d} {cols[0]:7.1f} {cols[1]:7.1f} {cols[2]:8.1f} {cols[3]:7.1f} {cols[4]:7.1f}"
+              f"  {ratios[0]:10.2f}  {ratios[1]:12.2f}  {ratios[2]:11.2f}")
     return 0
 
 
