@@ -88,7 +88,7 @@ def to_device(t, device, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 def to_device_parts(values: Sequence[int], sizes: Sequence[int], device) -> tuple[torch.Tensor, ...]:
-    """int32 tensors on ``device`` (None: the CPU) holding ``values`` cut into consecutive parts of
+    """int32 tensors on ``device`` (None: torch's default device) holding ``values`` cut into consecutive parts of
     ``sizes``, each with a storage of its own: to a GPU, one pinned host tensor and a copy per part,
     none of them waiting (as :func:`to_device`)."""
     if device is not None and _pinned_copy(torch.device(device)):
