@@ -32,8 +32,7 @@ def attention(q, k, v, attn_bias=None, *, scale: float | None = None, dropout_p:
     """
     if torch.compiler.is_compiling():  # torch.compile / export: through the custom ops
         return custom_ops.attention(q, k, v, attn_bias, scale=scale, dropout_p=dropout_p, op=op)[0]
-    inp, fwd, bwd = dispatch.prepare(q, k, v, attn_bias, scale=scale, dropout_p=dropout_p, op=op)
-    return autograd.run(inp, fwd, bwd, need_lse=False)[0]
+    return dispatch.attention_out(q, k, v, attn_bias, scale=scale, dropout_p=dropout_p, op=op)
 
 
 def attention_with_lse(q, k, v, attn_bias=None, *, scale: float | None = None, op=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ from .bias.spec import kept_by_tokens, rebind, structure_token
 from .errors import NotSupportedError
 from .inputs import AttentionInputs, make_inputs
 from .memo import BoundedCache
+from .ops import autograd
 from .ops.base import Operator
 from .ops.common import interpreted
 
@@ -247,7 +248,9 @@ def choose(inp: AttentionInputs, *, need_lse: bool = False, op=None) -> tuple[Op
 
 _length_mask_choices = BoundedCache(1024)
 
-#: Calls prepared before, by :func:`_call_key`: ``(spec, slots, scale, requires_grad, forward, backward)``.
+#: Calls prepared before, by :func:`_call_key`: ``(spec, slots, scale, requires_grad, forward, backward, direct)``,
+#: ``direct`` the forward operator's :meth:`~biasattn.ops.base.Operator.direct_out` for a forward-only call
+#: whose bias holds no tensor, else None.
 _CALLS = BoundedCache(256)
 
 
@@ -262,9 +265,25 @@ def prepare(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, need_lse=Fals
     the new bias's tensors (:func:`~biasattn.bias.spec.rebind`). ``requires_grad`` as in make_inputs.
     """
     key = _call_key(q, k, v, attn_bias, scale, dropout_p, need_lse, op, requires_grad)
+    return _prepared(key, q, k, v, attn_bias, scale, dropout_p, need_lse, op, requires_grad)
+
+
+def attention_out(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, op=None) -> torch.Tensor:
+    """The output of :func:`biasattn.attention`, prepared as :func:`prepare` does. A forward-only call
+    prepared before without a bias, or with one that holds no tensor, goes straight to the function
+    its operator kept (:meth:`~biasattn.ops.base.Operator.direct_out`)."""
+    key = _call_key(q, k, v, attn_bias, scale, dropout_p, False, op)
+    hit = _CALLS.get(key) if key is not None else None
+    if hit is not None and hit[6] is not None:
+        return hit[6](q, k, v, hit[2] if scale is None else float(scale), float(dropout_p))
+    inp, fwd, bwd = _prepared(key, q, k, v, attn_bias, scale, dropout_p, False, op, None)
+    return autograd.run(inp, fwd, bwd, need_lse=False)[0]
+
+
+def _prepared(key, q, k, v, attn_bias, scale, dropout_p, need_lse, op, requires_grad):
     hit = _CALLS.get(key) if key is not None else None
     if hit is not None:
-        spec, slots, kept_scale, requires_grad, fwd, bwd = hit
+        spec, slots, kept_scale, requires_grad, fwd, bwd, _ = hit
         spec = rebind(spec, slots, attn_bias)
         scale = kept_scale if scale is None else float(scale)
         return AttentionInputs(q, k, v, attn_bias, spec, scale, float(dropout_p), requires_grad), fwd, bwd
@@ -273,7 +292,10 @@ def prepare(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, need_lse=Fals
     if key is not None:
         kept = (inp.spec, ()) if attn_bias is None else kept_by_tokens(attn_bias, inp.B, inp.Hq, inp.Mq, inp.Mk, q.device)
         if kept is not None:
-            _CALLS[key] = (*kept, inp.scale, inp.requires_grad, fwd, bwd)
+            direct = None
+            if not (kept[1] or need_lse or inp.requires_grad):  # no tensor of the bias in the spec, forward only
+                direct = fwd.direct_out(inp)
+            _CALLS[key] = (*kept, inp.scale, inp.requires_grad, fwd, bwd, direct)
     return inp, fwd, bwd
 
 

@@ -429,6 +429,37 @@ def test_a_call_prepared_before_skips_checks_and_walk(monkeypatch):
     assert len(made) == 10
 
 
+def test_forward_only_calls_prepared_before_take_the_operators_direct_function(monkeypatch):
+    """``attention`` without gradients or lse, on a bias holding no tensor, calls the function its operator
+    kept (``direct_out``) from the second call on, with the call's tensors, scale and dropout; calls
+    with gradients, with the lse or with a bias holding tensors keep the full path."""
+    dispatch._CALLS.clear()
+    op = ba.ops.get("chunked")
+    direct_calls = []
+
+    def direct_out(inp):
+        def out(q, k, v, scale, dropout_p):
+            direct_calls.append((scale, dropout_p))
+            return op.fwd_out(make_inputs(q, k, v, ba.LowerTriangularMask(), scale=scale, dropout_p=dropout_p))
+        return out
+
+    monkeypatch.setattr(op, "direct_out", direct_out, raising=False)
+    q, k, v = qkv(M=7)
+    first = ba.attention(q, k, v, ba.LowerTriangularMask(), scale=0.5)
+    assert direct_calls == []
+    q2, k2, v2 = (t + 1 for t in (q, k, v))
+    again = ba.attention(q2, k2, v2, ba.LowerTriangularMask(), scale=0.25)
+    assert direct_calls == [(0.25, 0.0)]
+    ref = ReferenceOperator()
+    assert torch.allclose(first, ref.fwd(make_inputs(q, k, v, ba.LowerTriangularMask(), scale=0.5))[0], atol=1e-5)
+    assert torch.allclose(again, ref.fwd(make_inputs(q2, k2, v2, ba.LowerTriangularMask(), scale=0.25))[0], atol=1e-5)
+    for _ in range(2):
+        ba.attention(*qkv(M=7, requires_grad=True), ba.LowerTriangularMask())
+        ba.attention_with_lse(q, k, v, ba.LowerTriangularMask())
+        ba.attention(q, k, v, ba.PaddedKeysMask([3]))
+    assert len(direct_calls) == 1
+
+
 @pytest.mark.parametrize(("change", "message"), [
     ({"scale": float("nan")}, "scale must be a finite float"),
     ({"scale": True}, "scale must be a finite float"),

@@ -217,6 +217,31 @@ def test_training_calls_take_torchs_gradient_where_nothing_needs_fixing(op, case
         assert_close_to_reference(g, r, lo, factor=3.0 if n == "dq" else 2.0, atol=ATOL, name=f"{op} {case.name} {n}")
 
 
+@pytest.mark.parametrize("bias", [None, "causal", "window"])
+def test_prepared_forward_only_calls_go_straight_to_cudnn(bias, monkeypatch):
+    """A forward-only call prepared before runs the function the cudnn operator kept: the output still
+    matches the reference, for new tensors, a new scale and a causal mask built anew; a window (not a
+    cuDNN band) keeps its own operator, and a call with gradients its own path."""
+    make = {None: lambda: None, "causal": ba.LowerTriangularMask, "window": lambda: ba.LocalAttentionMask(5, 0)}[bias]
+    dispatch._CALLS.clear()
+    full_path = []
+    real_run = autograd.run
+    monkeypatch.setattr(autograd, "run", lambda *a, **kw: full_path.append(1) or real_run(*a, **kw))
+    for n, scale in enumerate((0.5, 0.3, 0.2)):
+        case = Case("fwd_only", ("cudnn",), 2, 4, 4, 67, 67, 64)
+        q, k, v, _ = _make(case, torch.bfloat16, False, seed=n)
+        out = ba.attention(q, k, v, make(), scale=scale)
+        ref = reference_attention(q, k, v, make(), scale=scale)[0]
+        low = reference_attention(q, k, v, make(), scale=scale, compute_dtype=q.dtype)[0]
+        assert_close_to_reference(out, ref, low, atol=ATOL, name=f"{bias} call {n}")
+    (entry,) = dispatch._CALLS.values()
+    assert (entry[6] is not None) == (entry[4].NAME == "cudnn") and (bias == "window") == (entry[4].NAME != "cudnn")
+    assert len(full_path) == (3 if bias == "window" else 1)
+    q, k, v, _ = _make(case, torch.bfloat16, True)
+    ba.attention(*(_leaf(t) for t in (q, k, v)), make())
+    assert [e[6] for e in dispatch._CALLS.values()][1] is None
+
+
 @pytest.mark.parametrize("op", ["cutlass", "flash2", "cudnn"])
 def test_vendor_float16_causal(op):
     """float16 inputs, causal, Mq == Mk (odd)."""

@@ -133,6 +133,14 @@ class Operator:
         (operators whose kernel can skip the log-sum-exp override it)."""
         return self.fwd(inp)[0]
 
+    def direct_out(self, inp: AttentionInputs):
+        """A function ``(q, k, v, scale, dropout_p) -> out`` that computes :meth:`fwd_out` for every
+        later call of this call's signature (sizes, dtypes, devices, the bias's structure), given that
+        the bias holds no tensor; None where the forward needs more of the call than that. A prepared
+        forward-only call (:func:`biasattn.dispatch.attention_out`) then costs a lookup and this
+        function."""
+        return None
+
     def graph_out(self, inp: AttentionInputs) -> torch.Tensor | None:
         """The output through kernels whose gradients PyTorch's autograd already knows, for a call
         that needs gradients but no log-sum-exp and runs forward and backward on this operator; None

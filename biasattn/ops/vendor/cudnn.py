@@ -131,6 +131,20 @@ class CudnnOperator(VendorOperator):
             return dense(q, k, inp.v, self._bias(inp), False, inp.dropout_p, causal, False, scale=inp.scale)[0]
         return self._launch_fwd(inp, layout, compute_lse=False)[0]
 
+    def direct_out(self, inp: AttentionInputs):
+        layout = self.layout(inp)
+        dense = _dense_entry()
+        if dense is None or inp.groups > 1 or inp.additive is not None or not layout.has_work:
+            return None
+        if self.rows_may_be_hidden(inp, layout):  # rows that see no key are fixed up from the lse
+            return None
+        causal = bool(cudnn_causal(layout))
+
+        def out(q, k, v, scale, dropout_p):
+            return dense(q, k, v, None, False, dropout_p, causal, False, scale=scale)[0]
+
+        return out
+
     def kernel_graph_out(self, inp: AttentionInputs, layout):
         # SDPA's own entry point (only the ragged one takes grouped-query heads). Its gradient is wrong
         # for a dout laid out unlike out (H200, torch 2.11, SDPA included), so the hook lays it out like out.
