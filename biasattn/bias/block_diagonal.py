@@ -289,8 +289,7 @@ class BlockDiagonalMask(AttentionBias):
         if seg.band is not None:
             raise InputError(f"{type(self).__name__} already has a band {seg.band}; build it again from_seqlens")
         atom = replace(seg, band=band, family=BlockDiagonalMask.__name__)
-        device = self.device if torch.compiler.is_compiling() else self._device  # Dynamo traces .device only
-        return BlockDiagonalMask._create([atom], device=device)
+        return BlockDiagonalMask._create([atom], device=self.device)
 
     def make_causal(self) -> BlockDiagonalMask:
         """Causal within each sequence, aligned top-left: ``j_local <= i_local``."""
