@@ -71,6 +71,27 @@ def test_compiled_step_with_dispatcher_choice():
 
 
 @needs_triton
+@pytest.mark.parametrize("band", ["make_causal", "make_causal_from_bottom_right"])
+def test_compiled_packed_documents_built_inside_from_gpu_lengths(band):
+    """A compiled step that builds its packed-document mask from a GPU tensor of lengths, as a data loader
+    hands them over: it traces with fullgraph, matches eager and compiles one graph for new lengths."""
+    torch._dynamo.reset()
+    cnt = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+
+    def fn(q, k, v, lengths):
+        return ba.attention(q, k, v, getattr(ba.BlockDiagonalMask.from_seqlens(lengths), band)())
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend=cnt)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    # 4 heads: no size of q equal to a document count (Dynamo's duck sizing would tie the two)
+    q, k, v = (torch.randn(1, 4, 96, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    for lengths in ([40, 56], [10, 30, 56], [7, 89], [1, 2, 93]):
+        lens = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+        torch.testing.assert_close(compiled(q, k, v, lens), fn(q, k, v, lens), atol=0, rtol=0)
+    assert sum(len(gr.graph.nodes) > 0 for gr in cnt.graphs) == 1
+
+
+@needs_triton
 def test_transformers_llama_through_triton():
     transformers = pytest.importorskip("transformers")
     import biasattn.integrations.transformers as bt

@@ -289,6 +289,7 @@ class BlockDiagonalMask(AttentionBias):
         if seg.band is not None:
             raise InputError(f"{type(self).__name__} already has a band {seg.band}; build it again from_seqlens")
         atom = replace(seg, band=band, family=BlockDiagonalMask.__name__)
+        # .device, not ._device: under torch.compile Dynamo runs this method on fake biases, which have no _device
         return BlockDiagonalMask._create([atom], device=self.device)
 
     def make_causal(self) -> BlockDiagonalMask:
