@@ -265,7 +265,8 @@ def prepare(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, need_lse=Fals
     the new bias's tensors (:func:`~biasattn.bias.spec.rebind`). ``requires_grad`` as in make_inputs.
     """
     key = _call_key(q, k, v, attn_bias, scale, dropout_p, need_lse, op, requires_grad)
-    return _prepared(key, q, k, v, attn_bias, scale, dropout_p, need_lse, op, requires_grad)
+    hit = _CALLS.get(key) if key is not None else None
+    return _prepared(key, hit, q, k, v, attn_bias, scale, dropout_p, need_lse, op, requires_grad)
 
 
 def attention_out(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, op=None) -> torch.Tensor:
@@ -276,12 +277,12 @@ def attention_out(q, k, v, attn_bias=None, *, scale=None, dropout_p=0.0, op=None
     hit = _CALLS.get(key) if key is not None else None
     if hit is not None and hit[6] is not None:
         return hit[6](q, k, v, hit[2] if scale is None else float(scale), float(dropout_p))
-    inp, fwd, bwd = _prepared(key, q, k, v, attn_bias, scale, dropout_p, False, op, None)
+    inp, fwd, bwd = _prepared(key, hit, q, k, v, attn_bias, scale, dropout_p, False, op, None)
     return autograd.run(inp, fwd, bwd, need_lse=False)[0]
 
 
-def _prepared(key, q, k, v, attn_bias, scale, dropout_p, need_lse, op, requires_grad):
-    hit = _CALLS.get(key) if key is not None else None
+def _prepared(key, hit, q, k, v, attn_bias, scale, dropout_p, need_lse, op, requires_grad):
+    """:func:`prepare` once the call's key and its entry in :data:`_CALLS` (or None) are known."""
     if hit is not None:
         spec, slots, kept_scale, requires_grad, fwd, bwd, _ = hit
         spec = rebind(spec, slots, attn_bias)

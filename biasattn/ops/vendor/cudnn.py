@@ -127,8 +127,7 @@ class CudnnOperator(VendorOperator):
         dense = _dense_entry()
         q, k = inp.q, inp.k
         if dense is not None and q.shape[1] == k.shape[1]:  # SDPA's entry has torch's own binding: less host time
-            causal = bool(cudnn_causal(layout))
-            return dense(q, k, inp.v, self._bias(inp), False, inp.dropout_p, causal, False, scale=inp.scale)[0]
+            return _dense_out(dense, bool(cudnn_causal(layout)), self._bias(inp), q, k, inp.v, inp.scale, inp.dropout_p)
         return self._launch_fwd(inp, layout, compute_lse=False)[0]
 
     def direct_out(self, inp: AttentionInputs):
@@ -138,12 +137,7 @@ class CudnnOperator(VendorOperator):
             return None
         if self.rows_may_be_hidden(inp, layout):  # rows that see no key are fixed up from the lse
             return None
-        causal = bool(cudnn_causal(layout))
-
-        def out(q, k, v, scale, dropout_p):
-            return dense(q, k, v, None, False, dropout_p, causal, False, scale=scale)[0]
-
-        return out
+        return functools.partial(_dense_out, dense, bool(cudnn_causal(layout)), None)
 
     def kernel_graph_out(self, inp: AttentionInputs, layout):
         # SDPA's own entry point (only the ragged one takes grouped-query heads). Its gradient is wrong
@@ -183,6 +177,11 @@ class CudnnOperator(VendorOperator):
             dout, q, k, v, out, lse_raw, seed, offset, bias, None, None, inp.Mq, inp.Mk, inp.dropout_p, causal, scale=inp.scale,
         )
         return dq, dk, dv, None
+
+
+def _dense_out(dense, causal: bool, bias, q, k, v, scale: float, dropout_p: float) -> torch.Tensor:
+    """The output of SDPA's cuDNN forward entry ``dense`` (no log-sum-exp)."""
+    return dense(q, k, v, bias, False, dropout_p, causal, False, scale=scale)[0]
 
 
 def _like(shape, stride, t: torch.Tensor) -> torch.Tensor:
