@@ -94,6 +94,50 @@ def test_compiled_backward_reuses_what_its_forward_lowered(monkeypatch, backend)
         assert_close_all(got, expected)
 
 
+def test_compiled_layers_sharing_a_mask_lower_it_once_per_step(monkeypatch):
+    """Three layers given one mask inside a compiled function lower it once per step, as eager layers
+    given one mask object do; each step's new lengths are lowered anew, and outputs equal eager ones."""
+    from biasattn.bias import spec as spec_module
+
+    lowered = []
+    real = spec_module._lower_new
+    monkeypatch.setattr(spec_module, "_lower_new", lambda *a: lowered.append(1) or real(*a))
+
+    def layers(q, k, v, lens):
+        mask = ba.BlockDiagonalMask.from_seqlens(lens).make_causal()
+        for _ in range(3):
+            q = ba.attention(q, k, v, mask, op="chunked")
+        return q
+
+    q, k, v = qkv(B=1, Hkv=4, M=12)
+    cfn, cnt = compiled(layers, backend="inductor", dynamic=True)
+    frames = []
+    for lens in ([3, 9], [5, 7], [2, 4, 6]):
+        expected = grads(layers(q, k, v, torch.tensor(lens)), (q, k, v))
+        lowered.clear()
+        out = cfn(q, k, v, torch.tensor(lens))
+        assert len(lowered) == 1, (lens, len(lowered))
+        assert_close_all(grads(out, (q, k, v)), expected)
+        frames.append(cnt.frame_count)
+    assert frames[0] == frames[-1]  # new lengths, no new graph
+
+
+def test_rebuilt_biases_are_shared_only_while_their_tensors_are_unmodified():
+    """The forward op reuses the bias rebuilt from the same length tensors, never after an in-place write
+    to one of them, and never for an additive (floating-point) tensor."""
+    mask = ba.BlockDiagonalMask.from_seqlens(torch.tensor([3, 9])).make_causal()
+    text, shape = custom_ops.bias_metadata(mask)
+    tensors = custom_ops.inner_tensors(mask)
+    first = custom_ops.shared_bias(tensors, text, shape)
+    assert custom_ops.shared_bias(tensors, text, shape) is first
+    tensors[0].add_(0)
+    assert custom_ops.shared_bias(tensors, text, shape) is not first
+    additive = ba.AdditiveBias(torch.randn(1, 1, 4, 4))
+    text, shape = custom_ops.bias_metadata(additive)
+    tensors = custom_ops.inner_tensors(additive)
+    assert custom_ops.shared_bias(tensors, text, shape) is not custom_ops.shared_bias(tensors, text, shape)
+
+
 def test_opcheck_ops_taking_the_bias():
     """The ops called with the lazy bias itself (routed by AttentionBias.__torch_dispatch__) and with None."""
     q, k, v = qkv(M=5)

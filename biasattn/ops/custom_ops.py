@@ -35,8 +35,10 @@ from torch import Tensor
 
 from .. import dispatch
 from ..bias import protocol
+from ..bias.atoms import tensor_version
 from ..bias.base import AttentionBias
 from ..inputs import as_bias, make_inputs
+from ..memo import BoundedCache
 from . import available, get
 from .common import compute_dtype
 
@@ -65,6 +67,24 @@ def _parse_metadata(text: str) -> tuple:
     cls, device, dtype, atom_ctx, offsets, sized, full = ast.literal_eval(text)
     ctx = (cls, torch.device(device), getattr(torch, dtype), atom_ctx, offsets, sized, full)
     return protocol.ctx_by_class(ctx)
+
+
+#: Biases rebuilt by the forward op, by metadata and the identity and version of their tensors: the
+#: layers of a compiled model receive the same mask tensors, and share one bias (its spec, its tile
+#: tables) as eager layers given one mask object do. An entry holds its tensors, so their ids stay
+#: unique; only biases of integer tensors (lengths, layouts: small) are kept, never an additive tensor.
+_REBUILT = BoundedCache(8)
+
+
+def shared_bias(tensors: list[Tensor], text: str, shape: list[int]) -> AttentionBias | None:
+    """:func:`rebuild_bias`, returning the bias rebuilt before from these very tensors, unmodified."""
+    if not text or any(t.is_floating_point() for t in tensors):
+        return rebuild_bias(tensors, text, shape)
+    key = (text, tuple(shape), *[(id(t), tensor_version(t)) for t in tensors])
+    bias = _REBUILT.get(key)
+    if bias is None:
+        bias = _REBUILT[key] = rebuild_bias(tensors, text, shape)
+    return bias
 
 
 def rebuild_bias(tensors: list[Tensor], text: str, shape: list[int]) -> AttentionBias | None:
@@ -173,7 +193,7 @@ def attention_fwd_flat(
     op: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Attention forward on plain tensors: ``(out [B, Hq, Mq, Dv], lse [B, Hq, Mq], state int64 [4])``."""
-    bias = rebuild_bias(bias_tensors, bias_metadata, bias_shape)
+    bias = shared_bias(bias_tensors, bias_metadata, bias_shape)
     inp, fwd_op, bwd_op = dispatch.prepare(q, k, v, bias, scale=scale, dropout_p=dropout_p, need_lse=need_lse,
                                            op=op or None, requires_grad=requires_grad)
     with torch.no_grad():
