@@ -218,6 +218,20 @@ def test_compiled_matches_eager(fn, make_bias, B):
     assert cnt.frame_count == 1
 
 
+def test_compiled_call_without_a_bias_holds_the_flat_op_only():
+    """A call without a bias compiles to the flat op itself (one op at run time, not an op calling
+    another), and matches eager with its gradients."""
+    q, k, v = qkv()
+    cfn, cnt = compiled(lambda q, k, v: ba.attention(q, k, v))
+    out = cfn(q, k, v)
+    targets = {n.target for g in cnt.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert torch.ops.biasattn.attention_fwd_flat.default in targets
+    assert torch.ops.biasattn.attention_fwd.default not in targets
+    ref = ba.attention(q, k, v)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert_close_all(grads(out, (q, k, v)), grads(ref, (q, k, v)))
+
+
 def test_additive_bias_gradient_compiled():
     """Gradients reach an additive tensor through the compiled path (it is passed to the op explicitly)."""
     q, k, v = qkv(requires_grad=False)
