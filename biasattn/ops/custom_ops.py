@@ -9,9 +9,10 @@ Under compilation, :func:`biasattn.attention` (and ``attention_with_lse``, and S
   additive tensor.
 - ``biasattn::attention_fwd_flat`` / ``attention_bwd_flat``: the same on plain tensors, the bias
   given by its inner tensors, its flatten metadata as a string and its shape (defined on a
-  ``torch.library.Library``: a call costs less host time than through a ``custom_op`` wrapper). When a bias reaches
-  ``attention_fwd``, ``AttentionBias.__torch_dispatch__`` sends it here; so the compiled graph holds
-  only plain tensors, and the metadata string is computed outside Dynamo.
+  ``torch.library.Library``: a call costs less host time than through a ``custom_op`` wrapper).
+  When a bias reaches ``attention_fwd``, ``AttentionBias.__torch_dispatch__`` sends it here; a call
+  without a bias issues it directly. So the compiled graph holds only plain tensors, and the
+  metadata string is computed outside Dynamo.
 
 The flat ops run the ordinary eager path (validation, :mod:`biasattn.dispatch`, an operator's raw
 ``fwd``/``bwd``) at run time, so ``use_ops`` and ``op=`` work inside compiled code. Their fake
