@@ -15,6 +15,7 @@ tensor descriptors, on every call above ``descriptors_min_scores``: ``--descript
     python benchmarks/tools/kernel_resources.py --case none padded varlen window --sass-hash   # before and after a refactor
     python benchmarks/tools/kernel_resources.py --case window additive --kernel fwd fwd_exact   # the forward's exact pass too
     python benchmarks/tools/kernel_resources.py --case causal --D 256 --kernel fwd --descriptors   # as a Hopper GPU runs it
+    python benchmarks/tools/kernel_resources.py --case block_sparse --kernel fwd --option list_in_registers=0   # other choices
 
 ``--sass-hash`` adds a hash of each kernel's machine code: a change of the kernel sources that
 leaves every hash as it was compiles to the same code, so it needs no new timing.
@@ -58,7 +59,7 @@ def _biases(M: int) -> dict:
 
 
 def capture(case: str, D: int, dtype, kernel: str, cfg: configs.TileConfig, dropout_p: float = 0.0,
-            descriptors: bool = False) -> list[tuple]:
+            descriptors: bool = False, choices: dict | None = None) -> list[tuple]:
     """``[(jit function, args, kwargs)]`` of the launches of one forward or backward call; with
     ``descriptors`` the forward takes K/V tensor descriptors, as on a Hopper GPU (else pointer loads)."""
     B, H, M = (1 if case == "varlen" else 2), 2, 256
@@ -84,7 +85,8 @@ def capture(case: str, D: int, dtype, kernel: str, cfg: configs.TileConfig, drop
     if descriptors:
         tma.available = lambda device: True
     try:
-        with configs.override(**{kernel: cfg}), options.use(**({"descriptors_min_scores": 0} if descriptors else {})):
+        with configs.override(**{kernel: cfg}), options.use(**({"descriptors_min_scores": 0} if descriptors else {}),
+                                                              **(choices or {})):
             if kernel == "fwd":
                 flash.attn_fwd(q, k, v, spec, D ** -0.5, dropout_p, 2**40 + 1)
             else:
@@ -156,7 +158,10 @@ def main(argv=None) -> int:
     p.add_argument("--sass-hash", action="store_true", help="also print a hash of each kernel's machine code")
     p.add_argument("--descriptors", action="store_true",
                    help="the forward with K/V tensor descriptors, as Hopper GPUs run it (default: pointer loads)")
+    p.add_argument("--option", action="append", default=[], metavar="NAME=INT",
+                   help="compile under a launch choice of biasattn.ops.triton.options (e.g. list_in_registers=0)")
     args = p.parse_args(argv)
+    choices = {name: int(value) for name, value in (o.split("=", 1) for o in args.option)}
     dtype = getattr(torch, args.dtype)
     names = {"fwd": "_attn_fwd_kernel", "fwd_exact": "_attn_fwd_exact_kernel", "dkdv": "_attn_bwd_dkdv_kernel",
              "dq": "_attn_bwd_dq_kernel", "dbias": "_attn_bwd_dbias_kernel", "dq_ds": "_attn_bwd_dq_from_ds_kernel"}
@@ -166,7 +171,7 @@ def main(argv=None) -> int:
             cfgs = ([configs.TileConfig(*map(int, c.split(","))) for c in args.config] if args.config
                     else configs.candidates(launcher, args.D))
             for cfg in cfgs:
-                for fn, fargs, fkwargs in capture(case, args.D, dtype, launcher, cfg, args.dropout, args.descriptors):
+                for fn, fargs, fkwargs in capture(case, args.D, dtype, launcher, cfg, args.dropout, args.descriptors, choices):
                     if fn.__name__ != names[kernel]:
                         continue
                     try:
