@@ -100,37 +100,42 @@ class AttentionBias(torch.Tensor):
         full: tuple[int | None, int | None] | None = None,
     ) -> AttentionBias:
         atoms = tuple(atoms)
-        _check_pairs(atoms)
-        B, H, Mq, Mk = _merge_sizes(atoms)
+        if len(atoms) == 1:  # a single term fixes its own sizes
+            B, H, Mq, Mk = atoms[0].sizes()
+        else:
+            _check_pairs(atoms)
+            B, H, Mq, Mk = _merge_sizes(atoms)
         if full is not None:  # sizes fixed by bind()
             Mq = Mq if full[0] is None else full[0]
             Mk = Mk if full[1] is None else full[1]
         if lengths is None:
             lengths = (None if Mq is None else Mq - offsets[0], None if Mk is None else Mk - offsets[1])
         dtype = torch.float32
+        inner = []
         for a in atoms:
             for t in a.tensors().values():
+                inner.append(t)
                 if device is None:
                     device = t.device
-                if t.is_floating_point() and not a.is_mask:
+                if not a.is_mask and t.is_floating_point():
                     dtype = t.dtype
         shape = (B or 1, H or 1, lengths[0] if lengths[0] is not None else 1, lengths[1] if lengths[1] is not None else 1)
         if torch.compiler.is_dynamo_compiling():
             # Dynamo cannot trace _make_wrapper_subclass; a constructor call is placed in the graph instead.
             dev = torch.device(device if device is not None else "cpu")
             ctx = protocol.flatten_ctx(cls, dev, dtype, atoms, offsets, lengths, (Mq, Mk))
-            tensors = [t for a in atoms for t in a.tensors().values()]
-            return _BiasConstructor(protocol.ctx_by_name(ctx), shape, *tensors)
-        device = _resolved(device)
-        self = torch.Tensor._make_wrapper_subclass(
-            cls, shape, dtype=dtype, device=device if device is not None else "cpu", requires_grad=False
-        )
+            return _BiasConstructor(protocol.ctx_by_name(ctx), shape, *inner)
+        if device is None:
+            device = _CPU
+        elif type(device) is not torch.device or (device.index is None and device.type == "cuda"):
+            device = _resolved(device)
+        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
         self._atoms = atoms
         self._offsets = offsets
         self._lengths = lengths
         self._full = (Mq, Mk)
-        self._device = device if device is not None else torch.device("cpu")  # read without __torch_function__
-        self._set_inner_tensors()
+        self._device = device  # read without __torch_function__
+        protocol.set_inner_tensors(self, inner)
         return self
 
     def _derive(self, atoms=None, offsets=None, lengths=None, cls=None, device=None, full=None) -> AttentionBias:
@@ -360,9 +365,6 @@ class AttentionBias(torch.Tensor):
         return drawing.show(self, Mq, Mk, batch=batch, head=head, ax=ax)
 
     # ----------------------------------------------------------------------------- tensor protocol
-    def _set_inner_tensors(self) -> None:
-        protocol.set_inner_tensors(self)
-
     def __tensor_flatten__(self):
         return protocol.tensor_flatten(self)
 
@@ -454,6 +456,9 @@ def _for_every_mode(build):
         return build()
     with torch.inference_mode(False):
         return build()
+
+
+_CPU = torch.device("cpu")
 
 
 def _resolved(device) -> torch.device | None:

@@ -97,7 +97,9 @@ class PaddedKeysMask(AttentionBias):
     def __new__(cls, kv_seqlens, *, device=None):
         if isinstance(kv_seqlens, torch.Tensor):
             check_length_tensor("kv_seqlens", kv_seqlens)
-            t = kv_seqlens.to(device=device, dtype=torch.int32)
+            t = kv_seqlens
+            if t.dtype is not torch.int32 or device is not None:
+                t = t.to(device=device, dtype=torch.int32)
             return cls._create([PaddedKeysAtom(t)], device=t.device)
         host = as_lengths("kv_seqlens", kv_seqlens)
         t = to_device(host, device, torch.int32)
