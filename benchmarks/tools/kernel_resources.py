@@ -16,6 +16,7 @@ tensor descriptors, on every call above ``descriptors_min_scores``: ``--descript
     python benchmarks/tools/kernel_resources.py --case window additive --kernel fwd fwd_exact   # the forward's exact pass too
     python benchmarks/tools/kernel_resources.py --case causal --D 256 --kernel fwd --descriptors   # as a Hopper GPU runs it
     python benchmarks/tools/kernel_resources.py --case block_sparse --kernel fwd --option list_in_registers=0   # other choices
+    python benchmarks/tools/kernel_resources.py --case causal --kernel dkdv --kv-heads 1   # grouped-query variants
 
 ``--sass-hash`` adds a hash of each kernel's machine code: a change of the kernel sources that
 leaves every hash as it was compiles to the same code, so it needs no new timing.
@@ -59,11 +60,13 @@ def _biases(M: int) -> dict:
 
 
 def capture(case: str, D: int, dtype, kernel: str, cfg: configs.TileConfig, dropout_p: float = 0.0,
-            descriptors: bool = False, choices: dict | None = None) -> list[tuple]:
+            descriptors: bool = False, choices: dict | None = None, kv_heads: int = 2) -> list[tuple]:
     """``[(jit function, args, kwargs)]`` of the launches of one forward or backward call; with
-    ``descriptors`` the forward takes K/V tensor descriptors, as on a Hopper GPU (else pointer loads)."""
+    ``descriptors`` the forward takes K/V tensor descriptors, as on a Hopper GPU (else pointer loads);
+    ``kv_heads`` 1 compiles the grouped-query variants (two query heads per KV head)."""
     B, H, M = (1 if case == "varlen" else 2), 2, 256
-    q, k, v = (torch.randn(B, H, M, D, dtype=dtype) for _ in range(3))
+    q = torch.randn(B, H, M, D, dtype=dtype)
+    k, v = (torch.randn(B, kv_heads, M, D, dtype=dtype) for _ in range(2))
     bias = _biases(M)[case]
     if isinstance(bias, str) and bias == "additive":
         bias = ba.AdditiveBias(torch.randn(1, H, M, M, dtype=dtype))
@@ -158,6 +161,8 @@ def main(argv=None) -> int:
     p.add_argument("--sass-hash", action="store_true", help="also print a hash of each kernel's machine code")
     p.add_argument("--descriptors", action="store_true",
                    help="the forward with K/V tensor descriptors, as Hopper GPUs run it (default: pointer loads)")
+    p.add_argument("--kv-heads", type=int, default=2, choices=[1, 2],
+                   help="1: grouped-query attention (2 query heads per KV head)")
     p.add_argument("--option", action="append", default=[], metavar="NAME=INT",
                    help="compile under a launch choice of biasattn.ops.triton.options (e.g. list_in_registers=0)")
     args = p.parse_args(argv)
@@ -171,7 +176,8 @@ def main(argv=None) -> int:
             cfgs = ([configs.TileConfig(*map(int, c.split(","))) for c in args.config] if args.config
                     else configs.candidates(launcher, args.D))
             for cfg in cfgs:
-                for fn, fargs, fkwargs in capture(case, args.D, dtype, launcher, cfg, args.dropout, args.descriptors, choices):
+                launches = capture(case, args.D, dtype, launcher, cfg, args.dropout, args.descriptors, choices, args.kv_heads)
+                for fn, fargs, fkwargs in launches:
                     if fn.__name__ != names[kernel]:
                         continue
                     try:

@@ -161,22 +161,30 @@ def _dkdv_tile(
 
 
 @triton.jit
-def _dkdv_head(
-    dk, dv, k, v, cols, cols64, n_end, cvalid, ilo, ihi, lo, hi, full_lo, full_hi, n, a, e, pid_n, b, b64, h,
-    Q, DO, Lse, Delta, DBias, DCol, Add, Slopes, Layout, TileCount, TileIdx,
-    qk_scale, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_gb, stride_gh, stride_gm, stride_gn, stride_ab, stride_ah, stride_am, stride_an, stride_sb, stride_sh,
-    stride_lb, stride_lh, stride_lq, stride_lk, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
-    H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr, LIST_TILES: tl.constexpr,
-    HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr, COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INDEX_64: tl.constexpr,
-    seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT: tl.constexpr, DROP_ALIGNED: tl.constexpr,
-    HIDDEN_LINES: tl.constexpr,
-):
-    """Accumulate query head ``h``'s contribution to the program's dK/dV tile (and write its bias gradient)."""
+def _dkdv_head(dk, dv, k, v, keys, span, b, b64, h, pid_n, qdo_ops, grads, lists, shape, bias, drop,
+               LOOPS: tl.constexpr, FEATURES: tl.constexpr):
+    """Accumulate query head ``h``'s contribution to the program's dK/dV tile (and write its bias gradient).
+
+    Grouped arguments: ``keys`` the key tile (columns, their end, validity and row bounds), ``span``
+    the rows they see together ``(lo, hi, full_lo, full_hi)`` and their tile split ``(n, a, e)``, the
+    Q/dO operands ``qdo_ops`` and gradient outputs ``grads`` of every query head, the tile lists
+    ``lists`` of a block layout, ``shape`` ``(H, Mq, Mk, D, Dv, qk_scale)``, ``bias`` and ``drop`` as
+    in :func:`_dkdv_tile`; ``LOOPS`` the switches of the tile loops, ``FEATURES`` those of the tile."""
+    cols, cols64, n_end, cvalid, ilo, ihi = keys
+    lo, hi, full_lo, full_hi, n, a, e = span
+    Q, DO, Lse, Delta, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod = qdo_ops
+    DBias, DCol, stride_gb, stride_gh, stride_gm, stride_gn = grads
+    TileCount, TileIdx, stride_cb, stride_ch, stride_tb, stride_th, stride_tp = lists
+    H, Mq, Mk, D, Dv, qk_scale = shape
+    BLOCK_M: tl.constexpr = LOOPS[0]
+    HAS_LAYOUT: tl.constexpr = LOOPS[1]
+    LAYOUT_EXACT: tl.constexpr = LOOPS[2]
+    LIST_ONLY: tl.constexpr = LOOPS[3]
+    LIST_TILES: tl.constexpr = LOOPS[4]
+    HAS_ADDITIVE: tl.constexpr = FEATURES[0]
+    COL_DBIAS: tl.constexpr = FEATURES[4]
+    INDEX_64: tl.constexpr = FEATURES[10]
+    Add, stride_ab, stride_ah, stride_am, stride_an = bias[0], bias[1], bias[2], bias[3], bias[4]
     h64 = h.to(tl.int64)
     Q_base = Q + b64 * stride_qb + h64 * stride_qh
     DO_base = DO + b64 * stride_dob + h64 * stride_doh
@@ -186,11 +194,6 @@ def _dkdv_head(
     qdo = (Q_base, DO_base, LD_off, Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod,
            stride_gb, stride_gh, stride_gm, stride_gn)
     sizes = (Mq, Mk, D, Dv, qk_scale)
-    bias = (Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
-            Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k)
-    drop = (seed, row_blocks, drop_thresh, drop_scale, c0)
-    FEATURES: tl.constexpr = (HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, BLOCK_M, HEAD_DIM, HEAD_DIM_V,
-                              EVEN_D, DOT_PRECISION, INDEX_64, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES)
     if HAS_LAYOUT:
         count = tl.load(TileCount + b * stride_cb + h * stride_ch + pid_n)
         tiles = TileIdx + b64 * stride_tb + h64 * stride_th + pid_n.to(tl.int64) * stride_tp
@@ -253,26 +256,30 @@ def _dkdv_head(
 
 
 @triton.jit
-def _dkdv_program(
-    b, hk, G, K, V, DK, DV, QSeqStart, KvLens, BandLo, BandHi, cols, n_end, seg, pid_n,
-    stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, sm_scale,
-    Q, DO, Lse, Delta, DBias, DCol, Add, Slopes, Layout, TileCount, TileIdx,
-    qk_scale, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_gb, stride_gh, stride_gm, stride_gn, stride_ab, stride_ah, stride_am, stride_an, stride_sb, stride_sh,
-    stride_lb, stride_lh, stride_lq, stride_lk, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
-    H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
-    BLOCK_N: tl.constexpr, GQA: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr,
-    HAS_BAND: tl.constexpr, BAND_PER_SEGMENT: tl.constexpr,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr, LIST_TILES: tl.constexpr,
-    HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr, COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INDEX_64: tl.constexpr,
-    seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT: tl.constexpr, DROP_ALIGNED: tl.constexpr,
-    HIDDEN_LINES: tl.constexpr,
-):
-    """dK and dV of one key tile of KV head ``hk`` in batch row ``b``: loops over its query heads and tiles."""
+def _dkdv_program(b, hk, G, cols, n_end, seg, pid_n, kv_ops, bounds, qdo_ops, grads, lists, shape, bias, drop,
+                  KEYS: tl.constexpr, LOOPS: tl.constexpr, FEATURES: tl.constexpr):
+    """dK and dV of one key tile of KV head ``hk`` in batch row ``b``: loops over its query heads and tiles.
+
+    Grouped arguments: ``kv_ops`` K, V, dK, dV, their strides and the softmax scale, ``bounds`` the
+    length tensors (query starts of packed segments, key lengths, band), ``KEYS`` the switches of the
+    key tile; the others go to :func:`_dkdv_head`."""
+    (K, V, DK, DV, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+     stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, sm_scale) = kv_ops
+    QSeqStart, KvLens, BandLo, BandHi = bounds
+    Mq = shape[1]
+    D = shape[3]
+    Dv = shape[4]
+    BLOCK_N: tl.constexpr = KEYS[0]
+    GQA: tl.constexpr = KEYS[1]
+    HAS_SEGMENTS: tl.constexpr = KEYS[2]
+    HAS_PADDED: tl.constexpr = KEYS[3]
+    HAS_BAND: tl.constexpr = KEYS[4]
+    BAND_PER_SEGMENT: tl.constexpr = KEYS[5]
+    BLOCK_M: tl.constexpr = LOOPS[0]
+    HEAD_DIM: tl.constexpr = FEATURES[6]
+    HEAD_DIM_V: tl.constexpr = FEATURES[7]
+    EVEN_D: tl.constexpr = FEATURES[8]
+    INDEX_64: tl.constexpr = FEATURES[10]
     b64 = b.to(tl.int64)
     hk64 = hk.to(tl.int64)
     if INDEX_64:
@@ -293,31 +300,15 @@ def _dkdv_program(
                    seen, dvd, Dv, EVEN_D)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
+    keys = (cols, cols64, n_end, cvalid, ilo, ihi)
+    span = (lo, hi, full_lo, full_hi, n, a, e)
     if GQA:  # a runtime loop around the tile loops costs registers: only where there is a group
         for g in range(0, G):
-            dk, dv = _dkdv_head(
-                dk, dv, k, v, cols, cols64, n_end, cvalid, ilo, ihi, lo, hi, full_lo, full_hi, n, a, e, pid_n, b, b64, hk * G + g,
-                Q, DO, Lse, Delta, DBias, DCol, Add, Slopes, Layout, TileCount, TileIdx,
-    qk_scale, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_gb, stride_gh, stride_gm, stride_gn, stride_ab, stride_ah, stride_am, stride_an, stride_sb, stride_sh,
-    stride_lb, stride_lh, stride_lq, stride_lk, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
-    H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
-                BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, LIST_TILES, HAS_ADDITIVE, HAS_ALIBI,
-    FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
-                seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES,
-            )
+            dk, dv = _dkdv_head(dk, dv, k, v, keys, span, b, b64, hk * G + g, pid_n, qdo_ops, grads, lists, shape, bias,
+                                drop, LOOPS, FEATURES)
     else:
-        dk, dv = _dkdv_head(
-            dk, dv, k, v, cols, cols64, n_end, cvalid, ilo, ihi, lo, hi, full_lo, full_hi, n, a, e, pid_n, b, b64, hk,
-            Q, DO, Lse, Delta, DBias, DCol, Add, Slopes, Layout, TileCount, TileIdx,
-    qk_scale, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_gb, stride_gh, stride_gm, stride_gn, stride_ab, stride_ah, stride_am, stride_an, stride_sb, stride_sh,
-    stride_lb, stride_lh, stride_lq, stride_lk, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
-    H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
-            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, LIST_TILES, HAS_ADDITIVE, HAS_ALIBI,
-    FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
-            seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES,
-        )
+        dk, dv = _dkdv_head(dk, dv, k, v, keys, span, b, b64, hk, pid_n, qdo_ops, grads, lists, shape, bias, drop,
+                            LOOPS, FEATURES)
     dk_ptrs = DK + b64 * stride_dkb + hk64 * stride_dkh + cols64[:, None] * stride_dkn + dkd[None, :] * stride_dkd
     dv_ptrs = DV + b64 * stride_dvb + hk64 * stride_dvh + cols64[:, None] * stride_dvn + dvd[None, :] * stride_dvd
     tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=cvalid[:, None] & (dkd[None, :] < D))
@@ -370,38 +361,28 @@ def _attn_bwd_dkdv_kernel(
     c0 = n0
     seed = _dropout_seed(seed_lo, seed_hi)
     row_blocks = (Mk + 7) // 8
+    kv_ops = (K, V, DK, DV, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+              stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, sm_scale)
+    bounds = (QSeqStart, KvLens, BandLo, BandHi)
+    qdo_ops = (Q, DO, Lse, Delta, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod)
+    grads = (DBias, DCol, stride_gb, stride_gh, stride_gm, stride_gn)
+    lists = (TileCount, TileIdx, stride_cb, stride_ch, stride_tb, stride_th, stride_tp)
+    shape = (H, Mq, Mk, D, Dv, qk_scale)
+    bias = (Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
+            Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k)
+    drop = (seed, row_blocks, drop_thresh, drop_scale, c0)
+    KEYS: tl.constexpr = (BLOCK_N, GQA, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT)
+    LOOPS: tl.constexpr = (BLOCK_M, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, LIST_TILES)
+    FEATURES: tl.constexpr = (HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, BLOCK_M, HEAD_DIM, HEAD_DIM_V,
+                              EVEN_D, DOT_PRECISION, INDEX_64, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES)
     if OUTER_LOOPS:  # a bias gradient shared by batch rows or heads: one program owns them all
         for bi in range(0, nb_loop):
             for hki in range(0, nhk_loop):
-                _dkdv_program(
-                    bg * nb_loop + bi, hg * nhk_loop + hki, G, K, V, DK, DV, QSeqStart, KvLens, BandLo, BandHi, cols, n_end, seg, pid_n,
-            stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-            stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, sm_scale,
-            Q, DO, Lse, Delta, DBias, DCol, Add, Slopes, Layout, TileCount, TileIdx,
-            qk_scale, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
-            stride_gb, stride_gh, stride_gm, stride_gn, stride_ab, stride_ah, stride_am, stride_an, stride_sb, stride_sh,
-            stride_lb, stride_lh, stride_lq, stride_lk, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
-            H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
-            BLOCK_N, GQA, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT,
-            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, LIST_TILES, HAS_ADDITIVE, HAS_ALIBI,
-            FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
-                    seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES,
-                )
+                _dkdv_program(bg * nb_loop + bi, hg * nhk_loop + hki, G, cols, n_end, seg, pid_n, kv_ops, bounds, qdo_ops,
+                              grads, lists, shape, bias, drop, KEYS, LOOPS, FEATURES)
     else:
-        _dkdv_program(
-            bg, hg, G, K, V, DK, DV, QSeqStart, KvLens, BandLo, BandHi, cols, n_end, seg, pid_n,
-            stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-            stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, sm_scale,
-            Q, DO, Lse, Delta, DBias, DCol, Add, Slopes, Layout, TileCount, TileIdx,
-            qk_scale, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
-            stride_gb, stride_gh, stride_gm, stride_gn, stride_ab, stride_ah, stride_am, stride_an, stride_sb, stride_sh,
-            stride_lb, stride_lh, stride_lq, stride_lk, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
-            H, Mq, Mk, D, Dv, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
-            BLOCK_N, GQA, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT,
-            BLOCK_M, HEAD_DIM, HEAD_DIM_V, EVEN_D, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, LIST_TILES, HAS_ADDITIVE, HAS_ALIBI,
-            FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, DOT_PRECISION, INDEX_64,
-            seed, row_blocks, drop_thresh, drop_scale, c0, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES,
-        )
+        _dkdv_program(bg, hg, G, cols, n_end, seg, pid_n, kv_ops, bounds, qdo_ops, grads, lists, shape, bias, drop,
+                      KEYS, LOOPS, FEATURES)
 
 
 @triton.jit
