@@ -350,6 +350,19 @@ def test_block_sparse_list_only(triton_options, monkeypatch, in_registers):
     assert len(taken) == 3 and all(taken)  # forward, dK/dV and dQ
 
 
+@pytest.mark.parametrize("case", ["window", "padded_causal", "segments_causal"])
+def test_grouped_heads_in_one_loop_per_kind_of_tile(case):
+    """dK/dV of four query heads per KV head, the heads and tiles walked by one loop per kind of tile
+    (masked left edge, unmasked middle, masked right edge), match the reference."""
+    if case == "segments_causal":
+        bias, B = ba.BlockDiagonalMask.from_seqlens([30, 0, 41], device=DEVICE).make_causal(), 1
+    elif case == "padded_causal":
+        bias, B = ba.PaddedKeysMask([71, 40], device=DEVICE) & ba.LowerTriangularFromBottomRightMask().to(DEVICE), 2
+    else:
+        bias, B = ba.LocalAttentionMask(window_left=35, window_right=5).to(DEVICE), 2
+    check(*qkv(B=B, Hq=8, Hkv=2, Mq=71, Mk=71), const(bias))
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["delta_in_dq", "delta_preprocessed"])
 @pytest.mark.parametrize("case", ["segments", "causal_gqa"])
 def test_backward_delta_paths(triton_options, monkeypatch, fused, case):

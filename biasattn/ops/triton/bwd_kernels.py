@@ -2,7 +2,8 @@
 
 Deterministic: every output element is written by one program. The dK/dV program owns a key tile
 of one (batch, KV head) and loops over the query heads of its group and the query tiles that can
-see it (GQA reduction in registers). The dQ program owns a query tile and loops over key tiles,
+see it (GQA reduction in registers; heads and tiles in one loop per kind of tile where every head's
+tiles are alike). The dQ program owns a query tile and loops over key tiles,
 like the forward; when dQ runs before dK/dV (no side stream) it also computes ``delta`` for its rows,
 so the backward is two launches instead of three. The additive-bias gradient ``dS`` is written by the dK/dV program (full bias,
 or column sums for a bias broadcast over queries) or by the dQ program (row sums for a bias
@@ -256,6 +257,46 @@ def _dkdv_head(dk, dv, k, v, keys, span, b, b64, h, pid_n, qdo_ops, grads, lists
 
 
 @triton.jit
+def _dkdv_group(dk, dv, k, v, keys, span, b, b64, hk, G, qdo_ops, grads, shape, bias, drop, BLOCK_M: tl.constexpr,
+                FEATURES: tl.constexpr):
+    """The query heads of KV head ``hk`` against the program's key tile, in one loop per kind of tile
+    (masked left edge, unmasked middle, masked right edge) that runs over the heads and the tiles
+    together: a loop over heads around the tile loops makes Triton spill the accumulators. For
+    biases whose tiles are alike for every head (no block layout, additive bias or column gradient).
+    Grouped arguments as :func:`_dkdv_head`'s."""
+    lo, hi, full_lo, full_hi, n, a, e = span
+    dk, dv = _dkdv_heads_tiles(dk, dv, k, v, hk * G, G, 0, a, keys, lo, hi, b, b64, qdo_ops, grads, shape, bias, drop,
+                               BLOCK_M, FEATURES, MASKED=True)
+    dk, dv = _dkdv_heads_tiles(dk, dv, k, v, hk * G, G, a, e - a, keys, lo, hi, b, b64, qdo_ops, grads, shape, bias, drop,
+                               BLOCK_M, FEATURES, MASKED=False)
+    dk, dv = _dkdv_heads_tiles(dk, dv, k, v, hk * G, G, e, n - e, keys, lo, hi, b, b64, qdo_ops, grads, shape, bias, drop,
+                               BLOCK_M, FEATURES, MASKED=True)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_heads_tiles(dk, dv, k, v, h0, G, first, count, keys, lo, hi, b, b64, qdo_ops, grads, shape, bias, drop,
+                      BLOCK_M: tl.constexpr, FEATURES: tl.constexpr, MASKED: tl.constexpr):
+    """Query tiles ``first .. first + count`` of the span, of each of the ``G`` heads from ``h0``: one loop."""
+    cols, cols64, n_end, cvalid, ilo, ihi = keys
+    Q, DO, Lse, Delta, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod = qdo_ops
+    DBias, DCol, stride_gb, stride_gh, stride_gm, stride_gn = grads
+    H, Mq, Mk, D, Dv, qk_scale = shape
+    sizes = (Mq, Mk, D, Dv, qk_scale)
+    dcol = tl.zeros_like(cols).to(tl.float32)
+    for i in range(0, G * count):
+        h = h0 + i // count
+        h64 = h.to(tl.int64)
+        qdo = (Q + b64 * stride_qb + h64 * stride_qh, DO + b64 * stride_dob + h64 * stride_doh, (b64 * H + h64) * Mq,
+               Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn)
+        dk, dv, dcol = _dkdv_tile(
+            dk, dv, dcol, k, v, lo + (first + i % count) * BLOCK_M, (cols, n_end, ilo, ihi, lo, hi, b, h), qdo, sizes,
+            bias, drop, 0.0, FEATURES, MASKED=MASKED, LAYOUT_MASK=False, PRELOADED=False,
+        )
+    return dk, dv
+
+
+@triton.jit
 def _dkdv_program(b, hk, G, cols, n_end, seg, pid_n, kv_ops, bounds, qdo_ops, grads, lists, shape, bias, drop,
                   KEYS: tl.constexpr, LOOPS: tl.constexpr, FEATURES: tl.constexpr):
     """dK and dV of one key tile of KV head ``hk`` in batch row ``b``: loops over its query heads and tiles.
@@ -302,7 +343,12 @@ def _dkdv_program(b, hk, G, cols, n_end, seg, pid_n, kv_ops, bounds, qdo_ops, gr
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
     keys = (cols, cols64, n_end, cvalid, ilo, ihi)
     span = (lo, hi, full_lo, full_hi, n, a, e)
-    if GQA:  # a runtime loop around the tile loops costs registers: only where there is a group
+    HAS_ADDITIVE: tl.constexpr = FEATURES[0]
+    COL_DBIAS: tl.constexpr = FEATURES[4]
+    HAS_LAYOUT: tl.constexpr = LOOPS[1]
+    if GQA and not (HAS_LAYOUT or HAS_ADDITIVE or COL_DBIAS):
+        dk, dv = _dkdv_group(dk, dv, k, v, keys, span, b, b64, hk, G, qdo_ops, grads, shape, bias, drop, BLOCK_M, FEATURES)
+    elif GQA:  # per-head tile lists, additive tiles or column gradients: a loop over heads around the tile loops
         for g in range(0, G):
             dk, dv = _dkdv_head(dk, dv, k, v, keys, span, b, b64, hk * G + g, pid_n, qdo_ops, grads, lists, shape, bias,
                                 drop, LOOPS, FEATURES)
