@@ -303,7 +303,7 @@ def _dkdv_program(b, hk, G, cols, n_end, seg, pid_n, kv_ops, bounds, qdo_ops, gr
 
     Grouped arguments: ``kv_ops`` K, V, dK, dV, their strides and the softmax scale, ``bounds`` the
     length tensors (query starts of packed segments, key lengths, band), ``KEYS`` the switches of the
-    key tile; the others go to :func:`_dkdv_head`."""
+    key tile; the others go to :func:`_dkdv_group` or :func:`_dkdv_head`."""
     (K, V, DK, DV, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
      stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, sm_scale) = kv_ops
     QSeqStart, KvLens, BandLo, BandHi = bounds
