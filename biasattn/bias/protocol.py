@@ -185,16 +185,13 @@ def _class(name: str) -> type:
     return obj
 
 
-_INNER_NAMES = tuple(f"_t{n}" for n in range(16))
-
-
 def set_inner_tensors(bias, tensors: list | None = None) -> None:
     """Attach the atoms' tensors (``tensors`` where the caller listed them already) to ``bias`` as ``_t0``,
     ``_t1``, ... (an empty tensor when it has none)."""
     if tensors is None:
         tensors = [t for a in bias._atoms for t in a.tensors().values()]
     for n, t in enumerate(tensors):
-        setattr(bias, _INNER_NAMES[n] if n < len(_INNER_NAMES) else f"_t{n}", t)
+        setattr(bias, f"_t{n}", t)
     if not tensors:  # fake-tensor conversion needs at least one inner tensor: an empty one
         with torch._C.DisableTorchFunctionSubclass():
             bias._t0 = torch.empty(0, dtype=torch.int32, device=bias.device)
