@@ -363,6 +363,15 @@ def test_grouped_heads_in_one_loop_per_kind_of_tile(case):
     check(*qkv(B=B, Hq=8, Hkv=2, Mq=71, Mk=71), const(bias))
 
 
+@pytest.mark.parametrize("bias_grad", [False, True], ids=["no_bias_grad", "bias_grad"])
+def test_additive_bias_of_each_head_with_grouped_heads(bias_grad):
+    """A bias tile of its own per (batch row, head) with four query heads per KV head: the dK/dV program
+    reads (and writes the gradient of) each query head's tile, causal edges and unmasked tiles alike."""
+    add = torch.randn(2, 8, 71, 71, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    check(*qkv(B=2, Hq=8, Hkv=2, Mq=71, Mk=71), lambda a: ba.LowerTriangularMask().to(DEVICE) + ba.AdditiveBias(a), add,
+          add_grad=bias_grad)
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["delta_in_dq", "delta_preprocessed"])
 @pytest.mark.parametrize("case", ["segments", "causal_gqa"])
 def test_backward_delta_paths(triton_options, monkeypatch, fused, case):
