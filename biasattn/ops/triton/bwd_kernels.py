@@ -162,6 +162,20 @@ def _dkdv_tile(
 
 
 @triton.jit
+def _head_operands(h, b, b64, keys, lo, hi, qdo_ops, grads, shape):
+    """``(ktile, qdo, sizes)`` of :func:`_dkdv_tile` for query head ``h``: the key tile, the head's Q/dO
+    bases, lse/delta offset and gradient operands, and the sizes."""
+    cols, cols64, n_end, cvalid, ilo, ihi = keys
+    Q, DO, Lse, Delta, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod = qdo_ops
+    DBias, DCol, stride_gb, stride_gh, stride_gm, stride_gn = grads
+    H, Mq, Mk, D, Dv, qk_scale = shape
+    h64 = h.to(tl.int64)
+    qdo = (Q + b64 * stride_qb + h64 * stride_qh, DO + b64 * stride_dob + h64 * stride_doh, (b64 * H + h64) * Mq,
+           Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn)
+    return (cols, n_end, ilo, ihi, lo, hi, b, h), qdo, (Mq, Mk, D, Dv, qk_scale)
+
+
+@triton.jit
 def _dkdv_head(dk, dv, k, v, keys, span, b, b64, h, pid_n, qdo_ops, grads, lists, shape, bias, drop,
                LOOPS: tl.constexpr, FEATURES: tl.constexpr):
     """Accumulate query head ``h``'s contribution to the program's dK/dV tile (and write its bias gradient).
@@ -173,10 +187,9 @@ def _dkdv_head(dk, dv, k, v, keys, span, b, b64, h, pid_n, qdo_ops, grads, lists
     in :func:`_dkdv_tile`; ``LOOPS`` the switches of the tile loops, ``FEATURES`` those of the tile."""
     cols, cols64, n_end, cvalid, ilo, ihi = keys
     lo, hi, full_lo, full_hi, n, a, e = span
-    Q, DO, Lse, Delta, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod = qdo_ops
-    DBias, DCol, stride_gb, stride_gh, stride_gm, stride_gn = grads
+    DCol = grads[1]
     TileCount, TileIdx, stride_cb, stride_ch, stride_tb, stride_th, stride_tp = lists
-    H, Mq, Mk, D, Dv, qk_scale = shape
+    H, Mq, Mk = shape[0], shape[1], shape[2]
     BLOCK_M: tl.constexpr = LOOPS[0]
     HAS_LAYOUT: tl.constexpr = LOOPS[1]
     LAYOUT_EXACT: tl.constexpr = LOOPS[2]
@@ -187,14 +200,8 @@ def _dkdv_head(dk, dv, k, v, keys, span, b, b64, h, pid_n, qdo_ops, grads, lists
     INDEX_64: tl.constexpr = FEATURES[10]
     Add, stride_ab, stride_ah, stride_am, stride_an = bias[0], bias[1], bias[2], bias[3], bias[4]
     h64 = h.to(tl.int64)
-    Q_base = Q + b64 * stride_qb + h64 * stride_qh
-    DO_base = DO + b64 * stride_dob + h64 * stride_doh
-    LD_off = (b64 * H + h64) * Mq
+    ktile, qdo, sizes = _head_operands(h, b, b64, keys, lo, hi, qdo_ops, grads, shape)
     dcol = tl.zeros_like(cols).to(tl.float32)
-    ktile = (cols, n_end, ilo, ihi, lo, hi, b, h)
-    qdo = (Q_base, DO_base, LD_off, Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod,
-           stride_gb, stride_gh, stride_gm, stride_gn)
-    sizes = (Mq, Mk, D, Dv, qk_scale)
     if HAS_LAYOUT:
         count = tl.load(TileCount + b * stride_cb + h * stride_ch + pid_n)
         tiles = TileIdx + b64 * stride_tb + h64 * stride_th + pid_n.to(tl.int64) * stride_tp
@@ -278,20 +285,13 @@ def _dkdv_group(dk, dv, k, v, keys, span, b, b64, hk, G, qdo_ops, grads, shape, 
 def _dkdv_heads_tiles(dk, dv, k, v, h0, G, first, count, keys, lo, hi, b, b64, qdo_ops, grads, shape, bias, drop,
                       BLOCK_M: tl.constexpr, FEATURES: tl.constexpr, MASKED: tl.constexpr):
     """Query tiles ``first .. first + count`` of the span, of each of the ``G`` heads from ``h0``: one loop."""
-    cols, cols64, n_end, cvalid, ilo, ihi = keys
-    Q, DO, Lse, Delta, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod = qdo_ops
-    DBias, DCol, stride_gb, stride_gh, stride_gm, stride_gn = grads
-    H, Mq, Mk, D, Dv, qk_scale = shape
-    sizes = (Mq, Mk, D, Dv, qk_scale)
-    dcol = tl.zeros_like(cols).to(tl.float32)
+    dcol = tl.zeros_like(keys[0]).to(tl.float32)
     for i in range(0, G * count):
         h = h0 + i // count
-        h64 = h.to(tl.int64)
-        qdo = (Q + b64 * stride_qb + h64 * stride_qh, DO + b64 * stride_dob + h64 * stride_doh, (b64 * H + h64) * Mq,
-               Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod, stride_gb, stride_gh, stride_gm, stride_gn)
+        ktile, qdo, sizes = _head_operands(h, b, b64, keys, lo, hi, qdo_ops, grads, shape)
         dk, dv, dcol = _dkdv_tile(
-            dk, dv, dcol, k, v, lo + (first + i % count) * BLOCK_M, (cols, n_end, ilo, ihi, lo, hi, b, h), qdo, sizes,
-            bias, drop, 0.0, FEATURES, MASKED=MASKED, LAYOUT_MASK=False, PRELOADED=False,
+            dk, dv, dcol, k, v, lo + (first + i % count) * BLOCK_M, ktile, qdo, sizes, bias, drop, 0.0, FEATURES,
+            MASKED=MASKED, LAYOUT_MASK=False, PRELOADED=False,
         )
     return dk, dv
 
