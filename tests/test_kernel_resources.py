@@ -66,14 +66,19 @@ def test_descriptors_compile_the_forward_a_hopper_gpu_runs():
     assert hashes[True] != hashes[False]
 
 
-def test_grouped_query_dkdv_spills_no_more_than_without_groups():
+@pytest.mark.parametrize("case", ["causal", "additive"])
+def test_grouped_query_dkdv_spills_no_more_than_without_groups(case):
     """dK/dV with two query heads per KV head walks the heads and tiles in one loop per kind of tile; a
     loop over the heads around the tile loops made Triton spill the accumulators (4-8x the local loads
-    and stores of the kernel without groups)."""
+    and stores of the kernel without groups). An additive bias prefetches each (head, tile)'s bias tile
+    one step ahead in that loop, with the tiles its launches run (three stages)."""
+    import torch
+
+    c = configs._candidates_for("dkdv", 128, torch.bfloat16, ("additive",) if case == "additive" else ())[0]
     spills = {}
     for kv_heads in ("2", "1"):
-        out = _tool("--case", "causal", "--D", "128", "--kernel", "dkdv", "--kv-heads", kv_heads,
-                    "--config", _config("dkdv", 128))
+        out = _tool("--case", case, "--D", "128", "--kernel", "dkdv", "--kv-heads", kv_heads,
+                    "--config", f"{c.block_m},{c.block_n},{c.num_warps},{c.num_stages}")
         found = re.findall(r"(\d+) LDL/STL", out)
         assert len(found) == 1, out
         spills[kv_heads] = int(found[0])

@@ -269,7 +269,8 @@ def _dkdv_group(dk, dv, k, v, keys, span, b, b64, hk, G, qdo_ops, grads, shape, 
     """The query heads of KV head ``hk`` against the program's key tile, in one loop per kind of tile
     (masked left edge, unmasked middle, masked right edge) that runs over the heads and the tiles
     together: a loop over heads around the tile loops makes Triton spill the accumulators. For
-    biases whose tiles are alike for every head (no block layout, additive bias or column gradient).
+    biases whose tiles are alike for every head (no block layout or column gradient); an additive
+    bias's tile is prefetched one (head, tile) ahead in the unmasked loop.
     Grouped arguments as :func:`_dkdv_head`'s."""
     lo, hi, full_lo, full_hi, n, a, e = span
     dk, dv = _dkdv_heads_tiles(dk, dv, k, v, hk * G, G, 0, a, keys, lo, hi, b, b64, qdo_ops, grads, shape, bias, drop,
@@ -285,13 +286,28 @@ def _dkdv_group(dk, dv, k, v, keys, span, b, b64, hk, G, qdo_ops, grads, shape, 
 def _dkdv_heads_tiles(dk, dv, k, v, h0, G, first, count, keys, lo, hi, b, b64, qdo_ops, grads, shape, bias, drop,
                       BLOCK_M: tl.constexpr, FEATURES: tl.constexpr, MASKED: tl.constexpr):
     """Query tiles ``first .. first + count`` of the span, of each of the ``G`` heads from ``h0``: one loop."""
-    dcol = tl.zeros_like(keys[0]).to(tl.float32)
+    cols = keys[0]
+    Mq, Mk = shape[1], shape[2]
+    HAS_ADDITIVE: tl.constexpr = FEATURES[0]
+    INDEX_64: tl.constexpr = FEATURES[10]
+    PREFETCH: tl.constexpr = HAS_ADDITIVE and not MASKED  # the next (head, tile)'s additive tile, one step ahead
+    Add, stride_ab, stride_ah, stride_am, stride_an = bias[0], bias[1], bias[2], bias[3], bias[4]
+    dcol = tl.zeros_like(cols).to(tl.float32)
+    nxt = 0.0
+    if PREFETCH:
+        nxt = _add_load((lo + first * BLOCK_M + tl.arange(0, BLOCK_M))[None, :], cols[:, None], b, h0, Mq, Mk,
+                        Add, stride_ab, stride_ah, stride_am, stride_an, INDEX_64)
     for i in range(0, G * count):
         h = h0 + i // count
         ktile, qdo, sizes = _head_operands(h, b, b64, keys, lo, hi, qdo_ops, grads, shape)
+        cur = nxt
+        if PREFETCH:
+            j = tl.minimum(i + 1, G * count - 1)
+            nxt = _add_load((lo + (first + j % count) * BLOCK_M + tl.arange(0, BLOCK_M))[None, :], cols[:, None], b,
+                            h0 + j // count, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an, INDEX_64)
         dk, dv, dcol = _dkdv_tile(
-            dk, dv, dcol, k, v, lo + (first + i % count) * BLOCK_M, ktile, qdo, sizes, bias, drop, 0.0, FEATURES,
-            MASKED=MASKED, LAYOUT_MASK=False, PRELOADED=False,
+            dk, dv, dcol, k, v, lo + (first + i % count) * BLOCK_M, ktile, qdo, sizes, bias, drop, cur, FEATURES,
+            MASKED=MASKED, LAYOUT_MASK=False, PRELOADED=PREFETCH,
         )
     return dk, dv
 
@@ -343,12 +359,11 @@ def _dkdv_program(b, hk, G, cols, n_end, seg, pid_n, kv_ops, bounds, qdo_ops, gr
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
     keys = (cols, cols64, n_end, cvalid, ilo, ihi)
     span = (lo, hi, full_lo, full_hi, n, a, e)
-    HAS_ADDITIVE: tl.constexpr = FEATURES[0]
     COL_DBIAS: tl.constexpr = FEATURES[4]
     HAS_LAYOUT: tl.constexpr = LOOPS[1]
-    if GQA and not (HAS_LAYOUT or HAS_ADDITIVE or COL_DBIAS):
+    if GQA and not (HAS_LAYOUT or COL_DBIAS):
         dk, dv = _dkdv_group(dk, dv, k, v, keys, span, b, b64, hk, G, qdo_ops, grads, shape, bias, drop, BLOCK_M, FEATURES)
-    elif GQA:  # per-head tile lists, additive tiles or column gradients: a loop over heads around the tile loops
+    elif GQA:  # per-head tile lists or column gradients: a loop over heads around the tile loops
         for g in range(0, G):
             dk, dv = _dkdv_head(dk, dv, k, v, keys, span, b, b64, hk * G + g, pid_n, qdo_ops, grads, lists, shape, bias,
                                 drop, LOOPS, FEATURES)
