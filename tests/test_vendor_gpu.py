@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch._dynamo
 
 import biasattn as ba
 from biasattn import dispatch
@@ -317,6 +318,32 @@ def test_forward_and_backward_by_different_operators(fwd, bwd, varlen):
     for n, g, r, lo in zip(("dq", "dk", "dv"), got, refs["ref"][2], refs["low"][2]):
         assert_close_to_reference(g, r, lo, factor=3.0 if n == "dq" else 2.0, atol=ATOL, name=f"{fwd}->{bwd} {n}")
 
+
+
+@pytest.mark.parametrize("path", ["triton->cudnn", "compiled"])
+def test_cudnn_backward_of_a_fused_projections_views(path):
+    """q, k, v as views of one fused projection ``[B, M, 3, H, D]`` (every transformer's layout) and an
+    out laid out otherwise (another operator's forward, or a compiled forward, returns it contiguous):
+    cuDNN's backward gave gradients off by more than their own size until out is laid out like q."""
+    if "cudnn" not in ba.ops.available() or "triton" not in ba.ops.available():
+        pytest.skip("operator not registered")
+    case = Case("projection", ("cudnn",), 2, 4, 4, 203, 203, 64, lambda a: ba.LowerTriangularMask())
+    g = torch.Generator(device=DEV).manual_seed(0)
+    qkv = torch.randn(2, 203, 3, 4, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_()
+    q, k, v = qkv.permute(2, 0, 3, 1, 4)
+    dout = torch.randn(2, 4, 203, 64, device=DEV, dtype=torch.bfloat16, generator=g)
+    refs = _references(case, q, k, v, None, torch.bfloat16, True, dout, False)
+    if path == "compiled":
+        torch._dynamo.reset()
+        fn = torch.compile(lambda q, k, v: ba.attention(q, k, v, ba.LowerTriangularMask(), op="cudnn"), backend="aot_eager",
+                           fullgraph=True)
+        out = fn(q, k, v)
+    else:
+        out, _ = autograd.run(make_inputs(q, k, v, ba.LowerTriangularMask(), requires_grad=True), ba.ops.get("triton"),
+                              ba.ops.get("cudnn"))
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    for n, gr, r, lo in zip(("dq", "dk", "dv"), got, refs["ref"][2], refs["low"][2]):
+        assert_close_to_reference(gr, r, lo, factor=3.0 if n == "dq" else 2.0, atol=ATOL, name=f"{path} {n}")
 
 @pytest.mark.parametrize("M", [192, 320])
 def test_cudnn_nan_grad_q_regression(M):
