@@ -8,6 +8,8 @@ tensors, every step with new random document lengths (none repeats; 12 other bat
 - ``tensor``: the mask built inside the timed step from the step's lengths as a GPU tensor (as a data
   loader hands them over, made before timing): nothing is read back;
 - ``prebuilt``: one mask object per step, built before timing (new lengths, the mask's cost left out);
+- ``graphed``: the step captured once in a CUDA graph that builds the mask from a device tensor of
+  lengths; each step writes its lengths into that tensor and replays the graph (no host work left);
 - ``same``: one mask object and the same lengths every step (the mask reused);
 - ``flash2 varlen``: ``aten._flash_attention_forward/backward`` with ``cu_seqlens`` made from the same
   lengths each step (``torch.tensor(..., device=...)``), as FlashAttention-2 users write it.
@@ -25,6 +27,7 @@ import random
 import statistics
 
 import torch
+from bench_attention import _graphed
 
 import biasattn as ba
 
@@ -80,6 +83,13 @@ def run(M: int, docs: int, H: int, D: int, steps: int, seed: int, num_rounds: in
     def same(lens):
         ours(reused)
 
+    written = on_device[id(batches[0])].clone()
+    graph = _graphed(lambda: ours(ba.BlockDiagonalMask.from_seqlens(written).make_causal()))
+
+    def graphed(lens):
+        written.copy_(on_device[id(lens)])
+        graph.replay()
+
     qf, kf, vf, df = (t.detach()[0].transpose(0, 1).contiguous() for t in (q, k, v, dout))  # [M, H, D]
 
     def flash2(lens):
@@ -92,7 +102,8 @@ def run(M: int, docs: int, H: int, D: int, steps: int, seed: int, num_rounds: in
 
     flops = 3.5 * 4 * H * D * sum(n * (n + 1) / 2 for lens in batches[WARMUP:] for n in lens) / steps
     same_flops = 3.5 * 4 * H * D * sum(n * (n + 1) / 2 for n in batches[0])
-    variants = (("fresh", fresh), ("tensor", tensor), ("prebuilt", prebuilt), ("same", same), ("flash2 varlen", flash2))
+    variants = (("fresh", fresh), ("tensor", tensor), ("prebuilt", prebuilt), ("same", same), ("graphed", graphed),
+                ("flash2 varlen", flash2))
     rounds = []  # the variants back to back in each round: the host's drift moves a round's ratios less
     for _ in range(num_rounds):
         by_id.clear()
@@ -112,15 +123,17 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     print(f"{torch.cuda.get_device_name()}, bf16, H={args.H}, D={args.D}, causal fwd+bwd, TFLOP/s "
           f"(new document lengths every step, {args.steps} steps; medians of {args.rounds} rounds, ratios per round)")
-    print(f"{'tokens':>7} {'docs':>5} {'fresh':>7} {'tensor':>7} {'prebuilt':>8} {'same':>7} {'flash2':>7}  fresh/same"
-          f"  fresh/flash2  tensor/same")
+    print(f"{'tokens':>7} {'docs':>5} {'fresh':>7} {'tensor':>7} {'prebuilt':>8} {'same':>7} {'graphed':>7} {'flash2':>7}"
+          f"  fresh/same  fresh/flash2  tensor/same  graphed/same  graphed/flash2")
     for M, docs in CASES:
         rounds = run(M, docs, args.H, args.D, args.steps, seed=M + docs, num_rounds=args.rounds)
-        cols = [statistics.median(r[n] for r in rounds) for n in ("fresh", "tensor", "prebuilt", "same", "flash2 varlen")]
+        cols = [statistics.median(r[n] for r in rounds)
+                for n in ("fresh", "tensor", "prebuilt", "same", "graphed", "flash2 varlen")]
         ratios = [statistics.median(r[a] / r[b] for r in rounds)
-                  for a, b in (("fresh", "same"), ("fresh", "flash2 varlen"), ("tensor", "same"))]
-        print(f"{M:7d} {docs:5d} {cols[0]:7.1f} {cols[1]:7.1f} {cols[2]:8.1f} {cols[3]:7.1f} {cols[4]:7.1f}"
-              f"  {ratios[0]:10.2f}  {ratios[1]:12.2f}  {ratios[2]:11.2f}")
+                  for a, b in (("fresh", "same"), ("fresh", "flash2 varlen"), ("tensor", "same"), ("graphed", "same"),
+                               ("graphed", "flash2 varlen"))]
+        print(f"{M:7d} {docs:5d} {cols[0]:7.1f} {cols[1]:7.1f} {cols[2]:8.1f} {cols[3]:7.1f} {cols[4]:7.1f} {cols[5]:7.1f}"
+              f"  {ratios[0]:10.2f}  {ratios[1]:12.2f}  {ratios[2]:11.2f}  {ratios[3]:12.2f}  {ratios[4]:14.2f}")
     return 0
 
 

@@ -187,3 +187,36 @@ def test_fresh_documents_from_device_tensors_never_wait_for_the_gpu(band, op):
         expected = ba.BlockDiagonalMask.from_seqlens(DOCS[step % len(DOCS)] * B)
         expected = expected.make_causal() if band == "causal" else expected.make_causal_from_bottom_right()
         _check_against_reference(q, k, v, expected, out)
+
+
+@pytest.mark.parametrize("op", [None, "triton"], ids=["auto", "triton"])
+def test_a_captured_training_step_builds_the_documents_of_each_replay(op):
+    """Packed documents built inside a captured forward+backward from a device tensor of lengths: each
+    replay after an in-place write of new lengths gives what an eager step with a mask built from those
+    lengths gives (output and gradients), so a graphed training loop pays nothing for a fresh mask."""
+    q, k, v = _tensors(True)
+    dout = torch.randn(q.shape, device=DEV, dtype=q.dtype, generator=torch.Generator(device=DEV).manual_seed(1))
+    steps = ([60, 70, 62], [1, 190, 1], [0, 192, 0], [192, 0, 0])
+    lengths = torch.tensor(steps[0] * B, device=DEV, dtype=torch.int32)
+
+    def step(lens):
+        out = ba.attention(q, k, v, ba.BlockDiagonalMask.from_seqlens(lens).make_causal(), op=op)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step(lengths)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(lengths)
+    for values in (*steps[1:], steps[0]):
+        lengths.copy_(torch.tensor(values * B, dtype=torch.int32))
+        graph.replay()
+        eager = step(torch.tensor(values * B, device=DEV, dtype=torch.int32))
+        torch.cuda.synchronize()
+        for name, a, b in zip(("out", "dq", "dk", "dv"), captured, eager):
+            assert torch.equal(a, b), f"{name} of the replay with lengths {values} differs from the eager step"
+        _check_against_reference(q, k, v, ba.BlockDiagonalMask.from_seqlens(values * B).make_causal(), captured[0].clone())
