@@ -7,7 +7,26 @@ cache that meets a new key every step (fresh masks, a learned temperature) then 
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
+from collections.abc import Iterator
+
+_ADDED: list | None = None  # (cache, key) of the entries stored while a transient block runs
+
+
+@contextlib.contextmanager
+def transient() -> Iterator[None]:
+    """Entries stored in any :class:`BoundedCache` inside the block are removed when it ends, so nothing
+    derived there (a mask's tile tables, launch plans) outlives it: torch's CUDA-graph trees refuse
+    live allocations of their pool that are not a graph's outputs."""
+    global _ADDED
+    outer, _ADDED = _ADDED, []
+    try:
+        yield
+    finally:
+        added, _ADDED = _ADDED, outer
+        for cache, key in added:
+            cache.pop(key, None)
 
 
 class BoundedCache(OrderedDict):
@@ -25,6 +44,8 @@ class BoundedCache(OrderedDict):
 
     def __setitem__(self, key, value) -> None:
         super().__setitem__(key, value)
+        if _ADDED is not None:
+            _ADDED.append((self, key))
         if len(self) > self.maxsize:
             self.popitem(last=False)
 
@@ -32,6 +53,7 @@ class BoundedCache(OrderedDict):
         """The value kept for ``key``, storing ``default`` first when there is none."""
         if key not in self:
             self[key] = default
+            return default
         return self[key]
 
     def __reduce__(self):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import biasattn as ba
-from biasattn import dispatch
+from biasattn import dispatch, memo
 from biasattn.bias import spec as spec_module
 from biasattn.memo import BoundedCache
 
@@ -22,6 +22,28 @@ def test_bounded_cache_drops_the_oldest_entry():
     assert c.setdefault("d", 4) == 4 and list(c) == ["c", "d"]
     with pytest.raises(ValueError, match="maxsize"):
         BoundedCache(0)
+
+
+
+def test_a_transient_block_leaves_every_cache_as_it_was_and_calls_inside_share_entries():
+    """What a block stores in any cache is gone when it ends (entries from before stay), while calls
+    inside it still find each other's entries; a full call's lowering leaves no tensor behind."""
+    a, b = BoundedCache(4), BoundedCache(4)
+    a["kept"] = 1
+    with memo.transient():
+        a["x"], b["y"] = 2, 3
+        assert a.get("x") == 2 and b.setdefault("z", 4) == 4 and b.get("z") == 4
+        with memo.transient():
+            b["inner"] = 5
+        assert b.get("inner") is None and a.get("x") == 2
+    assert list(a) == ["kept"] and len(b) == 0
+    q = k = v = torch.randn(1, 2, 40, 16)
+    stores = (spec_module._INT_TENSORS, spec_module._PLAIN_SPECS, spec_module._STRUCTURAL_SPECS, dispatch._CALLS)
+    sizes = [len(c) for c in stores]
+    with memo.transient():
+        mask = ba.BlockDiagonalMask.from_seqlens(torch.tensor([10, 30])).make_causal()
+        ba.attention(q, k, v, mask)
+    assert [len(c) for c in stores] == sizes  # a call outside the block keeps the lengths' int32 copies
 
 
 def _store_sizes(spec) -> tuple[int, ...]:

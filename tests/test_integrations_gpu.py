@@ -91,6 +91,37 @@ def test_compiled_packed_documents_built_inside_from_gpu_lengths(band):
     assert sum(len(gr.graph.nodes) > 0 for gr in cnt.graphs) == 1
 
 
+
+@needs_triton
+@pytest.mark.parametrize("mask", ["documents", "causal"])
+def test_reduce_overhead_replays_training_steps_with_new_documents(mask):
+    """``torch.compile(mode="reduce-overhead")``: a training step whose packed-document mask is built
+    inside from a GPU tensor of lengths (tile tables on the ``triton`` path), or a causal one (cuDNN),
+    runs in CUDA graph trees; each step's output and gradients match eager ones with its own lengths,
+    and dropout there is refused with a clear error."""
+    torch._dynamo.reset()
+
+    def fn(q, k, v, lengths, p=0.0):
+        bias = ba.BlockDiagonalMask.from_seqlens(lengths).make_causal() if mask == "documents" else ba.LowerTriangularMask()
+        return ba.attention(q, k, v, bias, dropout_p=p)
+
+    compiled = torch.compile(fn, fullgraph=True, mode="reduce-overhead")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    for lengths in ([40, 56, 160], [100, 100, 56], [1, 254, 1], [40, 56, 160], [200, 50, 6]):
+        lens = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+        out = compiled(q, k, v, lens)
+        got = (out.clone(), *(t.clone() for t in torch.autograd.grad(out, (q, k, v), dout)))
+        ref = fn(q, k, v, lens)
+        expected = (ref, *torch.autograd.grad(ref, (q, k, v), dout))
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):  # cuDNN's backward may add in any order
+            tol = dict(atol=0, rtol=0) if mask == "documents" else dict(atol=1e-2, rtol=1.6e-2)
+            torch.testing.assert_close(a, b, **tol, msg=lambda m, name=name, lengths=lengths: f"{name}, {lengths}: {m}")
+    with pytest.raises(RuntimeError, match="dropout_p=0.1"):
+        compiled(q, k, v, lens, 0.1)
+
 @needs_triton
 def test_transformers_llama_through_triton():
     transformers = pytest.importorskip("transformers")

@@ -17,8 +17,14 @@ Under compilation, :func:`biasattn.attention` (and ``attention_with_lse``, and S
 The flat ops run the ordinary eager path (validation, :mod:`biasattn.dispatch`, an operator's raw
 ``fwd``/``bwd``) at run time, so ``use_ops`` and ``op=`` work inside compiled code. Their fake
 implementations give the output shapes without touching the bias, which keeps ``dynamic=True``
-graphs free of per-length guards. The operator chosen in the forward (and the dropout seed) travel
-to the backward in a small int64 ``state`` tensor.
+graphs free of per-length guards. The operators chosen in the forward (and the dropout seed) travel
+to the backward on an empty ``state`` tensor (see :func:`_state`).
+
+Under ``torch.compile(mode="reduce-overhead")`` the calls run inside torch's CUDA graph trees: while a
+graph warms up or records, what a call derives (a mask's tile tables, launch plans) is dropped when the
+call ends and only the outputs carry state, since the trees refuse live allocations of their pool that
+no graph returns; replays then cost no host time, whatever lengths were written into the mask's
+tensors. Dropout is refused there (the seed is drawn on the host).
 """
 
 from __future__ import annotations
@@ -29,19 +35,17 @@ import functools
 import itertools
 import math
 import operator
-import weakref
-from typing import Any
+import sys
 
 import torch
 from torch import Tensor
 
-from .. import dispatch
+from .. import dispatch, memo
 from ..bias import protocol
 from ..bias.atoms import tensor_version
 from ..bias.base import AttentionBias
 from ..inputs import as_bias, make_inputs
 from ..memo import BoundedCache
-from . import available, get
 from .common import compute_dtype
 
 # ------------------------------------------------------------------------------- bias <-> strings
@@ -116,44 +120,40 @@ def inner_tensors(bias: AttentionBias | None) -> list[Tensor]:
 
 
 # ------------------------------------------------------------------------------- forward state
-# state = [fwd operator index, bwd operator index (-1: none), kind of ctx, value]; kind 0: no ctx,
-# 1: an int (a dropout seed), 2: a key into _SAVED (any other object an operator keeps, e.g. the
-# vendor kernels' raw lse and RNG state). An entry lives until the backward takes it or the state
-# tensor is freed (a forward whose graph is dropped without a backward). A forward run with gradients
-# in mind also hangs its validated inputs on the state tensor (``_FORWARD``): a backward that receives
-# that very tensor lowers nothing again.
-_SAVED: dict[int, Any] = {}
-_saved_keys = itertools.count(1)
-_FORWARD = "_biasattn_forward_inputs"
+# The forward's ``state`` output is an empty tensor on q's device (nothing to copy, nothing that makes
+# torch split a CUDA graph); what the backward needs rides on it as a Python attribute: the forward and
+# backward operators, the forward operator's ctx (a dropout seed, a vendor kernel's raw lse), and the
+# validated inputs of a forward run with gradients in mind (a backward that receives that very tensor
+# lowers nothing again). Everything goes with the state tensor. A backward given a state without the
+# attribute (a graph replayed from its recorded outputs) dispatches again: dispatch depends on shapes,
+# dtypes and the bias's structure only, so it chooses as the forward did.
+_STATE = "_biasattn_forward_state"
 
 
-def _state(fwd_op, bwd_op, saved, inp=None) -> Tensor:
-    names = available()
-    kind, value = 0, 0
-    if isinstance(saved, int) and not isinstance(saved, bool):
-        kind, value = 1, saved
-    elif saved is not None:
-        kind, value = 2, next(_saved_keys)
-        _SAVED[value] = saved
-    bwd_index = names.index(bwd_op.NAME) if bwd_op is not None else -1
-    state = torch.tensor([names.index(fwd_op.NAME), bwd_index, kind, value], dtype=torch.int64, device="cpu")
-    if kind == 2:
-        weakref.finalize(state, _SAVED.pop, value, None)
-    if inp is not None:
-        setattr(state, _FORWARD, inp)
+def _state(device: torch.device, fwd_op, bwd_op, saved, inp=None) -> Tensor:
+    state = torch.empty(0, dtype=torch.int64, device=device)
+    setattr(state, _STATE, (fwd_op, bwd_op, saved, inp))
     return state
 
 
-def _from_state(state: Tensor):
-    fwd_index, bwd_index, kind, value = state.tolist()
-    names = available()
-    saved = None if kind == 0 else value if kind == 1 else _SAVED.pop(value, None)
-    if kind == 2 and saved is None:
-        raise RuntimeError("biasattn: the forward's saved state is gone; a compiled backward can run only once")
-    return get(names[fwd_index]), (get(names[bwd_index]) if bwd_index >= 0 else None), saved
-
-
 # ------------------------------------------------------------------------------- flat ops
+
+
+def _in_graph_trees(device: torch.device) -> bool:
+    """Whether torch's CUDA-graph trees (``torch.compile(mode="reduce-overhead")``) are warming up or
+    recording a graph on ``device``: what a call derives must then die with the call."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None or device.type != "cuda":
+        return False
+    if torch.cuda.is_current_stream_capturing():  # recording (the tree's state says so only afterwards)
+        return True
+    manager = trees.get_manager(device.index, create_if_none_exists=False)
+    return manager is not None and manager.in_warmup
+
+
+def _call_context(graphed: bool):
+    """The context of a flat op's call: :func:`biasattn.memo.transient` inside CUDA-graph trees."""
+    return memo.transient() if graphed else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -173,7 +173,7 @@ def _fake_outputs(q: Tensor, k: Tensor, v: Tensor, scale, dropout_p) -> tuple[Te
     B, H, M = q.shape[0], q.shape[1], q.shape[2]
     out = q.new_empty((B, H, M, v.shape[3]))
     lse = q.new_empty((B, H, M), dtype=compute_dtype(q.dtype))
-    return out, lse, torch.empty(4, dtype=torch.int64, device="cpu")
+    return out, lse, q.new_empty(0, dtype=torch.int64)
 
 
 def _contiguous_like(t: Tensor) -> Tensor:
@@ -188,7 +188,8 @@ _LIB.define(
 )
 _LIB.define(
     "attention_bwd_flat(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor state, "
-    "Tensor[] bias_tensors, str bias_metadata, SymInt[] bias_shape, float? scale, float dropout_p, bool[] bias_grad) "
+    "Tensor[] bias_tensors, str bias_metadata, SymInt[] bias_shape, float? scale, float dropout_p, bool[] bias_grad, "
+    "str op=\"\") "
     "-> (Tensor, Tensor, Tensor, Tensor[])",
     tags=(torch.Tag.pt2_compliant_tag,),
 )
@@ -210,14 +211,26 @@ def _attention_fwd_flat(
     op: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``biasattn::attention_fwd_flat``, attention forward on plain tensors:
-    ``(out [B, Hq, Mq, Dv], lse [B, Hq, Mq], state int64 [4])``."""
-    bias = shared_bias(bias_tensors, bias_metadata, bias_shape)
-    inp, fwd_op, bwd_op = dispatch.prepare(q, k, v, bias, scale=scale, dropout_p=dropout_p, need_lse=need_lse,
-                                           op=op or None, requires_grad=requires_grad)
-    with torch.no_grad():
-        out, lse, saved = fwd_op.fwd(inp)
-    keep = inp if requires_grad and bwd_op is not None else None
-    return out.contiguous(), lse.to(compute_dtype(q.dtype)).contiguous(), _state(fwd_op, bwd_op, saved, keep)
+    ``(out [B, Hq, Mq, Dv], lse [B, Hq, Mq], state)`` (``state``: see :func:`_state`)."""
+    graphed = _in_graph_trees(q.device)
+    with _call_context(graphed):
+        bias = shared_bias(bias_tensors, bias_metadata, bias_shape)
+        inp, fwd_op, bwd_op = dispatch.prepare(q, k, v, bias, scale=scale, dropout_p=dropout_p, need_lse=need_lse,
+                                               op=op or None, requires_grad=requires_grad)
+        if graphed and dropout_p > 0:
+            raise RuntimeError(
+                "biasattn: dropout inside CUDA graph trees (torch.compile(mode='reduce-overhead')) is not supported: "
+                "the triton operator draws its seed on the host, so every replay would drop the same weights, and "
+                f"the vendor kernels' random state outlives the graph; got dropout_p={dropout_p}. Compile without "
+                "CUDA graphs, or use dropout_p=0 there")
+        with torch.no_grad():
+            out, lse, saved = fwd_op.fwd(inp)
+        if graphed:  # the backward rebuilds what it needs from the outputs: nothing else may outlive the graph
+            keep, saved = None, saved if isinstance(saved, int) else None
+        else:
+            keep = inp if requires_grad and bwd_op is not None else None
+        state = _state(q.device, fwd_op, bwd_op, saved, keep)
+        return out.contiguous(), lse.to(compute_dtype(q.dtype)).contiguous(), state
 
 
 _LIB.impl("attention_fwd_flat", _attention_fwd_flat, "CompositeExplicitAutograd")
@@ -226,6 +239,18 @@ _LIB.impl("attention_fwd_flat", _attention_fwd_flat, "CompositeExplicitAutograd"
 @torch.library.register_fake("biasattn::attention_fwd_flat")
 def _(q, k, v, bias_tensors, bias_metadata, bias_shape, scale, dropout_p, requires_grad, need_lse, op):
     return _fake_outputs(q, k, v, scale, dropout_p)
+
+
+def _dispatch_again(q, k, v, bias_tensors, text, shape, scale, dropout_p, need_lse, op) -> tuple:
+    """The forward state of a backward whose state tensor lost it (see :func:`_state`): the operators
+    chosen again, no ctx (a dropout seed cannot be recovered)."""
+    if dropout_p > 0:
+        raise RuntimeError("biasattn: the forward's dropout seed did not reach the backward (a graph replayed from its "
+                           f"recorded outputs); dropout_p={dropout_p} needs eager calls or compiled ones without CUDA graphs")
+    bias = rebuild_bias(bias_tensors, text, shape)
+    _, fwd_op, bwd_op = dispatch.prepare(q, k, v, bias, scale=scale, dropout_p=dropout_p, need_lse=need_lse,
+                                         op=op or None, requires_grad=True)
+    return fwd_op, bwd_op, None, None
 
 
 def _attention_bwd_flat(
@@ -243,14 +268,17 @@ def _attention_bwd_flat(
     scale: float | None,
     dropout_p: float,
     bias_grad: list[bool],
+    op: str = "",
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """``biasattn::attention_bwd_flat``, attention backward on plain tensors: ``(dq, dk, dv, dbias)``;
-    ``dbias[i]`` is empty unless ``bias_grad[i]``."""
-    fwd_op, bwd_op, saved = _from_state(state)
-    fwd_inp = getattr(state, _FORWARD, None)
-    if bwd_op is None:
-        raise RuntimeError("biasattn: the forward was run without gradients in mind; call it again with requires_grad inputs")
-    with _autograd_available():  # operators may use autograd inside (reference), and so does dbias below
+    ``dbias[i]`` is empty unless ``bias_grad[i]``; ``op`` is the forward's forced operator, if any."""
+    # operators may use autograd inside (reference), and so does dbias below
+    with _autograd_available(), _call_context(_in_graph_trees(q.device)):
+        _, bwd_op, saved, fwd_inp = getattr(state, _STATE, None) or _dispatch_again(
+            q, k, v, bias_tensors, bias_metadata, bias_shape, scale, dropout_p, dlse is not None, op)
+        if bwd_op is None:
+            raise RuntimeError("biasattn: the forward was run without gradients in mind; call it again with requires_grad "
+                               "inputs")
         wanted = [t.detach().requires_grad_() if need else t for t, need in zip(bias_tensors, bias_grad)]
         if fwd_inp is not None and not any(bias_grad):  # the forward's bias, lowered once (tile tables and all)
             inp = fwd_inp.with_tensors(q, k, v, fwd_inp.spec.additive)
@@ -279,7 +307,7 @@ _LIB.impl("attention_bwd_flat", _attention_bwd_flat, "CompositeExplicitAutograd"
 
 
 @torch.library.register_fake("biasattn::attention_bwd_flat")
-def _(dout, dlse, q, k, v, out, lse, state, bias_tensors, bias_metadata, bias_shape, scale, dropout_p, bias_grad):
+def _(dout, dlse, q, k, v, out, lse, state, bias_tensors, bias_metadata, bias_shape, scale, dropout_p, bias_grad, op=""):
     dbias = [t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip(bias_tensors, bias_grad)]
     return _contiguous_like(q), _contiguous_like(k), _contiguous_like(v), dbias
 
@@ -386,7 +414,7 @@ def _backward(ctx, dout, dlse, dstate):
 def _setup_context_flat(ctx, inputs, output) -> None:
     q, k, v, bias_tensors, text, shape, scale, dropout_p, requires_grad, need_lse, op = inputs
     _save(ctx, q, k, v, bias_tensors, *output, scale, dropout_p, need_lse)
-    ctx.text, ctx.shape = text, shape
+    ctx.text, ctx.shape, ctx.op = text, shape, op
 
 
 def _backward_flat(ctx, dout, dlse, dstate):
@@ -394,7 +422,8 @@ def _backward_flat(ctx, dout, dlse, dstate):
     dout = torch.zeros_like(out) if dout is None else dout
     dlse = _lse_grad(ctx, dlse)
     dq, dk, dv, dbias = attention_bwd_flat(
-        dout, dlse, q, k, v, out, lse, state, bias_tensors, ctx.text, ctx.shape, ctx.scale, ctx.dropout_p, ctx.bias_grad
+        dout, dlse, q, k, v, out, lse, state, bias_tensors, ctx.text, ctx.shape, ctx.scale, ctx.dropout_p, ctx.bias_grad,
+        ctx.op,
     )
     grads = [d if need else None for d, need in zip(dbias, ctx.bias_grad)]
     shape_grad = None if len(ctx.shape) else []  # the input's structure: an empty list counts as a tensor list

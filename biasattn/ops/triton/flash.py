@@ -28,7 +28,7 @@ _fwd_exact = direct(_attn_fwd_exact_kernel, _SEED)
 INTERPRETED = configs.interpreted()
 LOG2E = 1.4426950408889634
 
-_dummies: dict = {}
+_dummies = BoundedCache(16)  # (device, dtype) -> a small zero tensor standing for an absent operand
 
 
 def _plan_key(kind: str, tensors: tuple, spec: BiasSpec):
@@ -99,9 +99,10 @@ def _new(like: torch.Tensor, shape, dtype, zero: bool = False) -> torch.Tensor:
 
 def _dummy(device, dtype=torch.int32) -> torch.Tensor:
     key = (str(device), dtype)
-    if key not in _dummies:
-        _dummies[key] = torch.zeros(2, dtype=dtype, device=device)
-    return _dummies[key]
+    dummy = _dummies.get(key)
+    if dummy is None:
+        dummy = _dummies[key] = torch.zeros(2, dtype=dtype, device=device)
+    return dummy
 
 
 def _bcast_strides(t: torch.Tensor | None, shape) -> tuple[int, ...]:
