@@ -803,6 +803,15 @@ def test_short_spans_pick_short_forward_tiles():
     assert configs._candidates_for("dq", 128, torch.bfloat16, ("segments", "short_span")) == configs.candidates("dq", 128)
 
 
+def test_dropout_takes_short_dkdv_tiles_only_where_they_do_not_spill():
+    """With dropout, dK/dV tries 32x64 tiles first up to head dim 128; at 256 they spill (1,528 local
+    loads and stores on sm_90), so the usual first tile stays first."""
+    from biasattn.ops.triton import configs
+
+    assert configs._candidates_for("dkdv", 128, torch.bfloat16, ("dropout",))[0] == configs.TileConfig(32, 64, 4, 4)
+    assert configs._candidates_for("dkdv", 256, torch.bfloat16, ("dropout",)) == configs.candidates("dkdv", 256)
+
+
 def test_direct_launch_signature():
     """The direct-launch key changes with what Triton specializes on and nothing else."""
     from biasattn.ops.triton import launch

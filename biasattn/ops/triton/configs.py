@@ -105,7 +105,8 @@ def _candidates_for(kernel: str, head_dim: int, dtype: torch.dtype, features: tu
         cands = tuple(sorted(cands, key=lambda c: c.num_stages != 3))
     if kernel == "fwd" and "dropout" in features:  # the mask draw adds registers: 128x128 tiles spill
         cands = tuple(sorted(cands, key=lambda c: c.block_n > 64))
-    if kernel == "dkdv" and "dropout" in features:  # H200, tuned with dropout: short tiles, deep pipeline
+    if kernel == "dkdv" and "dropout" in features and head_dim <= 128:  # H200, tuned with dropout: short tiles,
+        # deep pipeline (at D=256 those spill: 1,528 local loads and stores against 2 for the usual tile)
         cands = (TileConfig(32, 64, 4, 4), *(c for c in cands if c != TileConfig(32, 64, 4, 4)))
     if dtype == torch.float32:  # fp32 tiles take twice the shared memory
         cands = tuple(TileConfig(min(c.block_m, 64), min(c.block_n, 64), c.num_warps, min(c.num_stages, 2)) for c in cands)
