@@ -11,7 +11,8 @@ outside it, as a compiled model's training step does. Two tables:
   ``mode="reduce-overhead"`` (the whole step replayed from CUDA graphs; one set of graphs per number
   of documents).
 
-Functions are compiled with ``fullgraph=True, dynamic=True``; 10 steps warm up, then 30 steps are
+Functions are compiled with ``fullgraph=True, dynamic=True`` (the ``reduce-overhead`` model with
+``fullgraph=True`` only); 10 steps warm up, then 30 steps are
 timed with CUDA events (median of 3 loops), eager and compiled alternating. bf16, D=128. Prints ms per
 step, compiled over eager, and the number of graphs Dynamo compiled (one per function for every case
 and length together).

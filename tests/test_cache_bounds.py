@@ -24,7 +24,6 @@ def test_bounded_cache_drops_the_oldest_entry():
         BoundedCache(0)
 
 
-
 def test_a_transient_block_leaves_every_cache_as_it_was_and_calls_inside_share_entries():
     """What a block stores in any cache is gone when it ends (entries from before stay), while calls
     inside it still find each other's entries; a full call's lowering leaves no tensor behind."""

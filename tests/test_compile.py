@@ -69,7 +69,6 @@ def test_opcheck_flat_ops():
     torch.library.opcheck(custom_ops.attention_bwd_flat, bwd_args)
 
 
-
 def test_a_backward_whose_state_lost_its_forward_dispatches_again():
     """A state tensor without the forward's attribute (a CUDA graph replayed from its recorded outputs
     hands the backward a new tensor object) gives the same gradients, the operator chosen again; with
