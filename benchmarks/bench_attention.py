@@ -368,11 +368,17 @@ def compare(rows: list[dict], base_path: str, threshold: float = 0.9) -> list[st
 
 
 def tune(args) -> None:
-    """Time every candidate tile config of each kernel on the first case and print a table."""
+    """Time every candidate tile config of each kernel on the first case and print a table (``--dropout``:
+    the candidates in the order dropout tries them, every call with that dropout probability)."""
     from biasattn.ops.triton import configs
 
+    feats = ("dropout",) if args.dropout else ()
+
+    def cands(kernel, D):
+        return configs._candidates_for(kernel, D, torch.bfloat16, feats)
+
     jobs = [(c, D, 1 if c == "additive" else 2, False, {kernel: cfg}) for c in args.cases for D in args.head_dims
-            for kernel in args.kernels for cfg in configs.candidates(kernel, D)]
+            for kernel in args.kernels for cfg in cands(kernel, D)]
     _pool_map(jobs, args.precompile or 8)
     for case_name in args.cases:
         for D in args.head_dims:
@@ -384,21 +390,22 @@ def tune(args) -> None:
             out = ba.attention(q, k, v, case.bias, op="triton")
             dout = torch.randn_like(out)
             for kernel in args.kernels:
-                for cfg in configs.candidates(kernel, D):
+                for cfg in cands(kernel, D):
                     with configs.override(**{kernel: cfg}):
                         try:
-                            ms = triton.testing.do_bench(_tune_call(case, dout, kernel == "fwd"), warmup=10, rep=50)
+                            ms = triton.testing.do_bench(_tune_call(case, dout, kernel == "fwd", args.dropout),
+                                                         warmup=10, rep=50)
                             print(f"tune {case_name} M={M} D={D} {kernel} {cfg}: {ms:.3f} ms", flush=True)
                         except Exception as e:
                             print(f"tune {case_name} M={M} D={D} {kernel} {cfg}: {type(e).__name__}", flush=True)
 
 
-def _tune_call(case, dout, fwd_only: bool):
+def _tune_call(case, dout, fwd_only: bool, dropout_p: float = 0.0):
     q, k, v = case.q, case.k, case.v
     if fwd_only:
-        return lambda: ba.attention(q, k, v, case.bias, op="triton")
+        return lambda: ba.attention(q, k, v, case.bias, dropout_p=dropout_p, op="triton")
     wrt = (q, k, v, case.dense_mask()) if case.name == "additive" else (q, k, v)  # the bias gradient too
-    return lambda: torch.autograd.grad(ba.attention(q, k, v, case.bias, op="triton"), wrt, dout)
+    return lambda: torch.autograd.grad(ba.attention(q, k, v, case.bias, dropout_p=dropout_p, op="triton"), wrt, dout)
 
 
 AB_SWITCHES = {  # name: (launch option, state A, state B, value A, value B)
@@ -456,6 +463,7 @@ def main(argv=None) -> int:
     p.add_argument("--render", help="only write attention.md and the PNGs from this attention.csv")
     p.add_argument("--quick", action="store_true", help="causal and no bias at M=2048, D=128")
     p.add_argument("--tune", action="store_true", help="time each kernel's candidate tile configs")
+    p.add_argument("--dropout", type=float, default=0.0, help="with --tune: the dropout probability of every call")
     p.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq", "dbias", "dq_ds"],
                    help="kernels whose configs --tune times")
     p.add_argument("--ab", choices=list(AB_SWITCHES), help="A/B of a launcher switch (triton only): " + "; ".join(

@@ -812,6 +812,15 @@ def test_dropout_takes_short_dkdv_tiles_only_where_they_do_not_spill():
     assert configs._candidates_for("dkdv", 256, torch.bfloat16, ("dropout",)) == configs.candidates("dkdv", 256)
 
 
+def test_dropout_forward_at_head_dim_64_takes_64_row_tiles():
+    """With dropout, the forward at head dim 64 tries 64x64 tiles with 4 warps first (128 rows at 4
+    warps spill there on sm_90); at 128 the usual 128-row tiles stay first, narrowed to 64 keys."""
+    from biasattn.ops.triton import configs
+
+    assert configs._candidates_for("fwd", 64, torch.bfloat16, ("dropout",))[0] == configs.TileConfig(64, 64, 4, 3)
+    assert configs._candidates_for("fwd", 128, torch.bfloat16, ("dropout",))[0] == configs.TileConfig(128, 64, 8, 3)
+
+
 def test_direct_launch_signature():
     """The direct-launch key changes with what Triton specializes on and nothing else."""
     from biasattn.ops.triton import launch

@@ -103,8 +103,11 @@ def _candidates_for(kernel: str, head_dim: int, dtype: torch.dtype, features: tu
         cands = tuple(sorted(cands, key=lambda c: (c.block_n > 64, head_dim <= 64 and c.block_m > 64)))
     if kernel == "dkdv" and "additive" in features:  # the bias read wants a deeper pipeline (H200: 2% faster)
         cands = tuple(sorted(cands, key=lambda c: c.num_stages != 3))
-    if kernel == "fwd" and "dropout" in features:  # the mask draw adds registers: 128x128 tiles spill
+    if kernel == "fwd" and "dropout" in features:  # the mask draw adds registers: 128x128 tiles spill,
+        # and at head dim 64 so do 128 rows at 4 warps (40-58 local loads and stores; 64x64 w4 s3: none)
         cands = tuple(sorted(cands, key=lambda c: c.block_n > 64))
+        if head_dim <= 64:
+            cands = (TileConfig(64, 64, 4, 3), *(c for c in cands if c != TileConfig(64, 64, 4, 3)))
     if kernel == "dkdv" and "dropout" in features and head_dim <= 128:  # H200, tuned with dropout: short tiles,
         # deep pipeline (at D=256 those spill: 1,528 local loads and stores against 2 for the usual tile)
         cands = (TileConfig(32, 64, 4, 4), *(c for c in cands if c != TileConfig(32, 64, 4, 4)))
