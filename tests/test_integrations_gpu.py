@@ -123,6 +123,37 @@ def test_reduce_overhead_replays_training_steps_with_new_documents(mask):
         compiled(q, k, v, lens, 0.1)
 
 @needs_triton
+def test_default_mode_calls_beside_graph_trees_are_not_inside_them():
+    """A default-mode compiled call made while torch's CUDA-graph trees sit in warm-up (right after a
+    ``reduce-overhead`` function's first call) runs outside the trees: it is not taken for a call
+    inside them, so dropout works there; inside the trees it is refused."""
+    from torch._inductor import cudagraph_trees
+
+    from biasattn.ops.custom_ops import _in_graph_trees
+
+    torch._dynamo.reset()
+
+    def fn(q, k, v, p):
+        return ba.attention(q, k, v, ba.LowerTriangularMask(), dropout_p=p, op="triton")
+
+    graphed = torch.compile(fn, fullgraph=True, mode="reduce-overhead")
+    plain = torch.compile(fn, fullgraph=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 128, 64, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+               for _ in range(3))
+    graphed(q, k, v, 0.0)
+    manager = cudagraph_trees.get_manager(q.device.index, create_if_none_exists=False)
+    assert manager is not None and manager.in_warmup  # the case under test: the trees in warm-up
+    assert not _in_graph_trees(q.device)
+    out = plain(q, k, v, 0.1)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert all(torch.isfinite(t).all() for t in (out, *grads))
+    assert not torch.equal(out, fn(q, k, v, 0.0))  # dropped
+    with pytest.raises(RuntimeError, match="dropout_p=0.1"):
+        graphed(q, k, v, 0.1)
+
+
+@needs_triton
 def test_transformers_llama_through_triton():
     transformers = pytest.importorskip("transformers")
     import biasattn.integrations.transformers as bt

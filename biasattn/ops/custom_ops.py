@@ -141,14 +141,18 @@ def _state(device: torch.device, fwd_op, bwd_op, saved, inp=None) -> Tensor:
 
 def _in_graph_trees(device: torch.device) -> bool:
     """Whether torch's CUDA-graph trees (``torch.compile(mode="reduce-overhead")``) are warming up or
-    recording a graph on ``device``: what a call derives must then die with the call."""
+    recording a graph on ``device`` in this very call: what the call derives must then die with it.
+    The trees warm up and record on a stream of their own; a call on another stream (a default-mode
+    compiled call while a tree sits in warm-up, a graph captured by hand) is not theirs."""
     trees = sys.modules.get("torch._inductor.cudagraph_trees")
     if trees is None or device.type != "cuda":
         return False
-    if torch.cuda.is_current_stream_capturing():  # recording (the tree's state says so only afterwards)
-        return True
     manager = trees.get_manager(device.index, create_if_none_exists=False)
-    return manager is not None and manager.in_warmup
+    # while recording, the tree's state says so only afterwards: the capture itself tells
+    if manager is None or not (manager.in_warmup or torch.cuda.is_current_stream_capturing()):
+        return False
+    stream = getattr(manager, "stream", None)
+    return stream is None or torch.cuda.current_stream(device) == stream
 
 
 def _call_context(graphed: bool):
