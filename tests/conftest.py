@@ -28,7 +28,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gpu" if torch.cuda.i
 
 # Marked ``slow``: whole modules whose tests run the Triton interpreter or torch.compile (minutes on a
 # CPU), and elsewhere the tests of the Triton operators (``test_triton_*``, or an ``op`` parameter
-# naming one). ``python -m pytest -q`` runs them; ``-m "not slow"`` is the quick run.
+# naming one). ``python -m pytest -q -n auto`` runs them; ``-m "not slow"`` is the quick run.
 SLOW_MODULES = frozenset({"test_triton.py", "test_splitk.py", "test_plans.py", "test_compile.py"})
 
 
