@@ -122,6 +122,7 @@ def test_reduce_overhead_replays_training_steps_with_new_documents(mask):
     with pytest.raises(RuntimeError, match="dropout_p=0.1"):
         compiled(q, k, v, lens, 0.1)
 
+
 @needs_triton
 def test_default_mode_calls_beside_graph_trees_are_not_inside_them():
     """A default-mode compiled call made while torch's CUDA-graph trees sit in warm-up (right after a
