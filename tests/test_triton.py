@@ -490,6 +490,35 @@ def test_additive_broadcast_stays_strided():
     check(*qkv(B=2, Hq=2, Hkv=1, Mq=37, Mk=45), lambda a: ba.AdditiveBias(a), add, add_grad=False)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_outputs_and_gradients_laid_out_like_a_fused_projections_views(dtype):
+    """q, k, v viewed from one ``[B, M, 3, H, D]`` projection keep each row's heads side by side; so do
+    the output and the gradients, so turning the output back into ``[B, M, H * D]`` is a view, and the
+    gradient that comes back through that view needs no copy. The values are the reference's."""
+    B, M, H, D = 2, 37, 2, 16
+    gen = torch.Generator().manual_seed(5)
+    qkv_ = torch.randn(B, M, 3, H, D, generator=gen).to(device=DEVICE, dtype=dtype).requires_grad_()
+    q, k, v = qkv_.permute(2, 0, 3, 1, 4)
+    out = ba.attention(q, k, v, ba.LowerTriangularMask(), op="triton")
+    assert out.transpose(1, 2).is_contiguous(), f"out strides {out.stride()} for q strides {q.stride()}"
+    flat = out.transpose(1, 2).view(B, M, H * D)  # raises if the layout needed a copy
+    dflat = torch.randn(B, M, H * D, generator=gen).to(device=DEVICE, dtype=dtype)
+    got = torch.autograd.grad(flat, (q, k, v), dflat)
+    for name, g, t in zip(("dq", "dk", "dv"), got, (q, k, v)):
+        assert g.transpose(1, 2).is_contiguous(), f"{name} strides {g.stride()} for input strides {t.stride()}"
+    dout = dflat.view(B, M, H, D).transpose(1, 2)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    low = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    r_out = ba.attention(*ref, ba.LowerTriangularMask(), op="reference")
+    l_out, _ = softmax_attention(*low, dense_bias(make_inputs(*low, ba.LowerTriangularMask()), dtype, None),
+                                 1 / math.sqrt(D), dtype)
+    assert_close("out", out, r_out, l_out)
+    r_grads = torch.autograd.grad(r_out, ref, dout.double())
+    l_grads = torch.autograd.grad(l_out, low, dout)
+    for name, g, r, lo in zip(("dq", "dk", "dv"), got, r_grads, l_grads):
+        assert_close(name, g, r, lo, factor=3.0 if name == "dq" else 2.0)
+
+
 def test_additive_minus_inf_rows():
     """Rows masked only through -inf in the additive tensor: out 0, lse -inf, no NaN."""
     add = torch.randn(1, 1, 37, 45)

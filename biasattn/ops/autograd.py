@@ -28,7 +28,9 @@ class _AttentionFunction(torch.autograd.Function):
         inp = ctx.inp.with_tensors(q, k, v, additive)
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv, dadd = ctx.bwd_op.bwd(inp, out, lse, ctx.saved, dout.contiguous(), dlse)
+        # operators take any strides with a unit last one: a dout laid out like out needs no copy
+        dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+        dq, dk, dv, dadd = ctx.bwd_op.bwd(inp, out, lse, ctx.saved, dout, dlse)
         return dq, dk, dv, dadd, None, None, None
 
 

@@ -58,6 +58,33 @@ def slice_span(t: torch.Tensor) -> int:
     return max(m - 1, 0) * abs(sm) + max(d - 1, 0) * abs(sd)
 
 
+def heads_inside_rows(t: torch.Tensor) -> bool:
+    """Whether ``t [B, H, M, X]`` keeps each row's heads side by side in memory (``[B, M, H, X]``, as q
+    viewed from a ``[B, M, H * D]`` projection is), where the choice matters (H and M above 1)."""
+    return t.shape[1] > 1 and t.shape[2] > 1 and t.stride(1) < t.stride(2)
+
+
+def new_like_rows(t: torch.Tensor, shape, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new dense ``[B, H, M, X]`` tensor laid out like ``t``: each row's heads side by side where ``t``
+    has them so (:func:`heads_inside_rows`), else contiguous. An output laid out like q makes
+    ``out.transpose(1, 2).reshape(B, M, H * X)`` a view, and the gradient that comes back through it
+    needs no copy either."""
+    if heads_inside_rows(t):
+        B, H, M, X = shape
+        return t.new_empty((B, M, H, X), dtype=dtype).transpose(1, 2)
+    return t.new_empty(shape, dtype=dtype)
+
+
+def in_layout_of_rows(ref: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` laid out as :func:`new_like_rows` lays out a tensor like ``ref`` (a copy only where it is not)."""
+    B, H, M, X = t.shape
+    inside = heads_inside_rows(ref)
+    strides = (M * H * X, X, H * X, 1) if inside else (H * M * X, M * X, X, 1)
+    if all(n == 1 or a == b for n, a, b in zip(t.shape, t.stride(), strides)):  # strides of size-1 dims never matter
+        return t
+    return new_like_rows(ref, t.shape, t.dtype).copy_(t)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float64 for float64 inputs, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -46,7 +46,7 @@ from ..bias.atoms import tensor_version
 from ..bias.base import AttentionBias
 from ..inputs import as_bias, make_inputs
 from ..memo import BoundedCache
-from .common import compute_dtype
+from .common import compute_dtype, in_layout_of_rows, new_like_rows
 
 # ------------------------------------------------------------------------------- bias <-> strings
 
@@ -175,13 +175,13 @@ _AUTOGRAD_KEYS = functools.reduce(operator.or_, (torch._C.DispatchKeySet(k) for 
 def _fake_outputs(q: Tensor, k: Tensor, v: Tensor, scale, dropout_p) -> tuple[Tensor, Tensor, Tensor]:
     make_inputs(q, k, v, None, scale=scale, dropout_p=dropout_p, requires_grad=False)  # shape/dtype checks
     B, H, M = q.shape[0], q.shape[1], q.shape[2]
-    out = q.new_empty((B, H, M, v.shape[3]))
+    out = new_like_rows(q, (B, H, M, v.shape[3]))
     lse = q.new_empty((B, H, M), dtype=compute_dtype(q.dtype))
     return out, lse, q.new_empty(0, dtype=torch.int64)
 
 
-def _contiguous_like(t: Tensor) -> Tensor:
-    return t.new_empty(t.shape)  # gradients come back contiguous, whatever the inputs' strides
+def _gradient_like(t: Tensor) -> Tensor:
+    return new_like_rows(t, t.shape)  # each gradient laid out like its input (see new_like_rows)
 
 
 _LIB = torch.library.Library("biasattn", "FRAGMENT")  # the flat ops: defined directly (less host time per call)
@@ -234,7 +234,7 @@ def _attention_fwd_flat(
         else:
             keep = inp if requires_grad and bwd_op is not None else None
         state = _state(q.device, fwd_op, bwd_op, saved, keep)
-        return out.contiguous(), lse.to(compute_dtype(q.dtype)).contiguous(), state
+        return in_layout_of_rows(q, out), lse.to(compute_dtype(q.dtype)).contiguous(), state
 
 
 _LIB.impl("attention_fwd_flat", _attention_fwd_flat, "CompositeExplicitAutograd")
@@ -291,7 +291,8 @@ def _attention_bwd_flat(
                 bias = rebuild_bias(wanted, bias_metadata, bias_shape)
                 inp = make_inputs(q, k, v, bias, scale=scale, dropout_p=dropout_p, requires_grad=True)
         with torch.no_grad():
-            dq, dk, dv, dadd = bwd_op.bwd(inp, out, lse, saved, dout.contiguous(), dlse)
+            dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+            dq, dk, dv, dadd = bwd_op.bwd(inp, out, lse, saved, dout, dlse)
         leaves = [t for t, need in zip(wanted, bias_grad) if need]
         grads: list[Tensor | None] = [None] * len(leaves)
         if leaves and dadd is not None and inp.additive is not None and inp.additive.requires_grad:
@@ -304,7 +305,7 @@ def _attention_bwd_flat(
             dbias.append(torch.zeros_like(t) if g is None else g.contiguous())
         else:
             dbias.append(t.new_empty(0))
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias
+    return in_layout_of_rows(q, dq), in_layout_of_rows(k, dk), in_layout_of_rows(v, dv), dbias
 
 
 _LIB.impl("attention_bwd_flat", _attention_bwd_flat, "CompositeExplicitAutograd")
@@ -313,7 +314,7 @@ _LIB.impl("attention_bwd_flat", _attention_bwd_flat, "CompositeExplicitAutograd"
 @torch.library.register_fake("biasattn::attention_bwd_flat")
 def _(dout, dlse, q, k, v, out, lse, state, bias_tensors, bias_metadata, bias_shape, scale, dropout_p, bias_grad, op=""):
     dbias = [t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip(bias_tensors, bias_grad)]
-    return _contiguous_like(q), _contiguous_like(k), _contiguous_like(v), dbias
+    return _gradient_like(q), _gradient_like(k), _gradient_like(v), dbias
 
 
 # ------------------------------------------------------------------------------- ops taking the bias
@@ -367,7 +368,7 @@ def attention_bwd(
 
 @attention_bwd.register_fake
 def _(dout, dlse, q, k, v, bias, bias_tensors, out, lse, state, scale, dropout_p, bias_grad):
-    return _contiguous_like(q), _contiguous_like(k), _contiguous_like(v), []
+    return _gradient_like(q), _gradient_like(k), _gradient_like(v), []
 
 
 def _fwd_with_bias(q, k, v, bias, bias_tensors, scale, dropout_p, requires_grad, need_lse, op):

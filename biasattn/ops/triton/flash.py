@@ -15,7 +15,7 @@ import torch
 
 from ...bias.spec import BiasSpec
 from ...memo import BoundedCache
-from ..common import cdiv, head_tiles, int32_on, next_power_of_2, num_sms, slice_span
+from ..common import cdiv, head_tiles, int32_on, new_like_rows, next_power_of_2, num_sms, slice_span
 from . import configs, options, plans, schedule, tma
 from .dropout_kernels import _dropout_mask_kernel
 from .fwd_kernels import _attn_fwd_exact_kernel, _attn_fwd_kernel
@@ -87,9 +87,15 @@ def computed_scores(spec: BiasSpec, B: int, H: int, Mq: int, Mk: int) -> int:
     return n
 
 
-def _new(like: torch.Tensor, shape, dtype, zero: bool = False) -> torch.Tensor:
+def _new(like: torch.Tensor, shape, dtype, zero: bool = False, rows_of: torch.Tensor | None = None) -> torch.Tensor:
     """A tensor of ``shape`` and ``dtype`` on ``like``'s device (``new_empty``: less host time than
-    ``torch.empty(..., device=)``), NaN-filled under the ``poison_outputs`` option."""
+    ``torch.empty(..., device=)``), NaN-filled under the ``poison_outputs`` option; laid out like the
+    rows of ``rows_of`` where given (:func:`~biasattn.ops.common.new_like_rows`)."""
+    if rows_of is not None:
+        t = new_like_rows(rows_of, shape, dtype)
+        if zero:
+            return t.zero_()
+        return t.fill_(float("nan")) if options.current().poison_outputs and dtype.is_floating_point else t
     if zero:
         return like.new_zeros(shape, dtype=dtype)
     if options.current().poison_outputs and dtype.is_floating_point:
@@ -354,7 +360,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
     ``lse`` is that of the undropped softmax."""
     B, H, Mq, D = q.shape
     Hkv, Mk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    out = _new(q, (B, H, Mq, Dv), q.dtype)
+    out = _new(q, (B, H, Mq, Dv), q.dtype, rows_of=q)  # laid out like q: see new_like_rows
     lse = _new(q, (B, H, Mq), torch.float32)
     if B * H * Mq == 0:
         return out, lse
