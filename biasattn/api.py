@@ -28,7 +28,10 @@ def attention(q, k, v, attn_bias=None, *, scale: float | None = None, dropout_p:
             its reasons if it cannot run these inputs.
 
     Returns:
-        ``[B, Hq, Mq, Dv]`` in q's dtype. Query rows that see no key give 0.
+        ``[B, Hq, Mq, Dv]`` in q's dtype. Query rows that see no key give 0. Where q keeps each row's
+        heads side by side (a view of a ``[B, M, H * D]`` projection), the ``triton`` operator and
+        compiled calls lay the output out the same way, as SDPA's flash and cuDNN backends do:
+        ``out.transpose(1, 2).reshape(B, Mq, Hq * Dv)`` is then a view, not a copy.
     """
     if torch.compiler.is_compiling():  # torch.compile / export: through the custom ops
         return custom_ops.attention(q, k, v, attn_bias, scale=scale, dropout_p=dropout_p, op=op)[0]

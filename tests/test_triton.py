@@ -491,10 +491,10 @@ def test_additive_broadcast_stays_strided():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_outputs_and_gradients_laid_out_like_a_fused_projections_views(dtype):
-    """q, k, v viewed from one ``[B, M, 3, H, D]`` projection keep each row's heads side by side; so do
-    the output and the gradients, so turning the output back into ``[B, M, H * D]`` is a view, and the
-    gradient that comes back through that view needs no copy. The values are the reference's."""
+def test_output_laid_out_like_a_fused_projections_views(dtype):
+    """q, k, v viewed from one ``[B, M, 3, H, D]`` projection keep each row's heads side by side, and so does
+    the output: turning it back into ``[B, M, H * D]`` is a view, and the gradient that comes back
+    through that view (strided, not copied) gives the reference's gradients."""
     B, M, H, D = 2, 37, 2, 16
     gen = torch.Generator().manual_seed(5)
     qkv_ = torch.randn(B, M, 3, H, D, generator=gen).to(device=DEVICE, dtype=dtype).requires_grad_()
@@ -504,8 +504,6 @@ def test_outputs_and_gradients_laid_out_like_a_fused_projections_views(dtype):
     flat = out.transpose(1, 2).view(B, M, H * D)  # raises if the layout needed a copy
     dflat = torch.randn(B, M, H * D, generator=gen).to(device=DEVICE, dtype=dtype)
     got = torch.autograd.grad(flat, (q, k, v), dflat)
-    for name, g, t in zip(("dq", "dk", "dv"), got, (q, k, v)):
-        assert g.transpose(1, 2).is_contiguous(), f"{name} strides {g.stride()} for input strides {t.stride()}"
     dout = dflat.view(B, M, H, D).transpose(1, 2)
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
     low = [t.detach().clone().requires_grad_() for t in (q, k, v)]

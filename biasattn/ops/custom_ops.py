@@ -180,8 +180,8 @@ def _fake_outputs(q: Tensor, k: Tensor, v: Tensor, scale, dropout_p) -> tuple[Te
     return out, lse, q.new_empty(0, dtype=torch.int64)
 
 
-def _gradient_like(t: Tensor) -> Tensor:
-    return new_like_rows(t, t.shape)  # each gradient laid out like its input (see new_like_rows)
+def _contiguous_like(t: Tensor) -> Tensor:
+    return t.new_empty(t.shape)  # gradients come back contiguous, whatever the inputs' strides
 
 
 _LIB = torch.library.Library("biasattn", "FRAGMENT")  # the flat ops: defined directly (less host time per call)
@@ -305,7 +305,7 @@ def _attention_bwd_flat(
             dbias.append(torch.zeros_like(t) if g is None else g.contiguous())
         else:
             dbias.append(t.new_empty(0))
-    return in_layout_of_rows(q, dq), in_layout_of_rows(k, dk), in_layout_of_rows(v, dv), dbias
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias
 
 
 _LIB.impl("attention_bwd_flat", _attention_bwd_flat, "CompositeExplicitAutograd")
@@ -314,7 +314,7 @@ _LIB.impl("attention_bwd_flat", _attention_bwd_flat, "CompositeExplicitAutograd"
 @torch.library.register_fake("biasattn::attention_bwd_flat")
 def _(dout, dlse, q, k, v, out, lse, state, bias_tensors, bias_metadata, bias_shape, scale, dropout_p, bias_grad, op=""):
     dbias = [t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip(bias_tensors, bias_grad)]
-    return _gradient_like(q), _gradient_like(k), _gradient_like(v), dbias
+    return _contiguous_like(q), _contiguous_like(k), _contiguous_like(v), dbias
 
 
 # ------------------------------------------------------------------------------- ops taking the bias
@@ -368,7 +368,7 @@ def attention_bwd(
 
 @attention_bwd.register_fake
 def _(dout, dlse, q, k, v, bias, bias_tensors, out, lse, state, scale, dropout_p, bias_grad):
-    return _gradient_like(q), _gradient_like(k), _gradient_like(v), []
+    return _contiguous_like(q), _contiguous_like(k), _contiguous_like(v), []
 
 
 def _fwd_with_bias(q, k, v, bias, bias_tensors, scale, dropout_p, requires_grad, need_lse, op):

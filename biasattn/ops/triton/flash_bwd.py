@@ -99,9 +99,9 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     dev = q.device
     add = spec.additive
     need_dbias = need_dbias and add is not None
-    dq = _new(q, q.shape, q.dtype, rows_of=q)  # each gradient laid out like its input
-    dk = _new(q, k.shape, k.dtype, rows_of=k)
-    dv = _new(q, v.shape, v.dtype, rows_of=v)
+    dq = _new(q, q.shape, q.dtype)  # contiguous (see "Outputs laid out like q" in docs/design.md)
+    dk = _new(q, k.shape, k.dtype)
+    dv = _new(q, v.shape, v.dtype)
     if B * H * Mq == 0 or Mk == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
         return dq, dk, dv, (torch.zeros_like(add) if need_dbias else None)
