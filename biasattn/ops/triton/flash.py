@@ -90,17 +90,14 @@ def computed_scores(spec: BiasSpec, B: int, H: int, Mq: int, Mk: int) -> int:
 def _new(like: torch.Tensor, shape, dtype, zero: bool = False, rows_of: torch.Tensor | None = None) -> torch.Tensor:
     """A tensor of ``shape`` and ``dtype`` on ``like``'s device (``new_empty``: less host time than
     ``torch.empty(..., device=)``), NaN-filled under the ``poison_outputs`` option; laid out like the
-    rows of ``rows_of`` where given (:func:`~biasattn.ops.common.new_like_rows`)."""
-    if rows_of is not None:
-        t = new_like_rows(rows_of, shape, dtype)
-        if zero:
-            return t.zero_()
-        return t.fill_(float("nan")) if options.current().poison_outputs and dtype.is_floating_point else t
+    rows of ``rows_of`` where given (:func:`~biasattn.ops.common.new_like_rows`; not with ``zero``)."""
     if zero:
         return like.new_zeros(shape, dtype=dtype)
-    if options.current().poison_outputs and dtype.is_floating_point:
-        return like.new_full(shape, float("nan"), dtype=dtype)
-    return like.new_empty(shape, dtype=dtype)
+    poison = options.current().poison_outputs and dtype.is_floating_point
+    if rows_of is not None:
+        t = new_like_rows(rows_of, shape, dtype)
+        return t.fill_(float("nan")) if poison else t
+    return like.new_full(shape, float("nan"), dtype=dtype) if poison else like.new_empty(shape, dtype=dtype)
 
 
 def _dummy(device, dtype=torch.int32) -> torch.Tensor:

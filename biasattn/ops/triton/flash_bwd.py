@@ -99,7 +99,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     dev = q.device
     add = spec.additive
     need_dbias = need_dbias and add is not None
-    dq = _new(q, q.shape, q.dtype)  # contiguous (see "Outputs laid out like q" in docs/design.md)
+    dq = _new(q, q.shape, q.dtype)  # contiguous (docs/design.md: "Outputs laid out like q, gradients contiguous")
     dk = _new(q, k.shape, k.dtype)
     dv = _new(q, v.shape, v.dtype)
     if B * H * Mq == 0 or Mk == 0:
