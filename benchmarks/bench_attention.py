@@ -30,6 +30,7 @@ import argparse
 import csv
 import datetime
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -368,8 +369,9 @@ def compare(rows: list[dict], base_path: str, threshold: float = 0.9) -> list[st
 
 
 def tune(args) -> None:
-    """Time every candidate tile config of each kernel on the first case and print a table (``--dropout``:
-    the candidates in the order dropout tries them, every call with that dropout probability)."""
+    """Time every candidate tile config of each kernel on the first case, alternated over ``--rounds``,
+    and print the medians (``--dropout``: the candidates in the order dropout tries them, every call
+    with that dropout probability)."""
     from biasattn.ops.triton import configs
 
     feats = ("dropout",) if args.dropout else ()
@@ -390,14 +392,19 @@ def tune(args) -> None:
             out = ba.attention(q, k, v, case.bias, op="triton")
             dout = torch.randn_like(out)
             for kernel in args.kernels:
-                for cfg in cands(kernel, D):
-                    with configs.override(**{kernel: cfg}):
-                        try:
-                            ms = triton.testing.do_bench(_tune_call(case, dout, kernel == "fwd", args.dropout),
-                                                         warmup=10, rep=50)
-                            print(f"tune {case_name} M={M} D={D} {kernel} {cfg}: {ms:.3f} ms", flush=True)
-                        except Exception as e:
-                            print(f"tune {case_name} M={M} D={D} {kernel} {cfg}: {type(e).__name__}", flush=True)
+                times = {cfg: [] for cfg in cands(kernel, D)}
+                for _ in range(args.rounds):  # candidates alternated, so that drift spreads over all of them
+                    for cfg, ms in times.items():
+                        with configs.override(**{kernel: cfg}):
+                            try:
+                                ms.append(triton.testing.do_bench(
+                                    _tune_call(case, dout, kernel == "fwd", args.dropout), warmup=10, rep=50))
+                            except Exception as e:
+                                ms.append(type(e).__name__)
+                for cfg, ms in times.items():
+                    failed = next((m for m in ms if isinstance(m, str)), None)
+                    shown = failed or f"{statistics.median(ms):.3f} ms"
+                    print(f"tune {case_name} M={M} D={D} {kernel} {cfg}: {shown}", flush=True)
 
 
 def _tune_call(case, dout, fwd_only: bool, dropout_p: float = 0.0):
@@ -468,7 +475,7 @@ def main(argv=None) -> int:
                    help="kernels whose configs --tune times")
     p.add_argument("--ab", choices=list(AB_SWITCHES), help="A/B of a launcher switch (triton only): " + "; ".join(
         f"{k}: {v[1]} vs {v[2]}" for k, v in AB_SWITCHES.items()))
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of --ab (medians reported)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of --ab and --tune (medians reported)")
     p.add_argument("--point-rounds", type=int, default=1,
                    help="sweep: time each point's providers in this many alternating rounds (the median round is kept)")
     p.add_argument("--timing", default="do_bench", choices=["do_bench", "graph"],

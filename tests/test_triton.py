@@ -859,6 +859,35 @@ def test_dropout_forward_at_head_dim_64_takes_64_row_tiles():
     assert configs._candidates_for("fwd", 128, torch.bfloat16, ("dropout",))[0] == configs.TileConfig(128, 64, 8, 3)
 
 
+@pytest.mark.parametrize(
+    ("features", "dtype", "short"),
+    [
+        ((), torch.bfloat16, True),
+        (("band",), torch.float16, True),
+        (("padded_keys",), torch.bfloat16, True),
+        (("alibi", "band"), torch.bfloat16, True),
+        (("additive", "full"), torch.bfloat16, True),
+        ((), torch.float32, False),  # fp32 keeps its capped list
+        (("band", "short_span"), torch.bfloat16, False),
+        (("segments", "band"), torch.bfloat16, False),
+        (("layout",), torch.bfloat16, False),
+        (("dropout",), torch.bfloat16, False),
+    ],
+)
+def test_dq_at_head_dim_64_takes_64_row_tiles_where_rows_see_many_keys(features, dtype, short):
+    """dQ at head dim 64 tries 64x64 tiles with 4 warps first where rows see many keys, outside packed
+    documents, block layouts and dropout; other head dims keep their first tile."""
+    from biasattn.ops.triton import configs
+
+    first = configs._candidates_for("dq", 64, dtype, features)[0]
+    assert (first == configs.DQ_64_LONG_ROWS) is short
+    if dtype != torch.float32:
+        if not short:
+            assert first == configs.candidates("dq", 64)[0]
+        for head_dim in (128, 256):
+            assert configs._candidates_for("dq", head_dim, dtype, features)[0] == configs.candidates("dq", head_dim)[0]
+
+
 def test_direct_launch_signature():
     """The direct-launch key changes with what Triton specializes on and nothing else."""
     from biasattn.ops.triton import launch
