@@ -17,14 +17,11 @@ import triton.language as tl
 from .common_kernels import (
     LOG2E,
     _add_load,
-    _additive_tile,
-    _alibi_tile,
     _col_row_bounds,
     _dropout_keep,
     _dropout_keep_tile,
     _dropout_seed,
     _dropout_stream,
-    _layout_visible,
     _list_entry,
     _list_registers,
     _load_kept,
@@ -33,6 +30,7 @@ from .common_kernels import (
     _program_ids,
     _query_rows,
     _row_key_bounds,
+    _score_tile,
     _span,
     _tile_split,
 )
@@ -76,8 +74,6 @@ def _dkdv_tile(
     (Q_base, DO_base, LD_off, Lse, Delta, DBias, stride_qm, stride_qd, stride_dom, stride_dod,
      stride_gb, stride_gh, stride_gm, stride_gn) = qdo
     Mq, Mk, D, Dv, qk_scale = sizes
-    (Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
-     Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k) = bias
     seed, row_blocks, drop_thresh, drop_scale, c0 = drop
     HAS_ADDITIVE: tl.constexpr = FEATURES[0]
     HAS_ALIBI: tl.constexpr = FEATURES[1]
@@ -111,22 +107,11 @@ def _dkdv_tile(
         lse = tl.load(Lse + LD_off + rows64)
         delta = tl.load(Delta + LD_off + rows64)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # rows that saw nothing get p = 0
-    if HAS_ADDITIVE:  # the additive tile enters as the dot's accumulator, in the dot's own layout
-        biasT = _additive_tile(rows[None, :], cols[:, None], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
-                               qk_scale, bias_raw, PRELOADED, INDEX_64)
-        sT = tl.dot(k, tl.trans(q), acc=biasT, input_precision=DOT_PRECISION)
-    else:
-        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M], raw: scaled in exp2's FMA
-    if HAS_ALIBI:
-        sT += _alibi_tile(rows[None, :], cols[:, None], m0, b, h, Slopes, stride_sb, stride_sh, alibi_shift, qk_scale)
-    if MASKED:
-        vis = (rows[None, :] >= ilo[:, None]) & (rows[None, :] < ihi[:, None])
-        if LAYOUT_MASK:
-            vis = vis & _layout_visible(
-                rows[None, :], cols[:, None], b, h, Layout, stride_lb, stride_lh, stride_lq, stride_lk,
-                layout_q_off, layout_k_off, block_q, block_k,
-            )
-        sT = tl.where(vis, sT, float("-inf"))
+    sT, vis = _score_tile(  # [BLOCK_N, BLOCK_M]
+        k, q, rows[None, :], cols[:, None], rows[None, :], ilo[:, None], ihi[:, None], m0, b, h, Mq, Mk, qk_scale, bias,
+        bias_raw, HAS_ADDITIVE=HAS_ADDITIVE, HAS_ALIBI=HAS_ALIBI, MASKED=MASKED, LAYOUT_MASK=LAYOUT_MASK,
+        PRELOADED=PRELOADED, INDEX_64=INDEX_64, DOT_PRECISION=DOT_PRECISION,
+    )
     pT = tl.math.exp2(sT * qk_scale - lse2[None, :])
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:  # dV sees the dropped probabilities; dP reaches only the kept ones
@@ -458,8 +443,6 @@ def _dq_tile(
     rows, klo, khi, key_lo, key_hi, b, h = qtile
     K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd = kv
     Mq, Mk, D, Dv, qk_scale = sizes
-    (Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
-     Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k) = bias
     seed, drop_base, row_blocks, drop_thresh, drop_scale = drop
     HAS_ADDITIVE: tl.constexpr = FEATURES[0]
     HAS_ALIBI: tl.constexpr = FEATURES[1]
@@ -483,22 +466,11 @@ def _dq_tile(
     v_ptrs = V_base + cols64[:, None] * stride_vn + dvd[None, :] * stride_vd
     k = _load_tile(k_ptrs, cols, key_lo, key_hi, Mk, dkd, D, MASKED, HIDDEN_LINES, EVEN_D)
     v = _load_tile(v_ptrs, cols, key_lo, key_hi, Mk, dvd, Dv, MASKED, HIDDEN_LINES, EVEN_D)
-    if HAS_ADDITIVE:  # the additive tile enters as the dot's accumulator, in the dot's own layout
-        bias = _additive_tile(rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
-                              qk_scale, bias_raw, PRELOADED, INDEX_64)
-        s = tl.dot(q, tl.trans(k), acc=bias, input_precision=DOT_PRECISION)
-    else:
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], raw: scaled in exp2's FMA
-    if HAS_ALIBI:
-        s += _alibi_tile(rows[:, None], cols[None, :], n0, b, h, Slopes, stride_sb, stride_sh, alibi_shift, qk_scale)
-    if MASKED:
-        vis = (cols[None, :] >= klo[:, None]) & (cols[None, :] < khi[:, None])
-        if LAYOUT_MASK:
-            vis = vis & _layout_visible(
-                rows[:, None], cols[None, :], b, h, Layout, stride_lb, stride_lh, stride_lq, stride_lk,
-                layout_q_off, layout_k_off, block_q, block_k,
-            )
-        s = tl.where(vis, s, float("-inf"))
+    s, vis = _score_tile(  # [BLOCK_M, BLOCK_N]
+        q, k, rows[:, None], cols[None, :], cols[None, :], klo[:, None], khi[:, None], n0, b, h, Mq, Mk, qk_scale, bias,
+        bias_raw, HAS_ADDITIVE=HAS_ADDITIVE, HAS_ALIBI=HAS_ALIBI, MASKED=MASKED, LAYOUT_MASK=LAYOUT_MASK,
+        PRELOADED=PRELOADED, INDEX_64=INDEX_64, DOT_PRECISION=DOT_PRECISION,
+    )
     p = tl.math.exp2(s * qk_scale - lse2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:

@@ -232,6 +232,40 @@ def _layout_visible(ii, jj, b, h, Layout, stride_lb, stride_lh, stride_lq, strid
 
 
 @triton.jit
+def _score_tile(
+    x, y, ii, jj, lines, lo, hi, ref, b, h, Mq, Mk, qk_scale, bias, bias_raw,
+    HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr,
+    PRELOADED: tl.constexpr, INDEX_64: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """``(s, vis)``: the raw scores ``x @ yᵀ`` of one tile (scaled later, in exp2's multiply-add) with the
+    additive and ALiBi terms, and on ``MASKED`` tiles ``-inf`` where ``vis`` is False.
+
+    The forward and dQ pass ``x = q``, ``y = k`` (``[BLOCK_M, BLOCK_N]``), dK/dV ``x = k``, ``y = q``
+    (transposed, ``[BLOCK_N, BLOCK_M]``). ``ii``/``jj`` are the query rows and key columns broadcast to
+    the tile's orientation, ``lines`` whichever of them each line of the tile bounds, ``[lo, hi)`` those
+    bounds per line, ``ref`` ALiBi's reference position; ``bias`` the additive, ALiBi and block-layout
+    operands. ``vis`` is 0 on unmasked tiles."""
+    (Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
+     Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k) = bias
+    if HAS_ADDITIVE:  # the additive tile enters as the dot's accumulator, in the dot's own layout
+        acc = _additive_tile(ii, jj, b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an, qk_scale, bias_raw,
+                             PRELOADED, INDEX_64)
+        s = tl.dot(x, tl.trans(y), acc=acc, input_precision=DOT_PRECISION)
+    else:
+        s = tl.dot(x, tl.trans(y), input_precision=DOT_PRECISION)
+    if HAS_ALIBI:
+        s += _alibi_tile(ii, jj, ref, b, h, Slopes, stride_sb, stride_sh, alibi_shift, qk_scale)
+    vis = 0
+    if MASKED:
+        vis = (lines >= lo) & (lines < hi)
+        if LAYOUT_MASK:
+            vis = vis & _layout_visible(ii, jj, b, h, Layout, stride_lb, stride_lh, stride_lq, stride_lk,
+                                        layout_q_off, layout_k_off, block_q, block_k)
+        s = tl.where(vis, s, float("-inf"))
+    return s, vis
+
+
+@triton.jit
 def _load_lines(ptrs, lines, line_end, dims, dim_end, MASK_LINES: tl.constexpr, EVEN_D: tl.constexpr):
     """Load a ``[lines, dims]`` tile; masks lines at or past ``line_end`` (when asked) and padded head dims."""
     if MASK_LINES:

@@ -13,11 +13,8 @@ from .common_kernels import (
     LN2,
     _accumulate_visible_pv,
     _add_load,
-    _additive_tile,
-    _alibi_tile,
     _dropout_keep_tile,
     _dropout_stream,
-    _layout_visible,
     _list_entry,
     _list_registers,
     _load_lines,
@@ -25,6 +22,7 @@ from .common_kernels import (
     _program_ids,
     _query_rows,
     _row_key_bounds,
+    _score_tile,
     _span,
     _tile_split,
 )
@@ -69,8 +67,7 @@ def _fwd_tile(
     rows, klo, khi, key_lo, key_hi, b, h, hk = qtile
     K_base, V_base, KP_base, VP_base, stride_kn, stride_kd, stride_vn, stride_vd = kv
     Mq, Mk, D, Dv, qk_scale = sizes
-    (Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
-     Layout, stride_lb, stride_lh, stride_lq, stride_lk, layout_q_off, layout_k_off, block_q, block_k) = bias
+    Add, stride_ab, stride_ah, stride_am, stride_an = bias[0], bias[1], bias[2], bias[3], bias[4]  # the exact pass's reload
     seed, drop_base, row_blocks, drop_thresh = drop
     HAS_ADDITIVE: tl.constexpr = FEATURES[0]
     HAS_ALIBI: tl.constexpr = FEATURES[1]
@@ -92,22 +89,11 @@ def _fwd_tile(
     else:
         k = _load_tile(KP_base + cols64[:, None] * stride_kn + dk[None, :] * stride_kd, cols, key_lo, key_hi, Mk,
                        dk, D, MASKED, HIDDEN_LINES, EVEN_D)
-    if HAS_ADDITIVE:  # the additive tile enters as the dot's accumulator, in the dot's own layout
-        bias = _additive_tile(rows[:, None], cols[None, :], b, h, Mq, Mk, Add, stride_ab, stride_ah, stride_am, stride_an,
-                              qk_scale, bias_raw, PRELOADED, INDEX_64)
-        s = tl.dot(q, tl.trans(k), acc=bias, input_precision=DOT_PRECISION)
-    else:
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], raw: scaled in exp2's FMA
-    if HAS_ALIBI:
-        s += _alibi_tile(rows[:, None], cols[None, :], n0, b, h, Slopes, stride_sb, stride_sh, alibi_shift, qk_scale)
-    if MASKED:
-        vis = (cols[None, :] >= klo[:, None]) & (cols[None, :] < khi[:, None])
-        if LAYOUT_MASK:
-            vis = vis & _layout_visible(
-                rows[:, None], cols[None, :], b, h, Layout, stride_lb, stride_lh, stride_lq, stride_lk,
-                layout_q_off, layout_k_off, block_q, block_k,
-            )
-        s = tl.where(vis, s, float("-inf"))
+    s, vis = _score_tile(  # [BLOCK_M, BLOCK_N]
+        q, k, rows[:, None], cols[None, :], cols[None, :], klo[:, None], khi[:, None], n0, b, h, Mq, Mk, qk_scale, bias,
+        bias_raw, HAS_ADDITIVE=HAS_ADDITIVE, HAS_ALIBI=HAS_ALIBI, MASKED=MASKED, LAYOUT_MASK=LAYOUT_MASK,
+        PRELOADED=PRELOADED, INDEX_64=INDEX_64, DOT_PRECISION=DOT_PRECISION,
+    )
     m_new, p, alpha, row_sum = _online_softmax(s, m_i, qk_scale, MASKED or HAS_ADDITIVE)
     if HAS_ADDITIVE and EXACT:  # a NaN score: a non-finite key, which an additive -inf may hide from some rows
         if tl.sum((row_sum != row_sum).to(tl.int32), 0) > 0:
