@@ -117,7 +117,7 @@ def _candidates_for(kernel: str, head_dim: int, dtype: torch.dtype, features: tu
     if (kernel == "dq" and head_dim <= 64 and dtype != torch.float32
             and not {"segments", "layout", "short_span", "dropout"} & set(features)):
         # rows that see many keys: more, shorter programs (H200: forward+backward 2-6% faster; packed
-        # documents, windows and block layouts keep 128 rows)
+        # documents, short rows (a 1k window) and block layouts keep 128 rows)
         cands = (DQ_64_LONG_ROWS, *(c for c in cands if c != DQ_64_LONG_ROWS))
     if dtype == torch.float32:  # fp32 tiles take twice the shared memory
         cands = tuple(TileConfig(min(c.block_m, 64), min(c.block_n, 64), c.num_warps, min(c.num_stages, 2)) for c in cands)
