@@ -424,7 +424,6 @@ AB_SWITCHES = {  # name: (launch option, state A, state B, value A, value B)
     "order": ("order_tail_waves", "last pairs started rank by rank", "plain order", 4, 0),
     "dq_from_ds": ("dq_from_ds", "dQ read back from a per-(batch, head) bias gradient", "dQ recomputing S and dP",
                    True, False),
-    "split_dkdv": ("split_dkdv", "one dK/dV kernel", "dV and dK by two launches", False, True),
 }
 
 

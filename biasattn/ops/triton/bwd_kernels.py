@@ -89,7 +89,6 @@ def _dkdv_tile(
     HAS_DROPOUT: tl.constexpr = FEATURES[11]
     DROP_ALIGNED: tl.constexpr = FEATURES[12]
     HIDDEN_LINES: tl.constexpr = FEATURES[13]
-    PART: tl.constexpr = FEATURES[14]
     rows = m0 + tl.arange(0, BLOCK_M)
     if INDEX_64:
         rows64 = rows.to(tl.int64)
@@ -114,26 +113,21 @@ def _dkdv_tile(
         PRELOADED=PRELOADED, INDEX_64=INDEX_64, DOT_PRECISION=DOT_PRECISION,
     )
     pT = tl.math.exp2(sT * qk_scale - lse2[None, :])
+    dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:  # dV sees the dropped probabilities; dP reaches only the kept ones
         if DROP_ALIGNED:
             keepT = tl.trans(_dropout_keep_tile(
                 seed, LD_off * row_blocks, rows, c0, row_blocks, drop_thresh, BLOCK_M, cols.shape[0]).to(tl.int8)) != 0
         else:  # a key tile that starts off the 8-key grid (packed segments): element by element
             keepT = _dropout_keep(seed, LD_off * row_blocks, rows[None, :], cols[:, None], row_blocks, drop_thresh)
-    if PART != 2:
-        if HAS_DROPOUT:
-            dv += tl.dot(tl.where(keepT, pT * drop_scale, 0.0).to(do.dtype), do, input_precision=DOT_PRECISION)
-        else:
-            dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PRECISION)
-    dsT = pT
-    if PART != 1:
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        if HAS_DROPOUT:
-            dpT = tl.where(keepT, dpT * drop_scale, 0.0)
-        dsT = pT * (dpT - delta[None, :])
-        if MASKED:  # a value hidden from some rows may hold NaN or inf: 0 · NaN must not reach dK
-            dsT = tl.where(vis, dsT, 0.0)
-        dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PRECISION)
+        dv += tl.dot(tl.where(keepT, pT * drop_scale, 0.0).to(do.dtype), do, input_precision=DOT_PRECISION)
+        dpT = tl.where(keepT, dpT * drop_scale, 0.0)
+    else:
+        dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PRECISION)
+    dsT = pT * (dpT - delta[None, :])
+    if MASKED:  # a value hidden from some rows may hold NaN or inf: 0 · NaN must not reach dK
+        dsT = tl.where(vis, dsT, 0.0)
+    dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PRECISION)
     if FULL_DBIAS:
         if INDEX_64:
             gcols = cols.to(tl.int64)
@@ -363,11 +357,8 @@ def _dkdv_program(b, hk, G, cols, n_end, seg, pid_n, kv_ops, bounds, qdo_ops, gr
                             LOOPS, FEATURES)
     dk_ptrs = DK + b64 * stride_dkb + hk64 * stride_dkh + cols64[:, None] * stride_dkn + dkd[None, :] * stride_dkd
     dv_ptrs = DV + b64 * stride_dvb + hk64 * stride_dvh + cols64[:, None] * stride_dvn + dvd[None, :] * stride_dvd
-    PART: tl.constexpr = FEATURES[14]
-    if PART != 1:
-        tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=cvalid[:, None] & (dkd[None, :] < D))
-    if PART != 2:
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=cvalid[:, None] & (dvd[None, :] < Dv))
+    tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=cvalid[:, None] & (dkd[None, :] < D))
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=cvalid[:, None] & (dvd[None, :] < Dv))
 
 
 @triton.jit(do_not_specialize=["nb_loop", "nhk_loop", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
@@ -396,7 +387,7 @@ def _attn_bwd_dkdv_kernel(
     HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr,
     COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
     GQA: tl.constexpr, OUTER_LOOPS: tl.constexpr, HAS_DROPOUT: tl.constexpr, DROP_ALIGNED: tl.constexpr,
-    HIDDEN_LINES: tl.constexpr, PART: tl.constexpr,
+    HIDDEN_LINES: tl.constexpr,
 ):
     """Grid ``(key tiles, (B / nb_loop) * (Hkv / nhk_loop))``. Writes ``DK``, ``DV`` ``[B, Hkv, Mk, D|Dv]``."""
     pid_n = tl.program_id(0)
@@ -429,7 +420,7 @@ def _attn_bwd_dkdv_kernel(
     KEYS: tl.constexpr = (BLOCK_N, GQA, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT)
     LOOPS: tl.constexpr = (BLOCK_M, HAS_LAYOUT, LAYOUT_EXACT, LIST_ONLY, LIST_TILES)
     FEATURES: tl.constexpr = (HAS_ADDITIVE, HAS_ALIBI, FULL_DBIAS, DBIAS_ACCUM, COL_DBIAS, BLOCK_M, HEAD_DIM, HEAD_DIM_V,
-                              EVEN_D, DOT_PRECISION, INDEX_64, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES, PART)
+                              EVEN_D, DOT_PRECISION, INDEX_64, HAS_DROPOUT, DROP_ALIGNED, HIDDEN_LINES)
     if OUTER_LOOPS:  # a bias gradient shared by batch rows or heads: one program owns them all
         for bi in range(0, nb_loop):
             for hki in range(0, nhk_loop):

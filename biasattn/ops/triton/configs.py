@@ -47,10 +47,6 @@ _CANDIDATES: dict[tuple[str, int], tuple[TileConfig, ...]] = {
                     TileConfig(64, 128, 4, 2), TileConfig(32, 64, 4, 4)),
     ("dkdv", 256): (TileConfig(128, 32, 8, 2), TileConfig(64, 32, 8, 3), TileConfig(16, 32, 4, 2), TileConfig(32, 64, 4, 2),
                     TileConfig(64, 64, 8, 2), TileConfig(32, 64, 8, 3)),  # 64 keys: warpgroup MMA, spills (design.md)
-    ("dv", 64): (TileConfig(64, 64, 4, 3),), ("dk", 64): (TileConfig(64, 64, 4, 3),),
-    ("dv", 128): (TileConfig(64, 128, 8, 2),), ("dk", 128): (TileConfig(64, 128, 8, 2),),
-    ("dv", 256): (TileConfig(64, 128, 8, 2), TileConfig(64, 64, 8, 2)),
-    ("dk", 256): (TileConfig(32, 64, 8, 2), TileConfig(32, 64, 8, 3)),
     ("dq", 64): (TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(128, 64, 8, 2),
                  TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 3)),
     ("dq", 128): (TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(128, 64, 8, 2),

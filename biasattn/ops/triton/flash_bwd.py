@@ -163,7 +163,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
 
     blocks = [0, 0]  # the tiles of the tables dQ and dK/dV ran with: (query tile, key tile)
 
-    def run_dkdv_part(cfg: configs.TileConfig, part: int = 0) -> None:
+    def run_dkdv(cfg: configs.TileConfig) -> None:
         if kv_reduction == "full" and nb_loop * nhk_loop > 1:
             dbias.zero_()
         sched = schedule.key_schedule(spec, cfg.block_n, dev)
@@ -184,16 +184,10 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             DBIAS_ACCUM=dbias_accum, COL_DBIAS=reduction == "col",
             DOT_PRECISION=_dot_precision(q.dtype),
             INDEX_64=index_64, GQA=H != Hkv, OUTER_LOOPS=nb_loop * nhk_loop > 1,
-            HAS_DROPOUT=has_dropout, DROP_ALIGNED=sched.table is None, PART=part,
+            HAS_DROPOUT=has_dropout, DROP_ALIGNED=sched.table is None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **args.switches,
         )
-
-    def run_split(cfg: configs.TileConfig) -> None:
-        configs.launch("dv", hmax, q.dtype, dev, feats, lambda c: run_dkdv_part(c, 1))
-        configs.launch("dk", hmax, q.dtype, dev, feats, lambda c: run_dkdv_part(c, 2))
-
-    run_dkdv = run_dkdv_part
 
     def run_dq(cfg: configs.TileConfig) -> None:
         sched = schedule.query_schedule(spec, cfg.block_m, dev)
@@ -251,8 +245,6 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
                 BLOCK_M=pre_bm, HEAD_DIM_V=hdv, HAS_DLSE=dlse is not None,
             )
         hmax = max(hd, hdv)
-        if opts.split_dkdv and reduction is None:
-            run_dkdv = run_split
         if concurrent:
             # dK/dV and dQ depend only on what is queued so far: fork dQ to a side stream and join it
             # back, so every later use on the caller's stream (and any reuse of these buffers) waits for it

@@ -34,7 +34,6 @@ class Options:
     concurrent_bwd: bool = True  # long backwards run dQ on a side stream beside dK/dV
     fused_delta: bool = True  # without the side stream, dQ runs first and computes delta itself
     dq_from_ds: bool = True  # a per-(batch, head) bias gradient is dS: dQ reads it back after dK/dV
-    split_dkdv: bool = False  # dV and dK by two launches of the dK/dV kernel
     split_kv_pdl: bool = True  # the split-KV merge as a programmatic dependent launch where the device has it
     pad_to_warpgroup: bool = True  # split-KV, sm90: 17-64 packed rows in one 64-row warp-group block
     many_rows_warpgroup: bool = True  # split-KV, sm90: 65-128 packed rows on long caches in two 64-row blocks
