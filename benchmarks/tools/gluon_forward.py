@@ -9,7 +9,8 @@ against the ``triton`` forward, not an operator.
   the value product of tile j-1 and runs the softmax of tile j while that product runs.
 - ``attention_pingpong``: the same loop in two independent consumer warpgroups, each with its own
   64-row half of the query tile, sharing the K/V ring; with ``ALTERNATE`` they take turns issuing their
-  products (mbarriers between them).
+  products (mbarriers between them). Where a ring of ``STAGES`` K/V tiles leaves no room for output
+  buffers (three 128-key stages at D=128, any ring at D=256), the output leaves through the query buffers.
 
     PYTHONPATH=. python benchmarks/tools/gluon_forward.py --head-dims 128 256
 """
@@ -237,7 +238,8 @@ def _attn_fwd_pingpong(q_desc, k_desc, v_desc, o_desc, Lse, M, qk_scale, STAGES:
     row_k = gl.program_id(1) * M
     n_tiles = M // k_desc.block_type.shape[0]
     q_smem, k_bufs, v_bufs, bars = _buffers(q_desc, k_desc, STAGES, 2)
-    O_BUFS: gl.constexpr = 2 if q_desc.block_type.shape[1] <= 128 else 1  # at D=256 the output reuses Q's buffers
+    # the output reuses Q's buffers where a buffer of its own would not fit beside the K/V ring
+    O_BUFS: gl.constexpr = 2 if q_desc.block_type.shape[1] <= 128 and STAGES * k_desc.block_type.shape[0] <= 256 else 1
     o_smem = gl.allocate_shared_memory(o_desc.dtype, [O_BUFS] + o_desc.block_type.shape, o_desc.layout)
     args = (q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, o_smem, bars, Lse, row_q, row_k, n_tiles, qk_scale,
             ALTERNATE)
@@ -341,7 +343,7 @@ def main(argv=None) -> int:
         variants = {"ws 128x128 s2": functools.partial(attention_ws, BLOCK_M=128, BLOCK_N=128, STAGES=2, num_warps=8)}
         if D > 128:
             variants = {}
-        for BN, ST in ((64, 4), (128, 2)) if D <= 128 else ((64, 2),):
+        for BN, ST in ((64, 4), (128, 2), (128, 3)) if D <= 128 else ((64, 2),):
             for alt in (False, True):
                 variants[f"pingpong n{BN} s{ST}{' alternate' if alt else ''}"] = functools.partial(
                     attention_pingpong, BLOCK_N=BN, STAGES=ST, CONSUMER_REGS=240, ALTERNATE=alt)
