@@ -12,7 +12,7 @@ against the ``triton`` forward, not an operator.
   products (mbarriers between them). Where a ring of ``STAGES`` K/V tiles leaves no room for output
   buffers (three 128-key stages at D=128, any ring at D=256), the output leaves through the query buffers.
 
-    PYTHONPATH=. python benchmarks/tools/gluon_forward.py --head-dims 128 256
+    PYTHONPATH=. python benchmarks/tools/gluon_forward.py            # the fastest variants; --all for every one
 """
 import functools
 
@@ -66,11 +66,20 @@ def _softmax_step(s, m_i, l_i, qk_scale, row_o: gl.constexpr):
 
 
 @gluon.jit
+def _causal_mask(s, col0, row0, s_layout: gl.constexpr):
+    """Scores of keys past their row's position hidden (top-left causal); rows and keys from ``row0``, ``col0``."""
+    rows = row0 + gl.arange(0, s.type.shape[0], layout=gl.SliceLayout(1, s_layout))
+    cols = col0 + gl.arange(0, s.type.shape[1], layout=gl.SliceLayout(0, s_layout))
+    return gl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
+
+
+@gluon.jit
 def _attend(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, n_tiles, qk_scale, my_turn, their_turn,
-            WARPS: gl.constexpr, ALTERNATE: gl.constexpr):
+            causal, row0, WARPS: gl.constexpr, ALTERNATE: gl.constexpr):
     """One consumer's rows against every key tile: ``(out, row max, row sum)``, out normalized. The scores of
     tile j are issued before the value product of tile j-1, and the softmax of tile j runs while that
-    product does; with ``ALTERNATE`` the consumer issues its products only on its turn."""
+    product does; with ``ALTERNATE`` the consumer issues its products only on its turn. With ``causal``
+    the last key tile is the diagonal one, its scores masked (rows from ``row0``)."""
     ROWS: gl.constexpr = q_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
     HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
@@ -95,6 +104,9 @@ def _attend(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, n_tiles, 
     if ALTERNATE:
         mbarrier.arrive(their_turn, count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    if causal:
+        if n_tiles == 1:
+            s = _causal_mask(s, 0, row0, s_layout)
     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, row_o)
     for j in range(1, n_tiles):
         st = j % STAGES
@@ -108,6 +120,9 @@ def _attend(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, n_tiles, 
         if ALTERNATE:
             mbarrier.arrive(their_turn, count=1)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        if causal:
+            if j == n_tiles - 1:
+                s = _causal_mask(s, j * BLOCK_N, row0, s_layout)
         p, m_new, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, row_o)
         m_i = m_new
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -170,7 +185,7 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars, row_q, row_
 def _ws_consumer(q_smem, k_bufs, v_bufs, bars, n_tiles, qk_scale, WARPS: gl.constexpr):
     q_bars, k_ready, v_ready, kv_empty, turns = bars
     return _attend(q_smem.index(0), k_bufs, v_bufs, q_bars.index(0), k_ready, v_ready, kv_empty, n_tiles, qk_scale,
-                   turns.index(0), turns.index(0), WARPS, False)
+                   turns.index(0), turns.index(0), False, 0, WARPS, False)
 
 
 @gluon.jit
@@ -191,7 +206,7 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, Lse, M, qk_scale, STAGES: gl.co
 
 @gluon.jit
 def _pp_part(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, o_smem, bars, Lse, row_q, row_k, n_tiles,
-             qk_scale, alternate, PART: gl.constexpr):
+             qk_scale, flags, PART: gl.constexpr):
     """Consumer ``PART`` (0 or 1): its 64-row part of the query tile, then its output."""
     q_bars, k_ready, v_ready, kv_empty, turns = bars
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
@@ -199,50 +214,57 @@ def _pp_part(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, o_smem, bar
         o_buf = o_smem.index(PART)
     else:  # the output goes through the part's query buffer, free once its last score product has run
         o_buf = q_smem.index(PART)
+    alternate, causal = flags
+    row0 = row_q - row_k + PART * ROWS  # the part's first row in its sequence
     if alternate:
         out, m_o, l_o = _attend(q_smem.index(PART), k_bufs, v_bufs, q_bars.index(PART), k_ready, v_ready, kv_empty,
-                                n_tiles, qk_scale, turns.index(PART), turns.index(1 - PART), 4, True)
+                                n_tiles, qk_scale, turns.index(PART), turns.index(1 - PART), causal, row0, 4, True)
     else:
         out, m_o, l_o = _attend(q_smem.index(PART), k_bufs, v_bufs, q_bars.index(PART), k_ready, v_ready, kv_empty,
-                                n_tiles, qk_scale, turns.index(PART), turns.index(1 - PART), 4, False)
+                                n_tiles, qk_scale, turns.index(PART), turns.index(1 - PART), causal, row0, 4, False)
     _write(out, m_o, l_o, o_desc, o_buf, Lse, row_q + PART * ROWS)
 
 
 @gluon.jit
 def _pp_first(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, o_smem, bars, Lse, row_q, row_k, n_tiles,
-              qk_scale, alternate):
+              qk_scale, flags):
     _pp_part(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, o_smem, bars, Lse, row_q, row_k, n_tiles,
-             qk_scale, alternate, 0)
+             qk_scale, flags, 0)
 
 
 @gluon.jit
 def _pp_second(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, o_smem, bars, Lse, row_q, row_k, n_tiles,
-               qk_scale, alternate):
+               qk_scale, flags):
     _pp_part(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, o_smem, bars, Lse, row_q, row_k, n_tiles,
-             qk_scale, alternate, 1)
+             qk_scale, flags, 1)
 
 
 @gluon.jit
 def _pp_loader(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, o_smem, bars, Lse, row_q, row_k, n_tiles,
-               qk_scale, alternate):
+               qk_scale, flags):
     q_bars, k_ready, v_ready, kv_empty, turns = bars
     _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_ready, v_ready, kv_empty, row_q, row_k, n_tiles)
 
 
 @gluon.jit
 def _attn_fwd_pingpong(q_desc, k_desc, v_desc, o_desc, Lse, M, qk_scale, STAGES: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, ALTERNATE: gl.constexpr):
+                       CONSUMER_REGS: gl.constexpr, ALTERNATE: gl.constexpr, CAUSAL: gl.constexpr):
     """Grid ``(M / 128, B * H)``: two consumer warpgroups (default partition and a worker) on 64-row parts."""
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
-    row_q = gl.program_id(1) * M + gl.program_id(0) * 2 * ROWS
+    if CAUSAL:  # the longest rows first; their last key tile is the diagonal one (128-key tiles)
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+        n_tiles = pid_m + 1
+    else:
+        pid_m = gl.program_id(0)
+        n_tiles = M // k_desc.block_type.shape[0]
+    row_q = gl.program_id(1) * M + pid_m * 2 * ROWS
     row_k = gl.program_id(1) * M
-    n_tiles = M // k_desc.block_type.shape[0]
     q_smem, k_bufs, v_bufs, bars = _buffers(q_desc, k_desc, STAGES, 2)
     # the output reuses Q's buffers where a buffer of its own would not fit beside the K/V ring
     O_BUFS: gl.constexpr = 2 if q_desc.block_type.shape[1] <= 128 and STAGES * k_desc.block_type.shape[0] <= 256 else 1
     o_smem = gl.allocate_shared_memory(o_desc.dtype, [O_BUFS] + o_desc.block_type.shape, o_desc.layout)
     args = (q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, o_smem, bars, Lse, row_q, row_k, n_tiles, qk_scale,
-            ALTERNATE)
+            (ALTERNATE, CAUSAL))
     gl.warp_specialize([(_pp_first, args), (_pp_second, args), (_pp_loader, args)], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -276,20 +298,23 @@ def attention_ws(q, k, v, BLOCK_M=128, BLOCK_N=128, STAGES=2, num_warps=8):
     return out, lse
 
 
-def attention_pingpong(q, k, v, BLOCK_N=128, STAGES=2, CONSUMER_REGS=240, ALTERNATE=False):
-    """``(out, lse)`` of dense attention, two consumer warpgroups on 64-row parts of each 128-row query tile."""
+def attention_pingpong(q, k, v, BLOCK_N=128, STAGES=2, CONSUMER_REGS=240, ALTERNATE=False, CAUSAL=False):
+    """``(out, lse)`` of dense (or top-left causal, square) attention, two consumer warpgroups on 64-row parts
+    of each 128-row query tile."""
     _check(q, k, v, 128, BLOCK_N)
+    if CAUSAL and BLOCK_N != 128:
+        raise ValueError(f"the causal variant takes 128-key tiles, got BLOCK_N={BLOCK_N}")
     B, H, M, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((B, H, M), device=q.device, dtype=torch.float32)
     qd, kd, vd, od = _descriptors(q, k, v, out, 64, BLOCK_N)
     _attn_fwd_pingpong[(M // 128, B * H)](qd, kd, vd, od, lse, M, D ** -0.5 * LOG2E, STAGES, CONSUMER_REGS, ALTERNATE,
-                                         num_warps=4)
+                                         CAUSAL, num_warps=4)
     return out, lse
 
 
-def _point(D: int, M: int, variants: dict, rounds: int) -> None:
-    """One head dim and sequence length: each variant's error against float64, then forward times."""
+def _point(D: int, M: int, causal: bool, variants: dict, rounds: int) -> None:
+    """One head dim, sequence length and mask: each variant's error against float64, then forward times."""
     import statistics
 
     import torch.nn.functional as F
@@ -301,20 +326,24 @@ def _point(D: int, M: int, variants: dict, rounds: int) -> None:
     q, k, v = (torch.randn(B, H, M, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     qr, kr, vr = (t[:1, :2].double() for t in (q, k, v))
     s = qr @ kr.transpose(-1, -2) * D ** -0.5
+    if causal:
+        s = s.masked_fill(torch.ones(M, M, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     ref, ref_lse = torch.softmax(s, -1) @ vr, torch.logsumexp(s, -1)
 
     def sdpa(backend):
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
+    case = "causal" if causal else "no bias"
     e_cudnn = (sdpa(SDPBackend.CUDNN_ATTENTION)[:1, :2].double() - ref).abs().max().item()
     for name, f in variants.items():
         out, lse = f(q, k, v)
         e = (out[:1, :2].double() - ref).abs().max().item()
         e_lse = (lse[:1, :2].double() - ref_lse).abs().max().item()
-        print(f"D={D} M={M} {name}: max error {e:.2e} (cuDNN {e_cudnn:.2e}), lse {e_lse:.1e}")
+        print(f"D={D} M={M} {case} {name}: max error {e:.2e} (cuDNN {e_cudnn:.2e}), lse {e_lse:.1e}")
     fns = {name: functools.partial(f, q, k, v) for name, f in variants.items()}
-    fns["triton (biasattn)"] = functools.partial(ba.attention, q, k, v, op="triton")
+    fns["triton (biasattn)"] = functools.partial(ba.attention, q, k, v, ba.LowerTriangularMask() if causal else None,
+                                                 op="triton")
     fns["sdpa cudnn"] = functools.partial(sdpa, SDPBackend.CUDNN_ATTENTION)
     fns["sdpa flash"] = functools.partial(sdpa, SDPBackend.FLASH_ATTENTION)
     times = {}
@@ -322,9 +351,10 @@ def _point(D: int, M: int, variants: dict, rounds: int) -> None:
         for name, f in fns.items():
             times.setdefault(name, []).append(triton.testing.do_bench(f, warmup=50, rep=300))
     ref_t = statistics.median(times["triton (biasattn)"])
+    flops = 4 * B * H * D * (M * (M + 1) // 2 if causal else M * M)
     for name, ts in times.items():
         t = statistics.median(ts)
-        print(f"  D={D} M={M} {name:30s} {t:7.3f} ms {4 * B * H * M * M * D / t / 1e9:5.0f} TFLOP/s "
+        print(f"  D={D} M={M} {case} {name:30s} {t:7.3f} ms {flops / t / 1e9:5.0f} TFLOP/s "
               f"triton time / this {ref_t / t:.3f}")
 
 
@@ -335,20 +365,29 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--head-dims", type=int, nargs="+", default=[128, 256])
     p.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--cases", nargs="+", default=["none", "causal"], choices=["none", "causal"])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--all", action="store_true", help="every variant, not only the fastest at each head dim")
     args = p.parse_args(argv)
     torch.manual_seed(0)
-    print(torch.cuda.get_device_name(), "bf16, H=16, B*M=16k, forward without a bias")
+    print(torch.cuda.get_device_name(), "bf16, H=16, B*M=16k, forward")
     for D in args.head_dims:
-        variants = {"ws 128x128 s2": functools.partial(attention_ws, BLOCK_M=128, BLOCK_N=128, STAGES=2, num_warps=8)}
-        if D > 128:
+        for case in args.cases:
+            causal = case == "causal"
             variants = {}
-        for BN, ST in ((64, 4), (128, 2), (128, 3)) if D <= 128 else ((64, 2),):
-            for alt in (False, True):
-                variants[f"pingpong n{BN} s{ST}{' alternate' if alt else ''}"] = functools.partial(
-                    attention_pingpong, BLOCK_N=BN, STAGES=ST, CONSUMER_REGS=240, ALTERNATE=alt)
-        for M in args.seqlens:
-            _point(D, M, variants, args.rounds)
+            if D <= 128 and not causal and args.all:
+                variants["ws 128x128 s2"] = functools.partial(attention_ws, BLOCK_M=128, BLOCK_N=128, STAGES=2, num_warps=8)
+            rings = ((64, 4), (128, 2), (128, 3)) if args.all else ((128, 3),)
+            for BN, ST in rings if D <= 128 else ((64, 2),):
+                if causal and BN != 128:
+                    continue
+                for alt in (False, True) if args.all else (True,):
+                    variants[f"pingpong n{BN} s{ST}{' alternate' if alt else ''}"] = functools.partial(
+                        attention_pingpong, BLOCK_N=BN, STAGES=ST, CONSUMER_REGS=240, ALTERNATE=alt, CAUSAL=causal)
+            if not variants:
+                continue
+            for M in args.seqlens:
+                _point(D, M, causal, variants, args.rounds)
     return 0
 
 
