@@ -424,6 +424,8 @@ AB_SWITCHES = {  # name: (launch option, state A, state B, value A, value B)
     "order": ("order_tail_waves", "last pairs started rank by rank", "plain order", 4, 0),
     "dq_from_ds": ("dq_from_ds", "dQ read back from a per-(batch, head) bias gradient", "dQ recomputing S and dP",
                    True, False),
+    "gluon": ("gluon_forward", "dense and causal forwards at D=128 in the Gluon kernel", "in the triton.language kernel",
+              True, False),
 }
 
 

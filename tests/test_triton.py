@@ -1027,3 +1027,19 @@ def test_program_order_keeps_results(triton_options, monkeypatch, waves):
     assert flash.program_chunk(8, 3, 4, 1, banded=False) == 1  # work that does not shrink along the tiles
     check(*qkv(B=2, Hq=4, Hkv=4, Mq=37, Mk=45), const(ba.LowerTriangularMask()))
     check(*qkv(B=2, Hq=4, Hkv=2, Mq=40, Mk=29), const(ba.LocalAttentionMask(7, 3)))
+
+
+def test_the_gluon_forward_is_imported_on_sm90_gpus_only():
+    """A call the Gluon forward would take on an sm_90 GPU (D=128, M a multiple of 128) runs the
+    ``triton.language`` kernels elsewhere, without importing the Gluon module (its language needs the GPU's Triton)."""
+    import sys
+
+    from biasattn.bias.spec import lower
+    from biasattn.ops.triton import flash
+
+    if DEVICE != "cpu":
+        pytest.skip("checked where no sm_90 GPU runs the call")
+    q, k, v = qkv(B=1, Hq=1, Hkv=1, Mq=128, Mk=128, D=128, dtype=torch.float16)
+    assert flash._gluon_mask(lower(ba.LowerTriangularMask(), 1, 1, 128, 128), 128, 128) is True  # a causal square call
+    check(q, k, v, const(ba.LowerTriangularMask()), grads=False)
+    assert "biasattn.ops.triton.gluon_forward" not in sys.modules

@@ -15,7 +15,7 @@ import torch
 
 from ...bias.spec import BiasSpec
 from ...memo import BoundedCache
-from ..common import cdiv, head_tiles, int32_on, new_like_rows, next_power_of_2, num_sms, slice_span
+from ..common import cdiv, cuda_capability, head_tiles, int32_on, new_like_rows, next_power_of_2, num_sms, slice_span
 from . import configs, options, plans, schedule, tma
 from .dropout_kernels import _dropout_mask_kernel
 from .fwd_kernels import _attn_fwd_exact_kernel, _attn_fwd_kernel
@@ -349,6 +349,45 @@ def dropout_mask(seed: int, dropout_p: float, B: int, H: int, Mq: int, Mk: int, 
     return out
 
 
+def _exact_pass(q, k, v, out, lse, spec: BiasSpec, args, sched, grid, chunk: int, batch_inner: bool, drop, qk_scale,
+                block_m: int, hd: int, even_d: bool, dropout: bool) -> None:
+    """The forward again, exactly, for the programs of ``grid`` whose rows hold a NaN lse (a hidden NaN or
+    inf value may have reached them); the other programs return at once."""
+    B, H, Mq, D = q.shape
+    Hkv, Mk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    _fwd_exact[grid](
+        q, k, v, out, lse, args.add, args.slopes, args.layout, args.qs, args.ks, args.kl, args.kv,
+        args.band_lo, args.band_hi, sched.table if sched.table is not None else args.d32, qk_scale,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *args.add_strides, *args.slope_strides,
+        *args.layout_strides, B, H, H // Hkv, Mq, Mk, D, Dv, sched.n, chunk,
+        spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
+        BLOCK_M=block_m, HEAD_DIM=hd, EVEN_D=even_d, SCHEDULED=sched.table is not None,
+        DOT_PRECISION=_dot_precision(q.dtype), BATCH_INNER=batch_inner, HAS_DROPOUT=dropout,
+        TAIL_ORDER=chunk > 1, SUB_M=32, num_warps=2, num_stages=1, **args.switches,
+    )
+
+
+def _gluon_mask(spec: BiasSpec, Mq: int, Mk: int) -> bool | None:
+    """For the Gluon forward (:mod:`.gluon_forward`): False for a call without a bias, True for a causal
+    square call (no other bias), None otherwise."""
+    if not spec.features:
+        return False
+    if spec.features == {"band"} and Mq == Mk and spec.causal_kind() is not None:
+        return True
+    return None
+
+
+def _gluon_runs(q, k, v, spec: BiasSpec, B: int, H: int, Mq: int, Mk: int) -> bool:
+    """Whether the Gluon forward takes the call: the ``gluon_forward`` option, an sm_90 GPU and the
+    kernel's shapes (:func:`.gluon_forward.eligible`), imported on the first call that gets this far."""
+    opts = options.current()
+    if not opts.gluon_forward or INTERPRETED or q.device.type != "cuda" or cuda_capability(q.device)[0] != 9:
+        return False
+    from . import gluon_forward
+
+    return gluon_forward.eligible(q, k, v, computed_scores(spec, B, H, Mq, Mk), opts.gluon_min_scores)
+
+
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, scale: float,
              dropout_p: float = 0.0, seed: int = 0):
     """``(out [B, Hq, Mq, Dv] in q's dtype, lse [B, Hq, Mq] float32)`` of attention with ``spec``.
@@ -365,6 +404,16 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
         return out.zero_(), lse.fill_(float("-inf"))
     hd, hdv = head_tiles(D, Dv)
     qk_scale = scale * LOG2E  # a role of the plan: one object in the launch and in the roles
+    causal = _gluon_mask(spec, Mq, Mk) if D == 128 and Mq == Mk and Mq % 128 == 0 and dropout_p == 0 else None
+    if causal is not None and _gluon_runs(q, k, v, spec, B, H, Mq, Mk):
+        from . import gluon_forward
+
+        gluon_forward.attn_fwd(q, k, v, out, lse, qk_scale, causal)
+        if causal:  # rows that a hidden NaN or inf value may have reached (a NaN lse) run again exactly
+            sched = schedule.query_schedule(spec, gluon_forward.BLOCK_N, q.device)
+            _exact_pass(q, k, v, out, lse, spec, _spec_args(spec, q.device), sched, (sched.n, B * H), 1, False,
+                        dropout_args(0.0, seed), qk_scale, gluon_forward.BLOCK_N, hd, D == hd and Dv == hdv, False)
+        return out, lse
     store, key, roles = plan_home(spec, q.device, _plan_key("fwd", (q, k, v), spec) if dropout_p == 0 else None)
     plan = plans.lookup(store, key)
     if plan is not None:
@@ -407,16 +456,8 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
         if args.has_band or (args.has_layout and not exact and not list_only) or args.has_additive:
             # rows of one program see different keys of its span: programs that a hidden NaN or inf
             # value may have reached (a NaN lse) run again exactly; the others return at once
-            _fwd_exact[grid](
-                q, k, v, out, lse, args.add, args.slopes, args.layout, args.qs, args.ks, args.kl, args.kv,
-                args.band_lo, args.band_hi, sched.table if sched.table is not None else args.d32, qk_scale,
-                *q.stride(), *k.stride(), *v.stride(), *out.stride(), *args.add_strides, *args.slope_strides,
-                *args.layout_strides, B, H, H // Hkv, Mq, Mk, D, Dv, sched.n, chunk,
-                spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
-                BLOCK_M=cfg.block_m, HEAD_DIM=hd, EVEN_D=(D == hd and Dv == hdv), SCHEDULED=sched.table is not None,
-                DOT_PRECISION=_dot_precision(q.dtype), BATCH_INNER=batch_inner, HAS_DROPOUT=dropout_p > 0,
-                TAIL_ORDER=chunk > 1, SUB_M=32, num_warps=2, num_stages=1, **args.switches,
-            )
+            _exact_pass(q, k, v, out, lse, spec, args, sched, grid, chunk, batch_inner, drop, qk_scale, cfg.block_m, hd,
+                        D == hd and Dv == hdv, dropout_p > 0)
 
     feats = args.features + (("dropout",) if dropout_p > 0 else ()) + _span_features(spec, Mq, Mk)
     with plans.recording() as rec:
