@@ -1043,3 +1043,30 @@ def test_the_gluon_forward_is_imported_on_sm90_gpus_only():
     assert flash._gluon_mask(lower(ba.LowerTriangularMask(), 1, 1, 128, 128), 128, 128) is True  # a causal square call
     check(q, k, v, const(ba.LowerTriangularMask()), grads=False)
     assert "biasattn.ops.triton.gluon_forward" not in sys.modules
+
+
+def test_a_triton_whose_gluon_cannot_build_the_forward_falls_back(monkeypatch):
+    """Where the installed Triton's Gluon cannot build the kernel (another version's API), the call runs the
+    ``triton.language`` kernels with the same results, and says why once a process."""
+    import ast
+    import sys
+    import types
+
+    from triton.compiler.errors import CompilationError
+
+    import biasattn.ops.triton as package
+    from biasattn.ops.triton import flash
+
+    def attn_fwd(*args):
+        raise CompilationError("x = 1", ast.parse("x = 1").body[0], "no such layout")
+
+    fake = types.ModuleType("biasattn.ops.triton.gluon_forward")
+    fake.attn_fwd = attn_fwd
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    monkeypatch.setattr(package, "gluon_forward", fake, raising=False)
+    monkeypatch.setattr(flash, "_gluon_runs", lambda *args: True)  # as on an sm_90 GPU
+    monkeypatch.setattr(flash, "_gluon_failure", [])
+    q, k, v = qkv(B=1, Hq=1, Hkv=1, Mq=128, Mk=128, D=128, dtype=torch.float16)
+    with pytest.warns(RuntimeWarning, match="Gluon forward does not build .*no such layout"):
+        check(q, k, v, const(ba.LowerTriangularMask()), grads=False)
+    assert flash._gluon_failure == ["CompilationError: no such layout"]

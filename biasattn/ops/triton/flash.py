@@ -377,15 +377,50 @@ def _gluon_mask(spec: BiasSpec, Mq: int, Mk: int) -> bool | None:
     return None
 
 
+_gluon_failure: list[str] = []  # why the Gluon forward cannot run with the installed Triton, once known
+
+
 def _gluon_runs(q, k, v, spec: BiasSpec, B: int, H: int, Mq: int, Mk: int) -> bool:
-    """Whether the Gluon forward takes the call: the ``gluon_forward`` option, an sm_90 GPU and the
-    kernel's shapes (:func:`.gluon_forward.eligible`), imported on the first call that gets this far."""
+    """Whether the Gluon forward takes the call: the ``gluon_forward`` option, an sm_90 GPU, a Triton whose
+    Gluon builds the kernel, and the kernel's shapes (:func:`.gluon_forward.eligible`). The module is
+    imported on the first call that gets this far."""
     opts = options.current()
-    if not opts.gluon_forward or INTERPRETED or q.device.type != "cuda" or cuda_capability(q.device)[0] != 9:
+    if (not opts.gluon_forward or _gluon_failure or INTERPRETED or q.device.type != "cuda"
+            or cuda_capability(q.device)[0] != 9):
         return False
+    try:
+        from . import gluon_forward
+    except Exception as e:  # a Triton without Gluon, or whose Gluon lacks what the kernel uses
+        _gluon_fails(e)
+        return False
+    return gluon_forward.eligible(q, k, v, computed_scores(spec, B, H, Mq, Mk), opts.gluon_min_scores)
+
+
+def _gluon_fails(error: Exception) -> None:
+    """Keep every later forward on the ``triton.language`` kernels, and say why once."""
+    import warnings
+
+    import triton
+
+    text = str(error).strip().splitlines()
+    _gluon_failure.append(f"{type(error).__name__}: {text[-1][:300] if text else ''}")
+    warnings.warn(f"biasattn: the Gluon forward does not build with triton {triton.__version__} ({_gluon_failure[0]}); "
+                  "dense and causal forwards run the triton.language kernels instead", RuntimeWarning, stacklevel=3)
+
+
+def _gluon_fwd(q, k, v, out, lse, qk_scale: float, causal: bool) -> bool:
+    """Run the Gluon forward; False (nothing launched) when the installed Triton cannot build it."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
     from . import gluon_forward
 
-    return gluon_forward.eligible(q, k, v, computed_scores(spec, B, H, Mq, Mk), opts.gluon_min_scores)
+    try:
+        gluon_forward.attn_fwd(q, k, v, out, lse, qk_scale, causal)
+    except (CompilationError, OutOfResources) as e:
+        _gluon_fails(e)
+        return False
+    return True
 
 
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, scale: float,
@@ -405,14 +440,11 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
     hd, hdv = head_tiles(D, Dv)
     qk_scale = scale * LOG2E  # a role of the plan: one object in the launch and in the roles
     causal = _gluon_mask(spec, Mq, Mk) if D == 128 and Mq == Mk and Mq % 128 == 0 and dropout_p == 0 else None
-    if causal is not None and _gluon_runs(q, k, v, spec, B, H, Mq, Mk):
-        from . import gluon_forward
-
-        gluon_forward.attn_fwd(q, k, v, out, lse, qk_scale, causal)
+    if causal is not None and _gluon_runs(q, k, v, spec, B, H, Mq, Mk) and _gluon_fwd(q, k, v, out, lse, qk_scale, causal):
         if causal:  # rows that a hidden NaN or inf value may have reached (a NaN lse) run again exactly
-            sched = schedule.query_schedule(spec, gluon_forward.BLOCK_N, q.device)
+            sched = schedule.query_schedule(spec, 128, q.device)
             _exact_pass(q, k, v, out, lse, spec, _spec_args(spec, q.device), sched, (sched.n, B * H), 1, False,
-                        dropout_args(0.0, seed), qk_scale, gluon_forward.BLOCK_N, hd, D == hd and Dv == hdv, False)
+                        dropout_args(0.0, seed), qk_scale, 128, hd, D == hd and Dv == hdv, False)
         return out, lse
     store, key, roles = plan_home(spec, q.device, _plan_key("fwd", (q, k, v), spec) if dropout_p == 0 else None)
     plan = plans.lookup(store, key)
