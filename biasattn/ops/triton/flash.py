@@ -408,8 +408,10 @@ def _gluon_fails(error: Exception) -> None:
                   "dense and causal forwards run the triton.language kernels instead", RuntimeWarning, stacklevel=3)
 
 
-def _gluon_fwd(q, k, v, out, lse, qk_scale: float, causal: bool) -> bool:
-    """Run the Gluon forward; False (nothing launched) when the installed Triton cannot build it."""
+def _gluon_fwd(q, k, v, out, lse, spec: BiasSpec, qk_scale: float, causal: bool, seed: int) -> bool:
+    """Write ``out`` and ``lse`` with the Gluon forward, causal rows that a hidden NaN or inf value may have
+    reached (a NaN lse) computed again by the exact pass; False (nothing launched) when the installed
+    Triton cannot build the kernel."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
@@ -420,6 +422,11 @@ def _gluon_fwd(q, k, v, out, lse, qk_scale: float, causal: bool) -> bool:
     except (CompilationError, OutOfResources) as e:
         _gluon_fails(e)
         return False
+    if causal:
+        B, H, M, D = q.shape
+        sched = schedule.query_schedule(spec, gluon_forward.BLOCK_N, q.device)
+        _exact_pass(q, k, v, out, lse, spec, _spec_args(spec, q.device), sched, (sched.n, B * H), 1, False,
+                    dropout_args(0.0, seed), qk_scale, gluon_forward.BLOCK_N, D, True, False)
     return True
 
 
@@ -440,12 +447,9 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
     hd, hdv = head_tiles(D, Dv)
     qk_scale = scale * LOG2E  # a role of the plan: one object in the launch and in the roles
     causal = _gluon_mask(spec, Mq, Mk) if D == 128 and Mq == Mk and Mq % 128 == 0 and dropout_p == 0 else None
-    if causal is not None and _gluon_runs(q, k, v, spec, B, H, Mq, Mk) and _gluon_fwd(q, k, v, out, lse, qk_scale, causal):
-        if causal:  # rows that a hidden NaN or inf value may have reached (a NaN lse) run again exactly
-            sched = schedule.query_schedule(spec, 128, q.device)
-            _exact_pass(q, k, v, out, lse, spec, _spec_args(spec, q.device), sched, (sched.n, B * H), 1, False,
-                        dropout_args(0.0, seed), qk_scale, 128, hd, D == hd and Dv == hdv, False)
-        return out, lse
+    if causal is not None and _gluon_runs(q, k, v, spec, B, H, Mq, Mk):
+        if _gluon_fwd(q, k, v, out, lse, spec, qk_scale, causal, seed):
+            return out, lse
     store, key, roles = plan_home(spec, q.device, _plan_key("fwd", (q, k, v), spec) if dropout_p == 0 else None)
     plan = plans.lookup(store, key)
     if plan is not None:
