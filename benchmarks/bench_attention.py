@@ -424,7 +424,7 @@ AB_SWITCHES = {  # name: (launch option, state A, state B, value A, value B)
     "order": ("order_tail_waves", "last pairs started rank by rank", "plain order", 4, 0),
     "dq_from_ds": ("dq_from_ds", "dQ read back from a per-(batch, head) bias gradient", "dQ recomputing S and dP",
                    True, False),
-    "gluon": ("gluon_forward", "dense and causal forwards at D=128 in the Gluon kernel", "in the triton.language kernel",
+    "gluon": ("gluon_forward", "forwards at D=128 (no bias, interval masks) in Gluon", "in the triton.language kernel",
               True, False),
 }
 

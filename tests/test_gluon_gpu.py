@@ -1,6 +1,7 @@
-"""The Gluon forward (``biasattn.ops.triton.gluon_forward``): dense and causal attention at head dim 128
-on sm_90, inside the ``triton`` operator. Same criterion as tests/test_triton.py (float64 reference,
-low-precision reference math, NaN-poisoned outputs, the backward on its out and lse)."""
+"""The Gluon forward (``biasattn.ops.triton.gluon_forward``) at head dim 128 on sm_90, inside the ``triton``
+operator: no bias, causal masks, windows, padded keys, packed documents. Same criterion as
+tests/test_triton.py (float64 reference, low-precision reference math, NaN-poisoned outputs, the
+backward on its out and lse)."""
 
 from __future__ import annotations
 
@@ -20,16 +21,19 @@ pytestmark = [
 
 @pytest.fixture
 def gluon_calls(triton_options, monkeypatch):
-    """Every call large enough for the Gluon forward; returns the list its launches are logged in."""
-    from biasattn.ops.triton import gluon_forward
+    """Every call large enough for the Gluon forward; returns the list its launches are logged in, as
+    ``(q shape, k shape, masked)``."""
+    from biasattn.ops.triton import flash, gluon_forward
 
     triton_options(gluon_min_scores=0)
+    monkeypatch.setattr(flash, "_gluon_span", lambda *args: True)  # rows seeing few keys take it too
     calls = []
     real = gluon_forward.attn_fwd
 
-    def counted(q, k, v, out, lse, qk_scale, causal):
-        calls.append((tuple(q.shape), tuple(k.shape), causal))
-        return real(q, k, v, out, lse, qk_scale, causal)
+    def counted(q, k, *args):
+        masked = real(q, k, *args)
+        calls.append((tuple(q.shape), tuple(k.shape), masked))
+        return masked
 
     monkeypatch.setattr(gluon_forward, "attn_fwd", counted)
     return calls
@@ -45,36 +49,75 @@ def test_matches_the_reference(gluon_calls, causal, dtype, shape):
     assert gluon_calls and all(c[2] == causal for c in gluon_calls)
 
 
-def test_bottom_right_causal_on_a_square_call_takes_it(gluon_calls):
-    check(*qkv(B=1, Hq=2, Hkv=2, Mq=256, Mk=256, D=128, dtype=torch.bfloat16),
-          const(ba.LowerTriangularFromBottomRightMask()))
-    assert gluon_calls and gluon_calls[0][2]
+def _mask(case: str, device):
+    """``(bias, B, Mq, Mk)`` of a masked call the Gluon forward takes."""
+    seg = ba.BlockDiagonalMask.from_seqlens
+    if case == "window":
+        return ba.LocalAttentionMask(window_left=100, window_right=30), 2, 384, 384
+    if case == "causal_window_rect":
+        return ba.LocalAttentionMask(window_left=200, window_right=0), 1, 300, 520
+    if case == "bottom_right_rect":
+        return ba.LowerTriangularFromBottomRightMask(), 2, 200, 456
+    if case == "top_left_rect":
+        return ba.LowerTriangularMask(), 1, 456, 200
+    if case == "unaligned":
+        return None, 2, 200, 333
+    if case == "padded":
+        return ba.PaddedKeysMask([100, 0, 384], device=device), 3, 384, 384
+    if case == "padded_causal":
+        return ba.PaddedKeysMask([71, 300], device=device) & ba.LowerTriangularFromBottomRightMask().to(device), 2, 300, 300
+    if case == "packed":
+        return seg([100, 300, 28, 0, 200], device=device), 1, 628, 628
+    if case == "packed_rect":
+        return seg([100, 0, 190, 64], [130, 70, 128, 1], device=device), 1, 354, 329
+    if case == "packed_causal":
+        return seg([100, 300, 28, 200], device=device).make_causal(), 1, 628, 628
+    if case == "packed_window":
+        return seg([260, 300, 68], device=device).make_local_attention(90, 10), 1, 628, 628
+    raise ValueError(case)
 
 
-@pytest.mark.parametrize("case", ["D64", "M200", "rect", "window", "padded", "fp32", "strided", "dropout"])
+MASKS = ["window", "causal_window_rect", "bottom_right_rect", "top_left_rect", "unaligned", "padded", "padded_causal",
+         "packed", "packed_rect", "packed_causal", "packed_window"]
+
+
+@pytest.mark.parametrize("case", MASKS)
+@pytest.mark.parametrize("heads", [(2, 2), (4, 1)], ids=["mha", "mqa"])
+def test_masks_match_the_reference(gluon_calls, case, heads):
+    bias, B, Mq, Mk = _mask(case, "cuda")
+    check(*qkv(B=B, Hq=heads[0], Hkv=heads[1], Mq=Mq, Mk=Mk, D=128, dtype=torch.bfloat16), const(bias))
+    assert gluon_calls and all(c[2] for c in gluon_calls)
+
+
+@pytest.mark.parametrize("case", ["D64", "fp32", "strided", "dropout", "additive", "block_sparse"])
 def test_other_calls_keep_the_triton_kernels(gluon_calls, case):
-    """Calls outside the kernel's shapes and biases run the ``triton.language`` kernels, with the same results."""
-    D, Mq, Mk, dtype, bias = 128, 256, 256, torch.bfloat16, None
+    """Calls outside the kernel's tensors and biases run the ``triton.language`` kernels, with the same results."""
+    D, M, dtype, bias = 128, 256, torch.bfloat16, None
     if case == "D64":
         D = 64
-    elif case == "M200":
-        Mq = Mk = 200
-    elif case == "rect":
-        Mk = 384
-    elif case == "window":
-        bias = ba.LocalAttentionMask(window_left=64)
-    elif case == "padded":
-        bias = ba.PaddedKeysMask([100, 256])
     elif case == "fp32":
         dtype = torch.float32
-    q, k, v = qkv(B=2, Hq=2, Hkv=2, Mq=Mq, Mk=Mk, D=D, dtype=dtype)
+    elif case == "block_sparse":
+        layout = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool, device="cuda")
+        bias = ba.BlockSparseMask(layout, 128)
+    q, k, v = qkv(B=2, Hq=2, Hkv=2, Mq=M, Mk=M, D=D, dtype=dtype)
     if case == "strided":  # rows of a [B, M, H, D] projection
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     if case == "dropout":
         ba.attention(q, k, v, op="triton", dropout_p=0.1)
+    elif case == "additive":
+        check(q, k, v, lambda add: ba.AdditiveBias(add), torch.randn(1, 2, M, M, device="cuda", dtype=dtype))
     else:
         check(q, k, v, const(bias))
     assert gluon_calls == []
+
+
+def _reference(q, k, v, mask):
+    """``(float64, low precision)`` math-SDPA outputs under a dense boolean ``mask``."""
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+        low = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return ref, low
 
 
 def test_causal_hidden_nan_values_reach_no_row_that_cannot_see_them(gluon_calls):
@@ -87,7 +130,33 @@ def test_causal_hidden_nan_values_reach_no_row_that_cannot_see_them(gluon_calls)
     assert torch.isnan(out[:, :, -1]).all()
     seen = v.clone()
     seen[:, :, -1] = 0.0  # the other rows compute the same function with any value there
-    with sdpa_kernel(SDPBackend.MATH):
-        ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), seen.double(), is_causal=True)
-        low = torch.nn.functional.scaled_dot_product_attention(q, k, seen, is_causal=True)
+    ref, low = _reference(q, k, seen, torch.ones(512, 512, dtype=torch.bool, device="cuda").tril())
     assert_close("out", out[:, :, :-1], ref[:, :, :-1], low[:, :, :-1])
+
+
+@pytest.mark.parametrize("case", ["padded", "packed"])
+def test_keys_no_row_sees_may_hold_nan(gluon_calls, case):
+    """Keys past a length or of a document without queries (an uninitialized cache) may hold NaN in K and
+    V: no output takes it, though the kernel reads such keys with the tiles around them."""
+    M = 384
+    keys = torch.arange(M, device="cuda")
+    if case == "padded":
+        B, lengths = 2, torch.tensor([130, 300], device="cuda")
+        bias = ba.PaddedKeysMask(lengths)
+        mask = (keys[None, :] < lengths[:, None])[:, None, None, :].expand(B, 1, M, M)
+        hidden = keys[None, :] >= lengths[:, None]
+    else:  # the second document has keys but no queries
+        B = 1
+        bias = ba.BlockDiagonalMask.from_seqlens([150, 0, 234], [150, 100, 134], device="cuda")
+        doc_q = (keys >= 150).long() * 2
+        doc_k = (keys >= 150).long() + (keys >= 250).long()
+        mask = (doc_q[:, None] == doc_k[None, :])[None, None]
+        hidden = (doc_k == 1)[None]
+    q, k, v = qkv(B=B, Hq=2, Hkv=2, Mq=M, Mk=M, D=128, dtype=torch.bfloat16)
+    k[hidden[:, None].expand_as(k[..., 0])] = float("nan")
+    v[hidden[:, None].expand_as(v[..., 0])] = float("nan")
+    out = ba.attention(q, k, v, bias, op="triton")
+    assert gluon_calls
+    seen = (~hidden)[:, None, :, None]
+    ref, low = _reference(q, torch.where(seen, k, 0.0), torch.where(seen, v, 0.0), mask)
+    assert_close("out", out, ref, low)

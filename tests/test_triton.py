@@ -1030,7 +1030,7 @@ def test_program_order_keeps_results(triton_options, monkeypatch, waves):
 
 
 def test_the_gluon_forward_is_imported_on_sm90_gpus_only():
-    """A call the Gluon forward would take on an sm_90 GPU (D=128, M a multiple of 128) runs the
+    """A call the Gluon forward would take on an sm_90 GPU (D=128, a causal mask) runs the
     ``triton.language`` kernels elsewhere, without importing the Gluon module (its language needs the GPU's Triton)."""
     import sys
 
@@ -1040,9 +1040,26 @@ def test_the_gluon_forward_is_imported_on_sm90_gpus_only():
     if DEVICE != "cpu":
         pytest.skip("checked where no sm_90 GPU runs the call")
     q, k, v = qkv(B=1, Hq=1, Hkv=1, Mq=128, Mk=128, D=128, dtype=torch.float16)
-    assert flash._gluon_mask(lower(ba.LowerTriangularMask(), 1, 1, 128, 128), 128, 128) is True  # a causal square call
+    assert lower(ba.LowerTriangularMask(), 1, 1, 128, 128).features <= flash.GLUON_FEATURES
     check(q, k, v, const(ba.LowerTriangularMask()), grads=False)
     assert "biasattn.ops.triton.gluon_forward" not in sys.modules
+
+
+def test_rows_seeing_few_keys_keep_the_short_tiles_off_the_gluon_forward():
+    """Rows that see few keys (a narrow window, short documents) keep the ``triton.language`` forward's 64x64
+    tiles; a wide window and a causal mask take the Gluon forward's 128x128 tiles where it runs."""
+    from biasattn.inputs import make_inputs
+    from biasattn.ops.triton import flash
+
+    def takes(bias, M, B=1):
+        q = torch.empty(B, 1, M, 128)
+        return flash._gluon_span(make_inputs(q, q, q, bias).spec, M, M)
+
+    assert not takes(ba.LocalAttentionMask(window_left=256), 2048)
+    assert not takes(ba.BlockDiagonalMask.from_seqlens([512] * 16).make_causal(), 8192)
+    assert takes(ba.LocalAttentionMask(window_left=2048), 4096)
+    assert takes(ba.LowerTriangularMask(), 4096)
+    assert takes(ba.PaddedKeysMask([3000, 4096]), 4096, B=2)
 
 
 def test_a_triton_whose_gluon_cannot_build_the_forward_falls_back(monkeypatch):
@@ -1062,6 +1079,7 @@ def test_a_triton_whose_gluon_cannot_build_the_forward_falls_back(monkeypatch):
 
     fake = types.ModuleType("biasattn.ops.triton.gluon_forward")
     fake.attn_fwd = attn_fwd
+    fake.BLOCK_M = 128
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
     monkeypatch.setattr(package, "gluon_forward", fake, raising=False)
     monkeypatch.setattr(flash, "_gluon_runs", lambda *args: True)  # as on an sm_90 GPU

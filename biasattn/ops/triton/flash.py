@@ -367,33 +367,36 @@ def _exact_pass(q, k, v, out, lse, spec: BiasSpec, args, sched, grid, chunk: int
     )
 
 
-def _gluon_mask(spec: BiasSpec, Mq: int, Mk: int) -> bool | None:
-    """For the Gluon forward (:mod:`.gluon_forward`): False for a call without a bias, True for a causal
-    square call (no other bias), None otherwise."""
-    if not spec.features:
-        return False
-    if spec.features == {"band"} and Mq == Mk and spec.causal_kind() is not None:
-        return True
-    return None
+GLUON_FEATURES = frozenset({"segments", "padded_keys", "band"})  # the masks the Gluon forward takes
 
 
 _gluon_failure: list[str] = []  # why the Gluon forward cannot run with the installed Triton, once known
 
 
-def _gluon_runs(q, k, v, spec: BiasSpec, B: int, H: int, Mq: int, Mk: int) -> bool:
+def _gluon_runs(q, k, v, out, spec: BiasSpec, dropout_p: float) -> bool:
     """Whether the Gluon forward takes the call: the ``gluon_forward`` option, an sm_90 GPU, a Triton whose
-    Gluon builds the kernel, and the kernel's shapes (:func:`.gluon_forward.eligible`). The module is
-    imported on the first call that gets this far."""
+    Gluon builds the kernel, a bias of :data:`GLUON_FEATURES` only, no dropout, at least
+    ``gluon_min_scores`` scores, rows that see many keys (:func:`_gluon_span`) and the kernel's tensors
+    (:func:`.gluon_forward.eligible`). The module is imported on the first call that gets this far."""
     opts = options.current()
-    if (not opts.gluon_forward or _gluon_failure or INTERPRETED or q.device.type != "cuda"
-            or cuda_capability(q.device)[0] != 9):
+    if (not opts.gluon_forward or _gluon_failure or INTERPRETED or q.device.type != "cuda" or dropout_p > 0
+            or not spec.features <= GLUON_FEATURES or cuda_capability(q.device)[0] != 9):
+        return False
+    B, H, Mq, _ = q.shape
+    if computed_scores(spec, B, H, Mq, k.shape[2]) < opts.gluon_min_scores or not _gluon_span(spec, Mq, k.shape[2]):
         return False
     try:
         from . import gluon_forward
     except Exception as e:  # a Triton without Gluon, or whose Gluon lacks what the kernel uses
         _gluon_fails(e)
         return False
-    return gluon_forward.eligible(q, k, v, computed_scores(spec, B, H, Mq, Mk), opts.gluon_min_scores)
+    return gluon_forward.eligible(q, k, v, out)
+
+
+def _gluon_span(spec: BiasSpec, Mq: int, Mk: int) -> bool:
+    """Whether rows see enough keys for the Gluon forward's 128x128 tiles: calls whose rows see few keys
+    (:func:`_span_features`) keep the ``triton.language`` forward's 64x64 tiles."""
+    return "short_span" not in _span_features(spec, Mq, Mk)
 
 
 def _gluon_fails(error: Exception) -> None:
@@ -405,11 +408,11 @@ def _gluon_fails(error: Exception) -> None:
     text = str(error).strip().splitlines()
     _gluon_failure.append(f"{type(error).__name__}: {text[-1][:300] if text else ''}")
     warnings.warn(f"biasattn: the Gluon forward does not build with triton {triton.__version__} ({_gluon_failure[0]}); "
-                  "dense and causal forwards run the triton.language kernels instead", RuntimeWarning, stacklevel=3)
+                  "every forward runs the triton.language kernels instead", RuntimeWarning, stacklevel=3)
 
 
-def _gluon_fwd(q, k, v, out, lse, spec: BiasSpec, qk_scale: float, causal: bool, seed: int) -> bool:
-    """Write ``out`` and ``lse`` with the Gluon forward, causal rows that a hidden NaN or inf value may have
+def _gluon_fwd(q, k, v, out, lse, spec: BiasSpec, qk_scale: float, seed: int) -> bool:
+    """Write ``out`` and ``lse`` with the Gluon forward, masked rows that a hidden NaN or inf value may have
     reached (a NaN lse) computed again by the exact pass; False (nothing launched) when the installed
     Triton cannot build the kernel."""
     from triton.compiler.errors import CompilationError
@@ -417,16 +420,21 @@ def _gluon_fwd(q, k, v, out, lse, spec: BiasSpec, qk_scale: float, causal: bool,
 
     from . import gluon_forward
 
+    B, H, Mq, D = q.shape
+    args = _spec_args(spec, q.device)
+    sched = schedule.query_schedule(spec, gluon_forward.BLOCK_M, q.device)
+    table = sched.table if sched.table is not None else args.d32
+    switches = dict(SCHEDULED=sched.table is not None, HAS_SEGMENTS=args.has_segments, HAS_PADDED=args.has_padded,
+                    HAS_BAND=args.has_band, BAND_PER_SEGMENT=args.band_per_segment)
     try:
-        gluon_forward.attn_fwd(q, k, v, out, lse, qk_scale, causal)
+        masked = gluon_forward.attn_fwd(q, k, v, out, lse, qk_scale, sched.n, table,
+                                        (args.ks, args.kl, args.kv, args.band_lo, args.band_hi), switches)
     except (CompilationError, OutOfResources) as e:
         _gluon_fails(e)
         return False
-    if causal:
-        B, H, M, D = q.shape
-        sched = schedule.query_schedule(spec, gluon_forward.BLOCK_N, q.device)
-        _exact_pass(q, k, v, out, lse, spec, _spec_args(spec, q.device), sched, (sched.n, B * H), 1, False,
-                    dropout_args(0.0, seed), qk_scale, gluon_forward.BLOCK_N, D, True, False)
+    if masked:
+        _exact_pass(q, k, v, out, lse, spec, args, sched, (sched.n, B * H), 1, False, dropout_args(0.0, seed), qk_scale,
+                    gluon_forward.BLOCK_M, D, True, False)
     return True
 
 
@@ -446,9 +454,8 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
         return out.zero_(), lse.fill_(float("-inf"))
     hd, hdv = head_tiles(D, Dv)
     qk_scale = scale * LOG2E  # a role of the plan: one object in the launch and in the roles
-    causal = _gluon_mask(spec, Mq, Mk) if D == 128 and Mq == Mk and Mq % 128 == 0 and dropout_p == 0 else None
-    if causal is not None and _gluon_runs(q, k, v, spec, B, H, Mq, Mk):
-        if _gluon_fwd(q, k, v, out, lse, spec, qk_scale, causal, seed):
+    if D == 128 and Dv == 128 and _gluon_runs(q, k, v, out, spec, dropout_p):
+        if _gluon_fwd(q, k, v, out, lse, spec, qk_scale, seed):
             return out, lse
     store, key, roles = plan_home(spec, q.device, _plan_key("fwd", (q, k, v), spec) if dropout_p == 0 else None)
     plan = plans.lookup(store, key)

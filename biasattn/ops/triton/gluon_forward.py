@@ -1,18 +1,23 @@
-"""The forward of dense and causal attention at head dim 128 on Hopper, warp-specialized in Gluon.
+"""The forward at head dim 128 on Hopper, warp-specialized in Gluon: no bias, causal masks, windows,
+padded keys and packed documents.
 
 ``triton.language`` cannot split a kernel into producer and consumer warps; Gluon
 (``triton.experimental.gluon``, shipped with Triton) can. In this kernel one loader warp feeds Q and
 a ring of three 128-key K/V stages through TMA copies and mbarriers. Two consumer warpgroups each
 take a 64-row half of a 128-row query tile and take turns issuing their warpgroup MMAs. Each issues
 the scores of key tile j before the value product of tile j-1, and runs the softmax of tile j while
-that product runs. On the H200 it runs these forwards 1.10-1.15× faster than the ``triton.language``
-kernel, at 0.97-1.04× cuDNN's time (``docs/design.md``, "Gluon's by hand reaches cuDNN").
+that product runs (``docs/design.md``, "Forwards at D=128 on Hopper: warp-specialized in Gluon").
 
-:func:`eligible` says which calls take it: sm_90, fp16/bf16, D = Dv = 128, Mq = Mk a multiple of
-128, contiguous ``[B, H, M, D]`` tensors, no bias or a causal mask, no dropout, and at least
-``gluon_min_scores`` scores (its launch goes through Triton's own binding, tens of microseconds of
-host time). Everything else, and every backward, runs the ``triton.language``
-kernels. This module is imported on the first eligible call only.
+Every mask it takes is an interval of keys per query row (``klo <= j < khi``), as in the
+``triton.language`` kernels: a program visits the key tiles of its rows' span only, and masks the
+scores of the span's edge tiles. Rows whose output is not finite (a NaN or inf in a value that the
+row cannot see, read with the tile) get a NaN lse, and the ``triton`` forward's exact pass computes
+them again.
+
+:func:`eligible` says which tensors it takes: fp16/bf16, D = Dv = 128, contiguous ``[B, H, M, D]``
+tensors; the caller checks the device (sm_90), the bias (no bias, or only segments, key lengths and a
+band), dropout (none) and size (the ``gluon_min_scores`` option: its launch goes through Triton's own
+binding, tens of microseconds of host time). This module is imported on the first such call only.
 """
 
 from __future__ import annotations
@@ -30,16 +35,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 ROWS = 64  # query rows of each consumer warpgroup
+BLOCK_M = 2 * ROWS  # query rows of a program
 BLOCK_N = 128  # keys per tile
 STAGES = 3  # K/V tiles in flight
 CONSUMER_REGS = 240  # registers per consumer thread (the loader warp takes 24)
-LOG2E = 1.4426950408889634
+BIG = gl.constexpr(2**30)  # "unbounded" in band terms
 
 
 @gluon.jit
 def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_ready, v_ready, kv_empty, row_q, row_k, n_tiles):
-    """The loader partition: both halves of the query tile, then the K/V tiles into the ring, each stage
-    refilled once both consumers released it."""
+    """The loader partition: both halves of the query tile, then the span's K/V tiles (from key row
+    ``row_k``) into the ring, each stage refilled once both consumers released it."""
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     TILE: gl.constexpr = k_desc.block_type.shape[0]
     RING: gl.constexpr = k_bufs.type.shape[0]
@@ -59,28 +65,43 @@ def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_ready, v_rea
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale, row_o: gl.constexpr):
-    """Online softmax of one score tile: ``(p, new row max, new row sum, rescale of the output rows)``."""
+def _softmax_step(s, m_i, l_i, qk_scale, row_o: gl.constexpr, GUARD: gl.constexpr):
+    """Online softmax of one score tile: ``(p, new row max, new row sum, rescale of the output rows)``;
+    ``GUARD`` where a row may have seen nothing yet (keeps exp2 away from inf - inf)."""
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    p = gl.exp2(s * qk_scale - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
+    if GUARD:
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = gl.exp2(s * qk_scale - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_i, gl.convert_layout(alpha, row_o)
 
 
 @gluon.jit
-def _causal_mask(s, col0, row0, s_layout: gl.constexpr):
-    """Scores of keys past their row's position hidden; rows from ``row0``, keys from ``col0``."""
-    rows = row0 + gl.arange(0, s.type.shape[0], layout=gl.SliceLayout(1, s_layout))
+def _mask(s, col0, klo, khi, s_layout: gl.constexpr):
+    """Scores outside their row's keys ``[klo, khi)`` hidden; the tile's keys from ``col0``."""
     cols = col0 + gl.arange(0, s.type.shape[1], layout=gl.SliceLayout(0, s_layout))
-    return gl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
+    return gl.where((cols[None, :] >= klo[:, None]) & (cols[None, :] < khi[:, None]), s, float("-inf"))
 
 
 @gluon.jit
-def _attend(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, n_tiles, qk_scale, my_turn, their_turn,
-            row0, CAUSAL: gl.constexpr):
-    """One consumer's rows against its key tiles: ``(out, row max, row sum)``, out normalized. With
-    ``CAUSAL`` the last key tile is the diagonal one and its scores are masked (rows from ``row0``)."""
+def _masked_tile(j, a, e, MASKED: gl.constexpr):
+    """Whether tile ``j`` of the span needs an element mask: outside ``[a, e)``, the tiles every row sees whole."""
+    if MASKED:
+        edge = (j < a) | (j >= e)
+    else:
+        edge = False
+    return edge
+
+
+@gluon.jit
+def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, qk_scale, my_turn, their_turn, span, klo, khi,
+            MASKED: gl.constexpr):
+    """One consumer's rows against the key tiles of the span ``(first key, tiles, a, e)``: ``(out, row max,
+    row sum)``, out normalized (0 where a row saw no key). With ``MASKED``, tiles outside ``[a, e)`` hide
+    the scores outside each row's keys ``[klo, khi)``."""
     HALF: gl.constexpr = q_smem.type.shape[0]
     TILE: gl.constexpr = k_bufs.type.shape[1]
     HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
@@ -92,20 +113,19 @@ def _attend(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, n_tiles, 
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_smem.dtype
+    lo, n_tiles, a, e = span
     m_i = gl.full([HALF], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.full([HALF], 0.0, gl.float32, layout=row_s)
     acc = gl.zeros([HALF, HEAD_DIM], gl.float32, layout=o_layout)
     zero_s = gl.zeros([HALF, TILE], gl.float32, layout=s_layout)
-    mbarrier.wait(q_bar, 0)
     mbarrier.wait(k_ready.index(0), 0)
     mbarrier.wait(my_turn, 0)
     s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     mbarrier.arrive(their_turn, count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    if CAUSAL:
-        if n_tiles == 1:
-            s = _causal_mask(s, 0, row0, s_layout)
-    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, row_o)
+    if _masked_tile(0, a, e, MASKED):
+        s = _mask(s, lo, klo, khi, s_layout)
+    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, row_o, MASKED)
     for j in range(1, n_tiles):
         st = j % RING
         prev = (j - 1) % RING
@@ -116,10 +136,9 @@ def _attend(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, n_tiles, 
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_bufs.index(prev), acc, is_async=True)
         mbarrier.arrive(their_turn, count=1)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-        if CAUSAL:
-            if j == n_tiles - 1:
-                s = _causal_mask(s, j * TILE, row0, s_layout)
-        p, m_new, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, row_o)
+        if _masked_tile(j, a, e, MASKED):
+            s = _mask(s, lo + j * TILE, klo, khi, s_layout)
+        p, m_new, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, row_o, MASKED)
         m_i = m_new
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(kv_empty.index(prev), count=1)
@@ -131,80 +150,174 @@ def _attend(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, n_tiles, 
     mbarrier.arrive(their_turn, count=1)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     l_o = gl.convert_layout(l_i, row_o)
-    return acc / l_o[:, None], gl.convert_layout(m_i, row_o), l_o
+    if MASKED:
+        l_o = gl.where(l_o > 0, l_o, 1.0)  # a row that saw no key: out 0 (its lse is set apart below)
+    return acc / l_o[:, None], gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o)
 
 
 @gluon.jit
-def _write(out, m_o, l_o, o_desc, o_buf, Lse, row):
-    """Store one consumer's rows: ``out`` through TMA and the natural-log lse, NaN for a row whose output
-    holds a NaN or inf (the exact pass of the ``triton`` forward computes such rows again)."""
-    o_buf.store(out.to(o_buf.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [row, 0], o_buf)
-    lse = (m_o + gl.log2(l_o)) * 0.6931471805599453
+def _write(out, m_o, l_o, o_desc, o_buf, Out, Lse, row, n_rows):
+    """Store one consumer's rows ``[row, row + n_rows)`` of the flat ``[rows, D]`` output: ``out`` through
+    TMA for a whole half, element stores for a partial one (the next rows are another program's), and
+    the natural-log lse: -inf for a row that saw no key, NaN for a row whose output holds a NaN or inf
+    (the exact pass of the ``triton`` forward computes such rows again)."""
+    HALF: gl.constexpr = o_buf.type.shape[0]
+    HEAD_DIM: gl.constexpr = o_buf.type.shape[1]
+    lse = gl.where(l_o > 0, (m_o + gl.log2(l_o)) * 0.6931471805599453, float("-inf"))
     lse = gl.where(gl.abs(gl.sum(out, 1)) < float("inf"), lse, float("nan"))
-    gl.store(Lse + row + gl.arange(0, o_buf.type.shape[0], layout=m_o.type.layout), lse)
-    tma.store_wait(0)
+    rows = gl.arange(0, HALF, layout=m_o.type.layout)
+    if n_rows == HALF:
+        o_buf.store(out.to(o_buf.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [row, 0], o_buf)
+        gl.store(Lse + row + rows, lse)
+        tma.store_wait(0)
+    else:
+        dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out.type.layout))
+        ptrs = Out + (row + rows).to(gl.int64)[:, None] * HEAD_DIM + dims[None, :]
+        gl.store(ptrs, out.to(Out.dtype.element_ty), mask=(rows < n_rows)[:, None])
+        gl.store(Lse + row + rows, lse, mask=rows < n_rows)
 
 
 @gluon.jit
-def _consume(q_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Lse, row_q, row0, n_tiles, qk_scale,
-             CAUSAL: gl.constexpr, PART: gl.constexpr):
+def _consume(q_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_scale, MASKED: gl.constexpr,
+             PART: gl.constexpr):
     """Consumer ``PART`` (0 or 1): its half of the query tile, written out through its query buffer, free
     once its last score product has run."""
     q_bars, k_ready, v_ready, kv_empty, turns = bars
+    row_q, row_k, m0, m_end, lo, n_tiles, a, e, seg_lo, seg_hi, band_lo, band_hi = prog
     HALF: gl.constexpr = q_desc.block_type.shape[0]
-    out, m_o, l_o = _attend(q_smem.index(PART), k_bufs, v_bufs, q_bars.index(PART), k_ready, v_ready, kv_empty,
-                            n_tiles, qk_scale, turns.index(PART), turns.index(1 - PART), row0 + PART * HALF, CAUSAL)
-    _write(out, m_o, l_o, o_desc, q_smem.index(PART), Lse, row_q + PART * HALF)
+    TILE: gl.constexpr = k_bufs.type.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE, 16])
+    rows = m0 + PART * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+    klo = gl.maximum(rows + band_lo, seg_lo)
+    khi = gl.minimum(rows + band_hi + 1, seg_hi)
+    mbarrier.wait(q_bars.index(PART), 0)
+    out, m_o, l_o = _attend(q_smem.index(PART), k_bufs, v_bufs, k_ready, v_ready, kv_empty, qk_scale,
+                            turns.index(PART), turns.index(1 - PART), (lo, n_tiles, a, e), klo, khi, MASKED)
+    n_rows = gl.minimum(gl.maximum(m_end - m0 - PART * HALF, 0), HALF)
+    _write(out, m_o, l_o, o_desc, q_smem.index(PART), Out, Lse, row_q + PART * HALF, n_rows)
 
 
-# The partitions: worker partitions take the same arguments and no constexpr, so each mask and half has its own.
+# The partitions: worker partitions take the same arguments and no constexpr, so each variant and half has its own.
 @gluon.jit
-def _first(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Lse, row_q, row_k, row0, n_tiles, qk_scale):
-    _consume(q_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Lse, row_q, row0, n_tiles, qk_scale, False, 0)
-
-
-@gluon.jit
-def _second(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Lse, row_q, row_k, row0, n_tiles, qk_scale):
-    _consume(q_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Lse, row_q, row0, n_tiles, qk_scale, False, 1)
-
-
-@gluon.jit
-def _first_causal(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Lse, row_q, row_k, row0, n_tiles,
-                  qk_scale):
-    _consume(q_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Lse, row_q, row0, n_tiles, qk_scale, True, 0)
+def _first(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_scale):
+    _consume(q_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_scale, False, 0)
 
 
 @gluon.jit
-def _second_causal(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Lse, row_q, row_k, row0, n_tiles,
-                   qk_scale):
-    _consume(q_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Lse, row_q, row0, n_tiles, qk_scale, True, 1)
+def _second(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_scale):
+    _consume(q_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_scale, False, 1)
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Lse, row_q, row_k, row0, n_tiles, qk_scale):
+def _first_masked(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_scale):
+    _consume(q_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_scale, True, 0)
+
+
+@gluon.jit
+def _second_masked(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_scale):
+    _consume(q_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_scale, True, 1)
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_scale):
     q_bars, k_ready, v_ready, kv_empty, turns = bars
-    _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_ready, v_ready, kv_empty, row_q, row_k, n_tiles)
+    row_q, row_k, m0, m_end, lo, n_tiles, a, e, seg_lo, seg_hi, band_lo, band_hi = prog
+    _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_ready, v_ready, kv_empty, row_q, row_k + lo,
+          n_tiles)
 
 
 @gluon.jit
-def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, M, H, G, qk_scale, RING: gl.constexpr,
-                        REGS: gl.constexpr, CAUSAL: gl.constexpr):
-    """Grid ``(M / 128, B * H)``. Q/out are ``[B·H·M, D]`` views and K/V ``[B·Hkv·M, D]`` (``G`` query heads
-    per KV head); writes out and ``Lse [B·H·M]``. Causal programs start from the longest rows."""
+def _query_tile(Sched, n_prog, Mq, SCHEDULED: gl.constexpr, BLOCK: gl.constexpr):
+    """``(first row, end row, segment)`` of this program: the packed segments' table, or the regular
+    tiles from the last (the heaviest under a causal mask) to the first."""
+    pid = gl.program_id(0)
+    if SCHEDULED:
+        m0 = gl.load(Sched + pid * 3)
+        m_end = gl.load(Sched + pid * 3 + 1)
+        seg = gl.load(Sched + pid * 3 + 2)
+    else:
+        m0 = (n_prog - 1 - pid) * BLOCK
+        m_end = gl.minimum(m0 + BLOCK, Mq)
+        seg = 0
+    return m0, m_end, seg
+
+
+@gluon.jit
+def _key_bounds(seg, b, Mk, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, HAS_SEGMENTS: gl.constexpr,
+                HAS_PADDED: gl.constexpr, HAS_BAND: gl.constexpr, BAND_PER_SEGMENT: gl.constexpr):
+    """``(seg_lo, seg_hi, band_lo, band_hi)``: row ``i`` of the program sees the keys
+    ``[max(seg_lo, i + band_lo), min(seg_hi, i + band_hi + 1))``."""
+    seg_lo = gl.to_tensor(0)
+    seg_hi = gl.to_tensor(Mk)
+    if HAS_SEGMENTS:
+        s = gl.maximum(seg, 0)
+        ks = gl.load(KSeqStart + s)
+        seg_lo = gl.where(seg >= 0, ks, 0)
+        seg_hi = gl.where(seg >= 0, ks + gl.load(KSeqLen + s), 0)
+    if HAS_PADDED:
+        seg_hi = gl.minimum(seg_hi, gl.load(KvLens + b))
+    band_lo = gl.to_tensor(-BIG)
+    band_hi = gl.to_tensor(BIG)
+    if HAS_BAND:
+        if BAND_PER_SEGMENT:
+            bi = gl.maximum(seg, 0)
+        else:
+            bi = 0
+        band_lo = gl.load(BandLo + bi)
+        band_hi = gl.load(BandHi + bi)
+    return seg_lo, seg_hi, band_lo, band_hi
+
+
+@gluon.jit
+def _span(m0, m_end, bounds, Mk, MASKED: gl.constexpr, TILE: gl.constexpr):
+    """``(first key, tiles, a, e)`` of the key span of rows ``[m0, m_end)``: tiles ``[a, e)`` are seen whole
+    by every row, the others need element masks. A program whose rows see no key gets one masked tile
+    (its rows then write 0 and an lse of -inf).
+
+    A row's first and end keys never decrease from one row to the next, so the span follows from the
+    first and last rows that see a key, in scalars: no reduction over the rows."""
+    if MASKED:
+        seg_lo, seg_hi, band_lo, band_hi = bounds
+        first = gl.maximum(m0, seg_lo - band_hi)  # the rows that see a key: [first, last]
+        last = gl.minimum(m_end, seg_hi - band_lo) - 1
+        seen = (first <= last) & (band_lo <= band_hi) & (seg_lo < seg_hi)
+        lo = gl.maximum(first + band_lo, seg_lo) // 16 * 16
+        hi = gl.minimum(last + band_hi + 1, seg_hi)
+        n = gl.where(seen, gl.cdiv(gl.maximum(hi - lo, 0), TILE), 0)
+        full_lo = gl.maximum(m_end - 1 + band_lo, seg_lo)  # keys every row sees: [full_lo, full_hi)
+        full_hi = gl.minimum(m0 + band_hi + 1, seg_hi)
+        a = gl.minimum(gl.cdiv(gl.maximum(full_lo - lo, 0), TILE), n)
+        e = gl.minimum(gl.maximum(gl.maximum(full_hi - lo, 0) // TILE, a), n)
+        lo = gl.where(n > 0, lo, 0)
+        n = gl.maximum(n, 1)
+    else:
+        lo = gl.to_tensor(0)
+        n = gl.to_tensor(Mk // TILE)
+        a = gl.to_tensor(0)
+        e = n
+    return lo, n, a, e
+
+
+@gluon.jit
+def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sched, KSeqStart, KSeqLen, KvLens, BandLo, BandHi,
+                        H, G, Mq, Mk, n_prog, qk_scale, RING: gl.constexpr, REGS: gl.constexpr, MASKED: gl.constexpr,
+                        SCHEDULED: gl.constexpr, HAS_SEGMENTS: gl.constexpr, HAS_PADDED: gl.constexpr,
+                        HAS_BAND: gl.constexpr, BAND_PER_SEGMENT: gl.constexpr):
+    """Grid ``(query tiles, B * H)``. Q/out are ``[B·H·Mq, D]`` views and K/V ``[B·Hkv·Mk, D]`` (``G`` query
+    heads per KV head); writes out (``Out`` the same memory as ``o_desc``) and ``Lse [B·H·Mq]``. Without
+    ``MASKED``, Mq and Mk are multiples of 128 and every row sees every key."""
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     TILE: gl.constexpr = k_desc.block_type.shape[0]
-    if CAUSAL:
-        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-        n_tiles = pid_m + 1
-    else:
-        pid_m = gl.program_id(0)
-        n_tiles = M // TILE
     bh = gl.program_id(1)
-    row0 = pid_m * 2 * HALF
-    row_q = bh * M + row0
-    row_k = ((bh // H) * (H // G) + (bh % H) // G) * M
+    b = bh // H
+    m0, m_end, seg = _query_tile(Sched, n_prog, Mq, SCHEDULED, 2 * HALF)
+    bounds = _key_bounds(seg, b, Mk, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, HAS_SEGMENTS, HAS_PADDED, HAS_BAND,
+                         BAND_PER_SEGMENT)
+    lo, n_tiles, a, e = _span(m0, m_end, bounds, Mk, MASKED, TILE)
+    row_q = bh * Mq + m0
+    row_k = (b * (H // G) + (bh % H) // G) * Mk
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [RING] + k_desc.block_type.shape, k_desc.layout)
@@ -223,31 +336,39 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, M, H, G, qk_scale, 
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)
     bars = (q_bars, k_ready, v_ready, kv_empty, turns)
-    args = (q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Lse, row_q, row_k, row0, n_tiles, qk_scale)
-    if CAUSAL:
-        gl.warp_specialize([(_first_causal, args), (_second_causal, args), (_loader, args)], [4, 1], [REGS, 24])
+    seg_lo, seg_hi, band_lo, band_hi = bounds
+    prog = (row_q, row_k, m0, m_end, lo, n_tiles, a, e, seg_lo, seg_hi, band_lo, band_hi)
+    args = (q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_scale)
+    if MASKED:
+        gl.warp_specialize([(_first_masked, args), (_second_masked, args), (_loader, args)], [4, 1], [REGS, 24])
     else:
         gl.warp_specialize([(_first, args), (_second, args), (_loader, args)], [4, 1], [REGS, 24])
 
 
-def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores: int, min_scores: int) -> bool:
+def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether this kernel can run a forward on these tensors (see the module doc; the caller checks the
-    device and the bias): ``scores``, what the call computes, at least the option's ``min_scores``."""
-    B, H, M, D = q.shape
-    if D != 128 or k.shape[2] != M or k.shape[3] != 128 or v.shape[3] != 128 or M % (2 * ROWS) or scores < min_scores:
+    device, the bias, dropout and the size)."""
+    B, H, Mq, D = q.shape
+    Mk = k.shape[2]
+    if D != 128 or k.shape[3] != 128 or v.shape[3] != 128 or min(Mq, Mk) == 0:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
-    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()) or B * H * M >= 2**31:
+    if not all(t.is_contiguous() for t in (q, k, v, out)) or B * H * Mq >= 2**31 or B * k.shape[1] * Mk >= 2**31:
         return False
-    return all(t.data_ptr() % 16 == 0 for t in (q, k, v))
+    return all(t.data_ptr() % 16 == 0 for t in (q, k, v, out))
 
 
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, qk_scale: float,
-             causal: bool) -> None:
-    """Write ``out [B, H, M, 128]`` (contiguous) and ``lse [B, H, M]`` (float32, natural log; NaN where a row's
-    output is not finite) of an :func:`eligible` call; ``qk_scale`` is the softmax scale times log2(e)."""
-    B, H, M, D = q.shape
+             n_prog: int, table: torch.Tensor, bounds: tuple, switches: dict) -> bool:
+    """Write ``out [B, H, Mq, 128]`` (contiguous) and ``lse [B, H, Mq]`` (float32, natural log; NaN where a
+    row's output is not finite) of an :func:`eligible` call; ``qk_scale`` is the softmax scale times
+    log2(e). ``n_prog`` query tiles of 128 rows, ``table`` their rows when packed (the launch switch
+    ``SCHEDULED``); ``bounds`` the int32 tensors ``(k_seqstart, k_seqlen, kv_seqlens, band_lo, band_hi)``
+    and ``switches`` the ``SCHEDULED``, ``HAS_*`` and ``BAND_PER_SEGMENT`` flags of the bias. Returns whether
+    the launch masked scores (then rows may carry a NaN lse for the exact pass)."""
+    B, H, Mq, D = q.shape
+    Mk = k.shape[2]
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     half = gl.NVMMASharedLayout.get_default_for([ROWS, D], gdt)
     tile = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gdt)
@@ -255,5 +376,9 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     for t, block, layout in ((q, ROWS, half), (k, BLOCK_N, tile), (v, BLOCK_N, tile), (out, ROWS, half)):
         rows = t.view(-1, D)
         descs.append(TensorDescriptor(rows, list(rows.shape), [D, 1], [block, D], layout))
-    _attn_fwd_ws_kernel[(M // (2 * ROWS), B * H)](*descs, lse, M, H, H // k.shape[1], qk_scale, STAGES, CONSUMER_REGS,
-                                                  causal, num_warps=4)
+    masked = any(switches.values()) or Mq % BLOCK_M != 0 or Mk % BLOCK_N != 0
+    _attn_fwd_ws_kernel[(n_prog, B * H)](
+        *descs, out, lse, table, *bounds, H, H // k.shape[1], Mq, Mk, n_prog, qk_scale, STAGES, CONSUMER_REGS, masked,
+        **switches, num_warps=4,
+    )
+    return masked
