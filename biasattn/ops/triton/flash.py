@@ -454,7 +454,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
         return out.zero_(), lse.fill_(float("-inf"))
     hd, hdv = head_tiles(D, Dv)
     qk_scale = scale * LOG2E  # a role of the plan: one object in the launch and in the roles
-    if D == Dv and D in (64, 128) and _gluon_runs(q, k, v, out, spec, dropout_p):
+    if D == 128 and Dv == 128 and _gluon_runs(q, k, v, out, spec, dropout_p):
         if _gluon_fwd(q, k, v, out, lse, spec, qk_scale, seed):
             return out, lse
     store, key, roles = plan_home(spec, q.device, _plan_key("fwd", (q, k, v), spec) if dropout_p == 0 else None)

@@ -37,8 +37,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 ROWS = 64  # query rows of each consumer warpgroup
 BLOCK_M = 2 * ROWS  # query rows of a program
 BLOCK_N = 128  # keys per tile
-HEAD_DIMS = (64, 128)  # D = Dv it takes
-STAGES = {64: 4, 128: 3}  # K/V tiles in flight, per head dim
+STAGES = 3  # K/V tiles in flight
 CONSUMER_REGS = 240  # registers per consumer thread (the loader warp takes 24)
 BIG = gl.constexpr(2**30)  # "unbounded" in band terms
 
@@ -351,7 +350,7 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     device, the bias, dropout and the size)."""
     B, H, Mq, D = q.shape
     Mk = k.shape[2]
-    if D not in HEAD_DIMS or k.shape[3] != D or v.shape[3] != D or min(Mq, Mk) == 0:
+    if D != 128 or k.shape[3] != 128 or v.shape[3] != 128 or min(Mq, Mk) == 0:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
@@ -379,7 +378,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
         descs.append(TensorDescriptor(rows, list(rows.shape), [D, 1], [block, D], layout))
     masked = any(switches.values()) or Mq % BLOCK_M != 0 or Mk % BLOCK_N != 0
     _attn_fwd_ws_kernel[(n_prog, B * H)](
-        *descs, out, lse, table, *bounds, H, H // k.shape[1], Mq, Mk, n_prog, qk_scale, STAGES[D], CONSUMER_REGS, masked,
+        *descs, out, lse, table, *bounds, H, H // k.shape[1], Mq, Mk, n_prog, qk_scale, STAGES, CONSUMER_REGS, masked,
         **switches, num_warps=4,
     )
     return masked
