@@ -1,16 +1,17 @@
-"""The Gluon forward (``biasattn.ops.triton.gluon_forward``) at head dim 128 on sm_90, inside the ``triton``
-operator: no bias, causal masks, windows, padded keys, packed documents. Same criterion as
-tests/test_triton.py (float64 reference, low-precision reference math, NaN-poisoned outputs, the
-backward on its out and lse)."""
+"""The Gluon forward and backward (``biasattn.ops.triton.gluon_forward``, ``gluon_backward``) at head dim 128
+on sm_90, inside the ``triton`` operator: no bias, causal masks, windows, padded keys, packed documents
+(forward only). Same criterion as tests/test_triton.py (float64 reference, low-precision reference math,
+NaN-poisoned outputs, gradients with and without an lse gradient)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_triton import _poison, assert_close, check, const, qkv  # noqa: F401  (_poison: autouse fixture)
+from test_triton import _delta_rounding, _poison, assert_close, check, const, qkv  # noqa: F401  (_poison: autouse)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import biasattn as ba
+from biasattn.inputs import make_inputs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,14 +40,32 @@ def gluon_calls(triton_options, monkeypatch):
     return calls
 
 
+@pytest.fixture
+def gluon_bwd_calls(gluon_calls, monkeypatch):
+    """As :func:`gluon_calls`, for the Gluon backward: the list its launches are logged in, as
+    ``(q shape, k shape)``."""
+    from biasattn.ops.triton import gluon_backward
+
+    calls = []
+    real = gluon_backward.attn_bwd
+
+    def counted(q, k, *args):
+        real(q, k, *args)
+        calls.append((tuple(q.shape), tuple(k.shape)))
+
+    monkeypatch.setattr(gluon_backward, "attn_bwd", counted)
+    return calls
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("shape", [(1, 4, 4, 1024), (2, 8, 2, 384), (3, 2, 1, 128)], ids=["mha", "gqa4", "mqa"])
-def test_matches_the_reference(gluon_calls, causal, dtype, shape):
+def test_matches_the_reference(gluon_calls, gluon_bwd_calls, causal, dtype, shape):
     B, Hq, Hkv, M = shape
     bias = ba.LowerTriangularMask() if causal else None
     check(*qkv(B=B, Hq=Hq, Hkv=Hkv, Mq=M, Mk=M, D=128, dtype=dtype), const(bias))
     assert gluon_calls and all(c[2] == causal for c in gluon_calls)
+    assert gluon_bwd_calls
 
 
 def _mask(case: str, device):
@@ -83,14 +102,15 @@ MASKS = ["window", "causal_window_rect", "bottom_right_rect", "top_left_rect", "
 
 @pytest.mark.parametrize("case", MASKS)
 @pytest.mark.parametrize("heads", [(2, 2), (4, 1)], ids=["mha", "mqa"])
-def test_masks_match_the_reference(gluon_calls, case, heads):
+def test_masks_match_the_reference(gluon_calls, gluon_bwd_calls, case, heads):
     bias, B, Mq, Mk = _mask(case, "cuda")
     check(*qkv(B=B, Hq=heads[0], Hkv=heads[1], Mq=Mq, Mk=Mk, D=128, dtype=torch.bfloat16), const(bias))
     assert gluon_calls and all(c[2] for c in gluon_calls)
+    assert bool(gluon_bwd_calls) == (not case.startswith("packed"))  # packed documents: triton.language backward
 
 
 @pytest.mark.parametrize("case", ["D64", "fp32", "strided", "dropout", "additive", "block_sparse"])
-def test_other_calls_keep_the_triton_kernels(gluon_calls, case):
+def test_other_calls_keep_the_triton_kernels(gluon_calls, gluon_bwd_calls, case):
     """Calls outside the kernel's tensors and biases run the ``triton.language`` kernels, with the same results."""
     D, M, dtype, bias = 128, 256, torch.bfloat16, None
     if case == "D64":
@@ -109,7 +129,31 @@ def test_other_calls_keep_the_triton_kernels(gluon_calls, case):
         check(q, k, v, lambda add: ba.AdditiveBias(add), torch.randn(1, 2, M, M, device="cuda", dtype=dtype))
     else:
         check(q, k, v, const(bias))
-    assert gluon_calls == []
+    assert gluon_calls == [] and gluon_bwd_calls == []
+
+
+def test_backward_rows_not_a_multiple_of_four_keep_the_triton_kernels(gluon_calls, gluon_bwd_calls):
+    """lse and delta rows go through TMA boxes per head, whose row stride must be a multiple of 16 bytes."""
+    check(*qkv(B=1, Hq=2, Hkv=2, Mq=201, Mk=256, D=128, dtype=torch.bfloat16), const(ba.LowerTriangularMask()))
+    assert gluon_calls and gluon_bwd_calls == []
+
+
+def test_deterministic_runs_keep_the_triton_backward(gluon_calls, gluon_bwd_calls):
+    """The Gluon backward adds dQ tiles in whatever order programs reach them: runs under
+    ``torch.use_deterministic_algorithms`` take the ``triton.language`` backward, bit for bit the same."""
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Mq=512, Mk=512, D=128, dtype=torch.bfloat16)
+    saved = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        grads = []
+        for _ in range(2):
+            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+            ba.attention(qq, kk, vv, ba.LowerTriangularMask(), op="triton").sum().backward()
+            grads.append((qq.grad, kk.grad, vv.grad))
+    finally:
+        torch.use_deterministic_algorithms(saved)
+    assert gluon_calls and gluon_bwd_calls == []
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def _reference(q, k, v, mask):
@@ -160,3 +204,42 @@ def test_keys_no_row_sees_may_hold_nan(gluon_calls, case):
     seen = (~hidden)[:, None, :, None]
     ref, low = _reference(q, torch.where(seen, k, 0.0), torch.where(seen, v, 0.0), mask)
     assert_close("out", out, ref, low)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["padded", "padded_causal"])
+def test_backward_keys_no_row_sees_may_hold_nan(gluon_calls, gluon_bwd_calls, causal):
+    """NaN in K and V past the key lengths reaches no gradient: dK and dV of those keys are 0, dQ is that of
+    the keys the rows see."""
+    B, M = 3, 384
+    lengths = torch.tensor([130, 0, 300], device="cuda")
+    bias = ba.PaddedKeysMask(lengths)
+    keys = torch.arange(M, device="cuda")
+    mask = (keys[None, :] < lengths[:, None])[:, None, None, :].expand(B, 1, M, M)
+    if causal:
+        bias = bias & ba.LowerTriangularMask().to("cuda")
+        mask = mask & torch.ones(M, M, dtype=torch.bool, device="cuda").tril()
+    hidden = (keys[None, :] >= lengths[:, None])[:, None, :, None]
+    q, k, v = qkv(B=B, Hq=4, Hkv=2, Mq=M, Mk=M, D=128, dtype=torch.bfloat16)
+    k, v = (torch.where(hidden, float("nan"), t) for t in (k, v))
+    do = torch.randn(B, 4, M, 128, device="cuda", dtype=torch.bfloat16)
+    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+    ba.attention(qq, kk, vv, bias, op="triton").backward(do)
+    assert gluon_bwd_calls
+    # the reference: hidden keys hold 0; rows that see no key take no part
+    rows = mask.any(-1, keepdim=True)
+    ref_mask, ref_do = mask | ~rows, torch.where(rows, do, 0.0)
+    grads = []
+    for dt in (torch.float64, torch.bfloat16):
+        ins = [t.detach().nan_to_num(0.0).to(dt).requires_grad_() for t in (q, k, v)]
+        with sdpa_kernel(SDPBackend.MATH):
+            o = torch.nn.functional.scaled_dot_product_attention(*ins, attn_mask=ref_mask, enable_gqa=True)
+        grads.append(torch.autograd.grad(o, ins, ref_do.to(dt)))
+    # delta comes from the output rounded to bf16, as in every flash backward (test_triton.check)
+    seen = [t.detach().nan_to_num(0.0).double() for t in (q, k, v)]
+    r_out, r_lse = ba.attention_with_lse(*seen, bias, op="reference")
+    out = ba.attention(q, k, v, bias, op="triton")
+    moved = _delta_rounding(q, seen[1], make_inputs(*seen, bias), r_out, r_lse, out, ref_do, None)
+    for name, got, ref, low, factor, m in zip(("dq", "dk", "dv"), (qq.grad, kk.grad, vv.grad), *grads, (3.0, 2.0, 2.0),
+                                             (moved[0], moved[1], 0.0)):
+        assert_close(name, got, ref, low, factor=factor, flash_err=m)
+    assert (kk.grad[hidden.expand_as(kk.grad)] == 0).all() and (vv.grad[hidden.expand_as(vv.grad)] == 0).all()

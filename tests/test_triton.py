@@ -1029,20 +1029,23 @@ def test_program_order_keeps_results(triton_options, monkeypatch, waves):
     check(*qkv(B=2, Hq=4, Hkv=2, Mq=40, Mk=29), const(ba.LocalAttentionMask(7, 3)))
 
 
-def test_the_gluon_forward_is_imported_on_sm90_gpus_only():
-    """A call the Gluon forward would take on an sm_90 GPU (D=128, a causal mask) runs the
-    ``triton.language`` kernels elsewhere, without importing the Gluon module (its language needs the GPU's Triton)."""
+def test_the_gluon_kernels_are_imported_on_sm90_gpus_only():
+    """A call the Gluon forward and backward would take on an sm_90 GPU (D=128, a causal mask) runs the
+    ``triton.language`` kernels elsewhere, without importing the Gluon modules (their language needs the GPU's
+    Triton)."""
     import sys
 
     from biasattn.bias.spec import lower
-    from biasattn.ops.triton import flash
+    from biasattn.ops.triton import flash, flash_bwd
 
     if DEVICE != "cpu":
         pytest.skip("checked where no sm_90 GPU runs the call")
-    q, k, v = qkv(B=1, Hq=1, Hkv=1, Mq=128, Mk=128, D=128, dtype=torch.float16)
-    assert lower(ba.LowerTriangularMask(), 1, 1, 128, 128).features <= flash.GLUON_FEATURES
-    check(q, k, v, const(ba.LowerTriangularMask()), grads=False)
+    q, k, v = qkv(B=1, Hq=1, Hkv=1, Mq=64, Mk=64, D=128, dtype=torch.float16)
+    features = lower(ba.LowerTriangularMask(), 1, 1, 64, 64).features
+    assert features <= flash.GLUON_FEATURES and features <= flash_bwd.GLUON_FEATURES
+    check(q, k, v, const(ba.LowerTriangularMask()))
     assert "biasattn.ops.triton.gluon_forward" not in sys.modules
+    assert "biasattn.ops.triton.gluon_backward" not in sys.modules
 
 
 def test_rows_seeing_few_keys_keep_the_short_tiles_off_the_gluon_forward():
@@ -1088,3 +1091,31 @@ def test_a_triton_whose_gluon_cannot_build_the_forward_falls_back(monkeypatch):
     with pytest.warns(RuntimeWarning, match="Gluon forward does not build .*no such layout"):
         check(q, k, v, const(ba.LowerTriangularMask()), grads=False)
     assert flash._gluon_failure == ["CompilationError: no such layout"]
+
+
+def test_a_triton_whose_gluon_cannot_build_the_backward_falls_back(monkeypatch):
+    """The same for the Gluon backward: the ``triton.language`` kernels compute the gradients, and a warning
+    says why once a process; the forward is not affected."""
+    import ast
+    import sys
+    import types
+
+    from triton.compiler.errors import CompilationError
+
+    import biasattn.ops.triton as package
+    from biasattn.ops.triton import flash, flash_bwd
+
+    def attn_bwd(*args):
+        raise CompilationError("x = 1", ast.parse("x = 1").body[0], "no such layout")
+
+    fake = types.ModuleType("biasattn.ops.triton.gluon_backward")
+    fake.attn_bwd = attn_bwd
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    monkeypatch.setattr(package, "gluon_backward", fake, raising=False)
+    monkeypatch.setattr(flash_bwd, "_gluon_runs", lambda *args: True)  # as on an sm_90 GPU
+    monkeypatch.setattr(flash_bwd, "_gluon_failure", [])
+    q, k, v = qkv(B=1, Hq=1, Hkv=1, Mq=64, Mk=64, D=128, dtype=torch.float16)
+    with pytest.warns(RuntimeWarning, match="Gluon backward does not build .*no such layout"):
+        check(q, k, v, const(ba.LowerTriangularMask()))
+    assert flash_bwd._gluon_failure == ["CompilationError: no such layout"]
+    assert flash._gluon_failure == []

@@ -399,16 +399,18 @@ def _gluon_span(spec: BiasSpec, Mq: int, Mk: int) -> bool:
     return "short_span" not in _span_features(spec, Mq, Mk)
 
 
-def _gluon_fails(error: Exception) -> None:
-    """Keep every later forward on the ``triton.language`` kernels, and say why once."""
+def _gluon_fails(error: Exception, failures: list[str] | None = None, what: str = "forward") -> None:
+    """Keep every later ``what`` (forward or backward) on the ``triton.language`` kernels by noting the
+    error in ``failures`` (the forward's list by default), and say why once."""
     import warnings
 
     import triton
 
+    failures = _gluon_failure if failures is None else failures
     text = str(error).strip().splitlines()
-    _gluon_failure.append(f"{type(error).__name__}: {text[-1][:300] if text else ''}")
-    warnings.warn(f"biasattn: the Gluon forward does not build with triton {triton.__version__} ({_gluon_failure[0]}); "
-                  "every forward runs the triton.language kernels instead", RuntimeWarning, stacklevel=3)
+    failures.append(f"{type(error).__name__}: {text[-1][:300] if text else ''}")
+    warnings.warn(f"biasattn: the Gluon {what} does not build with triton {triton.__version__} ({failures[0]}); "
+                  f"every {what} runs the triton.language kernels instead", RuntimeWarning, stacklevel=3)
 
 
 def _gluon_fwd(q, k, v, out, lse, spec: BiasSpec, qk_scale: float, seed: int) -> bool:

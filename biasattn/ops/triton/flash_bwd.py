@@ -12,7 +12,7 @@ import contextlib
 import torch
 
 from ...bias.spec import BiasSpec
-from ..common import cdiv, head_tiles, reduce_to, slice_span
+from ..common import cdiv, cuda_capability, head_tiles, reduce_to, slice_span
 from . import configs, flash, options, plans, schedule
 from .bwd_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from .dbias_kernels import _attn_bwd_dbias_kernel, _attn_bwd_dq_from_ds_kernel
@@ -27,6 +27,7 @@ from .flash import (
     _plan_key,
     _span_features,
     _spec_args,
+    computed_scores,
     dropout_args,
 )
 from .launch import direct
@@ -89,6 +90,67 @@ def _tables(spec: BiasSpec, blocks: tuple[int, int], device, roles: tuple) -> tu
         (schedule.key_schedule(spec, bn, device).table,) if bn else ())
 
 
+GLUON_FEATURES = frozenset({"padded_keys", "band"})  # the masks the Gluon backward takes
+_gluon_failure: list[str] = []  # why the Gluon backward cannot run with the installed Triton, once known
+
+
+def _gluon_runs(q, k, v, dout, lse, spec: BiasSpec, need_dbias: bool, dropout_p: float) -> bool:
+    """Whether the Gluon backward takes the call: the ``gluon_backward`` option, an sm_90 GPU, a Triton whose
+    Gluon builds the kernel, a bias of :data:`GLUON_FEATURES` only, no dropout and no bias gradient, runs
+    that need not be deterministic (its dQ adds tiles in any order), at least ``gluon_min_scores`` scores,
+    rows that see many keys (:func:`~.flash._gluon_span`) and the kernel's tensors
+    (:func:`.gluon_backward.eligible`). The module is imported on the first call that gets this far."""
+    opts = options.current()
+    if (not opts.gluon_backward or _gluon_failure or flash.INTERPRETED or q.device.type != "cuda" or dropout_p > 0
+            or need_dbias or not spec.features <= GLUON_FEATURES or torch.are_deterministic_algorithms_enabled()
+            or cuda_capability(q.device)[0] != 9):
+        return False
+    B, H, Mq, _ = q.shape
+    Mk = k.shape[2]
+    if computed_scores(spec, B, H, Mq, Mk) < opts.gluon_min_scores or not flash._gluon_span(spec, Mq, Mk):
+        return False
+    try:
+        from . import gluon_backward
+    except Exception as e:  # a Triton without Gluon, or whose Gluon lacks what the kernel uses
+        flash._gluon_fails(e, _gluon_failure, "backward")
+        return False
+    return gluon_backward.eligible(q, k, v, dout, lse)
+
+
+def _delta(out, dout, dlse: torch.Tensor | None, delta: torch.Tensor, f32: torch.Tensor, hdv: int) -> None:
+    """``delta = rowsum(dout * out) - dlse`` (float32 ``[B, H, Mq]``); ``f32`` a dummy for an absent ``dlse``,
+    ``hdv`` the kernels' tile of value rows."""
+    B, H, Mq, Dv = out.shape
+    pre_bm = 16 if flash.INTERPRETED else 64
+    _preprocess[(cdiv(Mq, pre_bm), B * H)](
+        out, dout, dlse if dlse is not None else f32, delta, *out.stride(), *dout.stride(), H, Mq, Dv,
+        BLOCK_M=pre_bm, HEAD_DIM_V=hdv, HAS_DLSE=dlse is not None,
+    )
+
+
+def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, dq, dk, dv) -> bool:
+    """Write ``dq``, ``dk`` and ``dv`` with the Gluon backward; False (nothing written) when the installed
+    Triton cannot build the kernel."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    from . import gluon_backward
+
+    args = _spec_args(spec, q.device)
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
+    _delta(out, dout, dlse.to(torch.float32).contiguous() if dlse is not None else None, delta, args.f32, 128)
+    dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    try:
+        gluon_backward.attn_bwd(q, k, v, dout, lse, delta, dq32, dk, dv, scale,
+                                (args.kv, args.band_lo, args.band_hi),
+                                dict(HAS_PADDED=args.has_padded, HAS_BAND=args.has_band))
+    except (CompilationError, OutOfResources) as e:
+        flash._gluon_fails(e, _gluon_failure, "backward")
+        return False
+    dq.copy_(dq32)
+    return True
+
+
 def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_dbias: bool,
              dropout_p: float = 0.0, seed: int = 0):
     """``(dq, dk, dv, dadditive or None)``; ``dlse`` (or None) enters as ``delta = rowsum(dout * out) - dlse``.
@@ -106,6 +168,11 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         dq.zero_(), dk.zero_(), dv.zero_()
         return dq, dk, dv, (torch.zeros_like(add) if need_dbias else None)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    if D == 128 and Dv == 128:
+        dense = dout.contiguous()
+        if (_gluon_runs(q, k, v, dense, lse, spec, need_dbias, dropout_p)
+                and _gluon_bwd(q, k, v, out, lse, dense, dlse, spec, scale, dq, dk, dv)):
+            return dq, dk, dv, None
     delta = q.new_empty((B, H, Mq), dtype=torch.float32)
     plannable = dlse is None and not need_dbias and dropout_p == 0
     key = _plan_key("bwd", (q, k, v, out, lse, dout), spec) if plannable else None
@@ -239,11 +306,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
 
     with plans.recording() as rec:
         if not fused_delta:
-            pre_bm = 16 if flash.INTERPRETED else 64
-            _preprocess[(cdiv(Mq, pre_bm), B * H)](
-                out, dout, dlse_t, delta, *out.stride(), *dout.stride(), H, Mq, Dv,
-                BLOCK_M=pre_bm, HEAD_DIM_V=hdv, HAS_DLSE=dlse is not None,
-            )
+            _delta(out, dout, dlse_t if dlse is not None else None, delta, args.f32, hdv)
         hmax = max(hd, hdv)
         if concurrent:
             # dK/dV and dQ depend only on what is queued so far: fork dQ to a side stream and join it

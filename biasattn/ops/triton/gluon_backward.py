@@ -1,0 +1,345 @@
+"""The backward at head dim 128 on Hopper, warp-specialized in Gluon: no bias, causal masks, windows and
+padded keys, MHA and GQA.
+
+A program owns 128 keys of one KV head and walks the 64-row query tiles that see them, for every
+query head of the group. A loader warp brings the program's K and V once, then Q, dO, lse and delta
+tile by tile through a ring of two stages (TMA copies and mbarriers). Two consumer warpgroups each
+own 64 of the keys. Per tile each computes ``S^T = K Q^T`` and ``dP^T = V dO^T``, then ``P^T`` and
+``dS^T``, and accumulates ``dV += P^T dO`` and ``dK += dS^T Q`` in registers. dQ takes no extra
+matmul of S: each warpgroup stores its half of ``dS^T`` in shared memory, and once both halves are
+there each computes 64 columns of ``dS K`` over the 128 keys and adds them to a float32 dQ in global
+memory by TMA reductions (``cp.reduce.async.bulk``). It does so one tile late, so the two warpgroups
+rarely wait for each other (``docs/design.md``, "Backwards at D=128 on Hopper: dQ by TMA reductions").
+
+The reductions add in whatever order the programs reach a tile, so dQ may differ in its last bits
+from one run to the next; the caller keeps deterministic runs on the ``triton.language`` kernels.
+
+Masks are intervals of keys per query row, as in the forward (:mod:`.gluon_forward`): a program
+walks only the query tiles whose rows see some of its keys, and masks ``P`` only on the tiles at the
+edges of that range. Keys no row sees (past a key length) are zeroed in shared memory once, so a NaN
+there (an uninitialized cache) reaches no gradient. Tiles past the end of a head read zeros and write
+nothing: the descriptors are per head (``[B·H, M, D]``).
+
+:func:`eligible` says which tensors it takes: fp16/bf16, D = Dv = 128, contiguous ``[B, H, M, D]``
+tensors. This module is imported on the first call that may use it.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .gluon_forward import _key_bounds
+
+ROWS = 64  # query rows per tile
+HALF = 64  # keys per consumer warpgroup
+BLOCK_N = 2 * HALF  # keys per program
+DQ_COLS = 32  # columns of one dQ reduction: 128 bytes of float32, one swizzled TMA box
+RING = 2  # Q/dO tiles in flight
+CONSUMER_REGS = 232  # registers per consumer thread (the loader warp takes 24)
+LOG2E = gl.constexpr(1.4426950408889634)
+_ROWS, _HALF, _BLOCK_N, _DQ_COLS, _RING = (gl.constexpr(x) for x in (ROWS, HALF, BLOCK_N, DQ_COLS, RING))  # in kernels
+
+if hasattr(tma, "async_atomic_add"):  # newer Triton names the TMA reduction
+    _tma_add = tma.async_atomic_add
+else:
+    from triton._C.libtriton import ir as _ir
+    from triton.experimental.gluon.language._core import builtin
+
+    @builtin
+    def _tma_add(tensor_desc, coord, src, _semantic=None):
+        """Add the shared tile ``src`` into global memory at ``coord`` through a TMA reduction."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+
+
+@gluon.jit
+def _load(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, kv_bar,
+          ready, empty, prog):
+    bh_k, bh_q, n0, lo, n_tiles, n_head, a, e, key_lo, key_hi, band_lo, band_hi = prog
+    mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
+    for h in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [bh_k, n0 + h * _HALF, 0], kv_bar, k_smem.index(h))
+        tma.async_copy_global_to_shared(v_desc, [bh_k, n0 + h * _HALF, 0], kv_bar, v_smem.index(h))
+    for t in range(n_tiles):
+        s = t % _RING
+        mbarrier.wait(empty.index(s), ((t // _RING) & 1) ^ 1)
+        rb = ready.index(s)
+        mbarrier.expect(rb, 2 * q_desc.block_type.nbytes + 2 * l_desc.block_type.nbytes)
+        bh, m0 = bh_q + t // n_head, lo + (t % n_head) * _ROWS
+        tma.async_copy_global_to_shared(q_desc, [bh, m0, 0], rb, q_bufs.index(s))
+        tma.async_copy_global_to_shared(do_desc, [bh, m0, 0], rb, do_bufs.index(s))
+        tma.async_copy_global_to_shared(l_desc, [bh, m0], rb, l_bufs.index(s))
+        tma.async_copy_global_to_shared(d_desc, [bh, m0], rb, d_bufs.index(s))
+
+
+@gluon.jit
+def _zero_hidden(buf, k0, key_lo, key_hi):
+    """Rows of a ``[1, keys, D]`` shared tile (keys from ``k0``) outside ``[key_lo, key_hi)`` set to zero."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [1, 4, 1], [2, 1, 0])
+    x = buf.load(layout)
+    keys = k0 + gl.arange(0, buf.type.shape[1], layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+    keep = ((keys >= key_lo) & (keys < key_hi))[None, :, None]
+    buf.store(gl.where(keep, x, 0.0).to(x.dtype))
+
+
+@gluon.jit
+def _flat(buf):
+    """A ``[1, rows, cols]`` shared tile (a per-head TMA box) as ``[rows, cols]``."""
+    return buf.reshape([buf.type.shape[1], buf.type.shape[2]])
+
+
+@gluon.jit
+def _dq_part(ds_smem, k_smem, dq_smem, dq_desc, buf, bh, m0, zero_q, sm_scale, PART: gl.constexpr, C: gl.constexpr):
+    """Add columns ``[64 PART + 32 C, +32)`` of ``dS K`` of the tile whose ``dS^T`` halves are in ``buf``."""
+    col: gl.constexpr = PART * _HALF + C * _DQ_COLS
+    dq = warpgroup_mma(ds_smem.index(2 * buf).permute((1, 0)), _flat(k_smem.index(0)).slice(col, _DQ_COLS, dim=1),
+                       zero_q, use_acc=False, is_async=True)
+    dq = warpgroup_mma(ds_smem.index(2 * buf + 1).permute((1, 0)),
+                       _flat(k_smem.index(1)).slice(col, _DQ_COLS, dim=1), dq, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+    tma.store_wait(1)  # the reduction that last read this buffer is done
+    gl.thread_barrier()
+    out = dq_smem.index(2 * PART + C)
+    _flat(out).store(dq * sm_scale)
+    fence_async_shared()
+    gl.thread_barrier()
+    _tma_add(dq_desc, [bh, m0, col], out)
+
+
+@gluon.jit
+def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, bars, dq_desc, DK, DV, prog, qk_scale,
+             sm_scale, Mq, Mk, MASKED: gl.constexpr, PART: gl.constexpr):
+    kv_bar, ready, empty, ds_bar = bars
+    bh_k, bh_q, n0, lo, n_tiles, n_head, a, e, key_lo, key_hi, band_lo, band_hi = prog
+    D: gl.constexpr = k_smem.type.shape[3]
+    dtype: gl.constexpr = k_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _ROWS, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, _DQ_COLS, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    k_w = k_smem.index(PART)
+    v_w = v_smem.index(PART)
+    k0 = n0 + PART * _HALF
+    zero_s = gl.zeros([_HALF, _ROWS], gl.float32, layout=s_layout)
+    zero_q = gl.zeros([_ROWS, _DQ_COLS], gl.float32, layout=q_layout)
+    dv = gl.zeros([_HALF, D], gl.float32, layout=o_layout)
+    dk = gl.zeros([_HALF, D], gl.float32, layout=o_layout)
+    mbarrier.wait(kv_bar, 0)
+    if MASKED:
+        if (k0 < key_lo) | (k0 + _HALF > key_hi):  # keys no row sees: their values may be anything
+            _zero_hidden(k_w, k0, key_lo, key_hi)
+            _zero_hidden(v_w, k0, key_lo, key_hi)
+            fence_async_shared()
+        gl.thread_barrier()
+    k_w = _flat(k_w)
+    v_w = _flat(v_w)
+    bh_prev = bh_q
+    m_prev = lo
+    for t in range(n_tiles):
+        s = t % _RING
+        mbarrier.wait(ready.index(s), (t // _RING) & 1)
+        q = _flat(q_bufs.index(s))
+        do = _flat(do_bufs.index(s))
+        i = t % n_head
+        bh, m0 = bh_q + t // n_head, lo + i * _ROWS
+        st = warpgroup_mma(k_w, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_w, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+        lse = l_bufs.index(s).reshape([_ROWS]).load(col_s) * LOG2E
+        pt = gl.exp2(st * qk_scale - lse[None, :])
+        if MASKED:
+            if (i < a) | (i >= e):
+                keys = k0 + gl.arange(0, _HALF, layout=row_s)
+                rows = m0 + gl.arange(0, _ROWS, layout=col_s)
+                d = keys[:, None] - rows[None, :]
+                vis = (d >= band_lo) & (d <= band_hi) & (keys >= key_lo)[:, None] & (keys < key_hi)[:, None]
+                pt = gl.where(vis & (rows < Mq)[None, :], pt, 0.0)
+        dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
+        delta = d_bufs.index(s).reshape([_ROWS]).load(col_s)
+        ds = (pt * (dpt - delta[None, :])).to(dtype)
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
+        dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q, dk, is_async=True)
+        prev = (t + 1) % 2  # dQ of the previous tile, whose dS^T halves are both stored by now
+        if t > 0:
+            mbarrier.wait(ds_bar.index(prev), ((t - 1) // 2) & 1)
+            _dq_part(ds_smem, k_smem, dq_smem, dq_desc, prev, bh_prev, m_prev, zero_q, sm_scale, PART, 0)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        mbarrier.arrive(empty.index(s), count=1)
+        if t > 0:
+            _dq_part(ds_smem, k_smem, dq_smem, dq_desc, prev, bh_prev, m_prev, zero_q, sm_scale, PART, 1)
+        ds_smem.index(2 * (t % 2) + PART).store(ds)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ds_bar.index(t % 2), count=1)
+        bh_prev = bh
+        m_prev = m0
+    if n_tiles > 0:
+        last = (n_tiles - 1) % 2
+        mbarrier.wait(ds_bar.index(last), ((n_tiles - 1) // 2) & 1)
+        _dq_part(ds_smem, k_smem, dq_smem, dq_desc, last, bh_prev, m_prev, zero_q, sm_scale, PART, 0)
+        _dq_part(ds_smem, k_smem, dq_smem, dq_desc, last, bh_prev, m_prev, zero_q, sm_scale, PART, 1)
+    tma.store_wait(0)
+    dims = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    keys_o = k0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, o_layout))
+    offs = (bh_k.to(gl.int64) * Mk + keys_o)[:, None] * D + dims[None, :]
+    keep = (keys_o < Mk)[:, None]
+    gl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
+    gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=keep)
+
+
+@gluon.jit
+def _first(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, bars, DK, DV, prog, qk_scale, sm_scale, Mq,
+           Mk):
+    _consume(*smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, False, 0)
+
+
+@gluon.jit
+def _second(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, bars, DK, DV, prog, qk_scale, sm_scale,
+            Mq, Mk):
+    _consume(*smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, False, 1)
+
+
+@gluon.jit
+def _first_masked(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, bars, DK, DV, prog, qk_scale,
+                  sm_scale, Mq, Mk):
+    _consume(*smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, True, 0)
+
+
+@gluon.jit
+def _second_masked(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, bars, DK, DV, prog, qk_scale,
+                   sm_scale, Mq, Mk):
+    _consume(*smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, True, 1)
+
+
+@gluon.jit
+def _loader(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, bars, DK, DV, prog, qk_scale, sm_scale,
+            Mq, Mk):
+    k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem = smem
+    _load(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, bars[0],
+          bars[1], bars[2], prog)
+
+
+@gluon.jit
+def _row_span(n0, Mq, bounds, MASKED: gl.constexpr):
+    """``(first row, query tiles, a, e)`` of keys ``[n0, n0 + 128)``: the tiles of 64 rows from ``first row``
+    that see some of them, of which tiles ``[a, e)`` see them all. ``bounds`` as in :func:`_key_bounds`:
+    row ``i`` sees key ``j`` when ``key_lo <= j < key_hi`` and ``band_lo <= j - i <= band_hi``."""
+    if MASKED:
+        key_lo, key_hi, band_lo, band_hi = bounds
+        first = gl.maximum(n0, key_lo)  # the keys some row may see: [first, last]
+        last = gl.minimum(n0 + _BLOCK_N, key_hi) - 1
+        lo = gl.maximum(first - band_hi, 0) // _ROWS * _ROWS
+        hi = gl.minimum(last - band_lo + 1, Mq)
+        n = gl.where((first <= last) & (lo < hi), gl.cdiv(gl.maximum(hi - lo, 0), _ROWS), 0)
+        inside = (n0 >= key_lo) & (n0 + _BLOCK_N <= key_hi)
+        full_lo = gl.maximum(n0 + _BLOCK_N - 1 - band_hi, 0)  # rows that see every key: [full_lo, full_hi)
+        full_hi = gl.minimum(n0 - band_lo + 1, Mq)
+        a = gl.where(inside, gl.minimum(gl.cdiv(gl.maximum(full_lo - lo, 0), _ROWS), n), n)
+        e = gl.minimum(gl.maximum(gl.maximum(full_hi - lo, 0) // _ROWS, a), n)
+        lo = gl.where(n > 0, lo, 0)
+    else:
+        lo = gl.to_tensor(0)
+        n = gl.to_tensor(Mq // _ROWS)
+        a = gl.to_tensor(0)
+        e = n
+    return lo, n, a, e
+
+
+@gluon.jit
+def _attn_bwd_ws_kernel(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, DK, DV, KvLens, BandLo, BandHi, Hkv,
+                        G, Mq, Mk, qk_scale, sm_scale, REGS: gl.constexpr, MASKED: gl.constexpr,
+                        HAS_PADDED: gl.constexpr, HAS_BAND: gl.constexpr):
+    """Grid ``(key tiles of 128, B * Hkv)``. Q, dO and dQ (float32, zeroed) are ``[B·H, Mq, 128]`` descriptors,
+    lse (natural log) and delta ``[B·H, Mq]``, K and V ``[B·Hkv, Mk, 128]`` (``G`` query heads per KV head);
+    writes dK and dV (``[B, Hkv, Mk, 128]``, contiguous) and adds into dQ. Without ``MASKED``, Mq is a
+    multiple of 64, Mk of 128, and every row sees every key."""
+    dtype: gl.constexpr = k_desc.dtype
+    n0 = gl.program_id(0) * _BLOCK_N
+    bh_k = gl.program_id(1)  # (batch row, KV head)
+    b = bh_k // Hkv
+    bounds = _key_bounds(0, b, Mk, KvLens, KvLens, KvLens, BandLo, BandHi, False, HAS_PADDED, HAS_BAND, False)
+    lo, n_head, a, e = _row_span(n0, Mq, bounds, MASKED)
+    k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [_RING] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [_RING] + q_desc.block_type.shape, q_desc.layout)
+    l_bufs = gl.allocate_shared_memory(gl.float32, [_RING] + l_desc.block_type.shape, l_desc.layout)
+    d_bufs = gl.allocate_shared_memory(gl.float32, [_RING] + l_desc.block_type.shape, l_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HALF, _ROWS], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [4, _HALF, _ROWS], ds_layout)  # two tiles of two halves
+    dq_smem = gl.allocate_shared_memory(gl.float32, [4] + dq_desc.block_type.shape, dq_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [_RING, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [_RING, 1], mbarrier.MBarrierLayout())
+    ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(_RING):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_bar.index(i), count=2)
+    bh_q = b * Hkv * G + (bh_k % Hkv) * G  # the group's first query head
+    prog = (bh_k, bh_q, n0, lo, n_head * G, n_head, a, e) + bounds
+    smem = (k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem)
+    args = (k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, (kv_bar, ready, empty, ds_bar), DK, DV,
+            prog, qk_scale, sm_scale, Mq, Mk)
+    if MASKED:
+        gl.warp_specialize([(_first_masked, args), (_second_masked, args), (_loader, args)], [4, 1], [REGS, 24])
+    else:
+        gl.warp_specialize([(_first, args), (_second, args), (_loader, args)], [4, 1], [REGS, 24])
+
+
+def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor) -> bool:
+    """Whether this kernel can run a backward on these tensors (see the module doc; the caller checks the
+    device, the bias, dropout, determinism and the size)."""
+    B, H, Mq, D = q.shape
+    Mk = k.shape[2]
+    if D != 128 or k.shape[3] != 128 or v.shape[3] != 128 or min(Mq, Mk) == 0:
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if not all(t.is_contiguous() for t in (q, k, v, dout, lse)) or B * H * Mq >= 2**31 or B * k.shape[1] * Mk >= 2**31:
+        return False
+    return all(t.data_ptr() % 16 == 0 for t in (q, k, v, dout, lse)) and Mq % 4 == 0
+
+
+def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A TMA descriptor of ``t`` viewed as ``[heads, rows(, D)]`` with boxes of ``block``."""
+    shape = [t.shape[0] * t.shape[1]] + list(t.shape[2:])
+    view = t.view(shape)
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[t.dtype]
+    if len(block) == 2:  # lse, delta: rows of float32, unswizzled
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    else:
+        layout = gl.NVMMASharedLayout.get_default_for(block, gdt)
+    return TensorDescriptor(view, shape, list(view.stride()), block, layout)
+
+
+def attn_bwd(q, k, v, dout, lse, delta, dq32, dk, dv, scale: float, bounds: tuple, switches: dict) -> None:
+    """Write ``dk`` and ``dv`` and add ``dq`` into ``dq32`` (float32, zeroed) of an :func:`eligible` call;
+    ``lse`` natural log and ``delta = rowsum(dout * out) - dlse`` (float32 ``[B, H, Mq]``); ``bounds`` the int32
+    tensors ``(kv_seqlens, band_lo, band_hi)`` and ``switches`` the ``HAS_PADDED`` and ``HAS_BAND`` flags."""
+    B, H, Mq, D = q.shape
+    Hkv, Mk = k.shape[1], k.shape[2]
+    masked = any(switches.values()) or Mq % ROWS != 0 or Mk % BLOCK_N != 0
+    descs = (_descriptor(k, [1, HALF, D]), _descriptor(v, [1, HALF, D]), _descriptor(q, [1, ROWS, D]),
+             _descriptor(dout, [1, ROWS, D]), _descriptor(lse, [1, ROWS]), _descriptor(delta, [1, ROWS]),
+             _descriptor(dq32, [1, ROWS, DQ_COLS]))
+    _attn_bwd_ws_kernel[(-(-Mk // BLOCK_N), B * Hkv)](
+        *descs, dk, dv, *bounds, Hkv, H // Hkv, Mq, Mk, scale * 1.4426950408889634, scale, CONSUMER_REGS, masked,
+        **switches, num_warps=4,
+    )
