@@ -52,7 +52,7 @@ class TritonOperator(Operator):
     SUPPORTS_BIAS_GRAD = True
     SUPPORTS_GQA = True
     SUPPORTS_LSE = True
-    DETERMINISTIC = True
+    DETERMINISTIC = True  # under torch.use_deterministic_algorithms(True); the Gluon backward yields then
     POSITIVE_SCALE_ONLY = True  # row maxima are taken before scaling (the scale is applied inside exp2)
     SUPPORTS_EMPTY = True
     DEVICE_SEGMENTS = True

@@ -45,7 +45,7 @@ HALF = 64  # keys per consumer warpgroup
 BLOCK_N = 2 * HALF  # keys per program
 DQ_COLS = 32  # columns of one dQ reduction: 128 bytes of float32, one swizzled TMA box
 RING = 2  # Q/dO tiles in flight
-CONSUMER_REGS = 232  # registers per consumer thread (the loader warp takes 24)
+CONSUMER_REGS = {False: 240, True: 232}  # registers per consumer thread, unmasked / masked (the loader warp takes 24)
 LOG2E = gl.constexpr(1.4426950408889634)
 _ROWS, _HALF, _BLOCK_N, _DQ_COLS, _RING = (gl.constexpr(x) for x in (ROWS, HALF, BLOCK_N, DQ_COLS, RING))  # in kernels
 
@@ -340,6 +340,6 @@ def attn_bwd(q, k, v, dout, lse, delta, dq32, dk, dv, scale: float, bounds: tupl
              _descriptor(dout, [1, ROWS, D]), _descriptor(lse, [1, ROWS]), _descriptor(delta, [1, ROWS]),
              _descriptor(dq32, [1, ROWS, DQ_COLS]))
     _attn_bwd_ws_kernel[(-(-Mk // BLOCK_N), B * Hkv)](
-        *descs, dk, dv, *bounds, Hkv, H // Hkv, Mq, Mk, scale * 1.4426950408889634, scale, CONSUMER_REGS, masked,
+        *descs, dk, dv, *bounds, Hkv, H // Hkv, Mq, Mk, scale * 1.4426950408889634, scale, CONSUMER_REGS[masked], masked,
         **switches, num_warps=4,
     )
