@@ -225,21 +225,55 @@ def test_backward_keys_no_row_sees_may_hold_nan(gluon_calls, gluon_bwd_calls, ca
     qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
     ba.attention(qq, kk, vv, bias, op="triton").backward(do)
     assert gluon_bwd_calls
-    # the reference: hidden keys hold 0; rows that see no key take no part
+    ref, low, moved = _reference_gradients(q, k.nan_to_num(0.0), v.nan_to_num(0.0), bias, mask, do)
+    for name, got, r, lo, factor, m in zip(("dq", "dk", "dv"), (qq.grad, kk.grad, vv.grad), ref, low, (3.0, 2.0, 2.0),
+                                           moved):
+        assert_close(name, got, r, lo, factor=factor, flash_err=m)
+    assert (kk.grad[hidden.expand_as(kk.grad)] == 0).all() and (vv.grad[hidden.expand_as(vv.grad)] == 0).all()
+
+
+@pytest.mark.parametrize("which", ["key", "value"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("case", ["causal", "window"])
+def test_backward_a_hidden_key_or_value_reaches_no_row_that_cannot_see_it(gluon_calls, gluon_bwd_calls, case, value,
+                                                                          which):
+    """A NaN or inf in a key or value that the band hides from some rows leaves their dQ as with the clean
+    inputs: dS is 0 where P is, and K's non-finite elements are zeroed for ``dS K`` (tests/test_poison.py
+    holds the ``triton.language`` kernels to the same rule)."""
+    M, j = 384, 200
+    i, jj = torch.arange(M, device="cuda")[:, None], torch.arange(M, device="cuda")[None, :]
+    if case == "causal":
+        bias, mask = ba.LowerTriangularMask(), jj <= i
+    else:
+        bias, mask = ba.LocalAttentionMask(window_left=100, window_right=30), (jj - i >= -100) & (jj - i <= 30)
+    q, k, v = qkv(B=1, Hq=4, Hkv=2, Mq=M, Mk=M, D=128, dtype=torch.bfloat16)
+    do = torch.randn(1, 4, M, 128, device="cuda", dtype=torch.bfloat16)
+    pk, pv = k.clone(), v.clone()
+    (pk if which == "key" else pv)[:, :, j] = value
+    leaves = [t.detach().requires_grad_() for t in (q, pk, pv)]
+    out = ba.attention(*leaves, bias.to("cuda"), op="triton")
+    (dq,) = torch.autograd.grad((torch.where(torch.isfinite(out), out, 0.0) * do).sum(), leaves[:1])
+    assert gluon_bwd_calls
+    rows = ~mask[:, j]  # the rows that cannot see key j
+    ref, low, moved = _reference_gradients(q, k, v, bias.to("cuda"), mask[None, None], do)
+    assert_close("dq", dq[:, :, rows], ref[0][:, :, rows], low[0][:, :, rows], factor=3.0, flash_err=moved[0])
+
+
+def _reference_gradients(q, k, v, bias, mask, do):
+    """``(float64 grads, bf16 grads, (moved dq, moved dk, 0))`` of math SDPA on finite ``q, k, v`` under the dense
+    boolean ``mask`` (which ``bias`` expresses), against the output gradient ``do``; rows that see no key take
+    no part. ``moved``: how far taking delta from the bf16 output moves dq and dk, as in every flash backward
+    (test_triton.check)."""
     rows = mask.any(-1, keepdim=True)
     ref_mask, ref_do = mask | ~rows, torch.where(rows, do, 0.0)
     grads = []
     for dt in (torch.float64, torch.bfloat16):
-        ins = [t.detach().nan_to_num(0.0).to(dt).requires_grad_() for t in (q, k, v)]
+        ins = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
         with sdpa_kernel(SDPBackend.MATH):
             o = torch.nn.functional.scaled_dot_product_attention(*ins, attn_mask=ref_mask, enable_gqa=True)
         grads.append(torch.autograd.grad(o, ins, ref_do.to(dt)))
-    # delta comes from the output rounded to bf16, as in every flash backward (test_triton.check)
-    seen = [t.detach().nan_to_num(0.0).double() for t in (q, k, v)]
-    r_out, r_lse = ba.attention_with_lse(*seen, bias, op="reference")
+    exact = [t.detach().double() for t in (q, k, v)]
+    r_out, r_lse = ba.attention_with_lse(*exact, bias, op="reference")
     out = ba.attention(q, k, v, bias, op="triton")
-    moved = _delta_rounding(q, seen[1], make_inputs(*seen, bias), r_out, r_lse, out, ref_do, None)
-    for name, got, ref, low, factor, m in zip(("dq", "dk", "dv"), (qq.grad, kk.grad, vv.grad), *grads, (3.0, 2.0, 2.0),
-                                             (moved[0], moved[1], 0.0)):
-        assert_close(name, got, ref, low, factor=factor, flash_err=m)
-    assert (kk.grad[hidden.expand_as(kk.grad)] == 0).all() and (vv.grad[hidden.expand_as(vv.grad)] == 0).all()
+    moved = _delta_rounding(q, exact[1], make_inputs(*exact, bias), r_out, r_lse, out, ref_do, None)
+    return grads[0], grads[1], (moved[0], moved[1], 0.0)

@@ -16,9 +16,11 @@ from one run to the next; the caller keeps deterministic runs on the ``triton.la
 
 Masks are intervals of keys per query row, as in the forward (:mod:`.gluon_forward`): a program
 walks only the query tiles whose rows see some of its keys, and masks ``P`` only on the tiles at the
-edges of that range. Keys no row sees (past a key length) are zeroed in shared memory once, so a NaN
-there (an uninitialized cache) reaches no gradient. Tiles past the end of a head read zeros and write
-nothing: the descriptors are per head (``[B·H, M, D]``).
+edges of that range. A key or value that a row cannot see reaches none of its gradients, whatever it
+holds (NaN in an uninitialized cache): ``dS`` is 0 where ``P`` is, and K's rows past a key length and
+its non-finite elements are zeroed in shared memory once, so that ``dS K`` takes no ``0 · NaN``.
+Tiles past the end of a head read zeros and write nothing: the descriptors are per head
+(``[B·H, M, D]``).
 
 :func:`eligible` says which tensors it takes: fp16/bf16, D = Dv = 128, contiguous ``[B, H, M, D]``
 tensors. This module is imported on the first call that may use it.
@@ -45,7 +47,7 @@ HALF = 64  # keys per consumer warpgroup
 BLOCK_N = 2 * HALF  # keys per program
 DQ_COLS = 32  # columns of one dQ reduction: 128 bytes of float32, one swizzled TMA box
 RING = 2  # Q/dO tiles in flight
-CONSUMER_REGS = {False: 240, True: 232}  # registers per consumer thread, unmasked / masked (the loader warp takes 24)
+CONSUMER_REGS = 240  # registers per consumer thread (the loader warp takes 24)
 LOG2E = gl.constexpr(1.4426950408889634)
 _ROWS, _HALF, _BLOCK_N, _DQ_COLS, _RING = (gl.constexpr(x) for x in (ROWS, HALF, BLOCK_N, DQ_COLS, RING))  # in kernels
 
@@ -84,12 +86,14 @@ def _load(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, k_smem, v_smem, q_buf
 
 
 @gluon.jit
-def _zero_hidden(buf, k0, key_lo, key_hi):
-    """Rows of a ``[1, keys, D]`` shared tile (keys from ``k0``) outside ``[key_lo, key_hi)`` set to zero."""
+def _clean_keys(buf, k0, key_lo, key_hi):
+    """A ``[1, keys, D]`` shared K tile (keys from ``k0``) with the rows outside ``[key_lo, key_hi)`` and every
+    non-finite element set to zero, so that ``dS K`` (where ``dS`` is 0 for keys a row cannot see) takes no
+    ``0 · NaN``. The scores of rows that see a non-finite key are NaN anyway: their lse is NaN or inf."""
     layout: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [1, 4, 1], [2, 1, 0])
     x = buf.load(layout)
     keys = k0 + gl.arange(0, buf.type.shape[1], layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
-    keep = ((keys >= key_lo) & (keys < key_hi))[None, :, None]
+    keep = ((keys >= key_lo) & (keys < key_hi))[None, :, None] & (x == x) & (gl.abs(x) < float("inf"))
     buf.store(gl.where(keep, x, 0.0).to(x.dtype))
 
 
@@ -139,11 +143,9 @@ def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, 
     dv = gl.zeros([_HALF, D], gl.float32, layout=o_layout)
     dk = gl.zeros([_HALF, D], gl.float32, layout=o_layout)
     mbarrier.wait(kv_bar, 0)
-    if MASKED:
-        if (k0 < key_lo) | (k0 + _HALF > key_hi):  # keys no row sees: their values may be anything
-            _zero_hidden(k_w, k0, key_lo, key_hi)
-            _zero_hidden(v_w, k0, key_lo, key_hi)
-            fence_async_shared()
+    if MASKED:  # a key some rows cannot see may hold anything, NaN included (an uninitialized cache)
+        _clean_keys(k_w, k0, key_lo, key_hi)
+        fence_async_shared()
         gl.thread_barrier()
     k_w = _flat(k_w)
     v_w = _flat(v_w)
@@ -159,7 +161,8 @@ def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, 
         st = warpgroup_mma(k_w, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_w, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
-        lse = l_bufs.index(s).reshape([_ROWS]).load(col_s) * LOG2E
+        lse = l_bufs.index(s).reshape([_ROWS]).load(col_s)
+        lse = gl.where(lse < float("inf"), lse * LOG2E, float("nan"))  # a row whose output is undefined
         pt = gl.exp2(st * qk_scale - lse[None, :])
         if MASKED:
             if (i < a) | (i >= e):
@@ -170,7 +173,10 @@ def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, 
                 pt = gl.where(vis & (rows < Mq)[None, :], pt, 0.0)
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
         delta = d_bufs.index(s).reshape([_ROWS]).load(col_s)
-        ds = (pt * (dpt - delta[None, :])).to(dtype)
+        ds = pt * (dpt - delta[None, :])
+        if MASKED:  # where P is 0 (a key the row cannot see), dP may be NaN from a hidden value: dS is 0
+            ds = gl.where(pt != 0.0, ds, 0.0)
+        ds = ds.to(dtype)
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
         dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q, dk, is_async=True)
         prev = (t + 1) % 2  # dQ of the previous tile, whose dS^T halves are both stored by now
@@ -340,6 +346,6 @@ def attn_bwd(q, k, v, dout, lse, delta, dq32, dk, dv, scale: float, bounds: tupl
              _descriptor(dout, [1, ROWS, D]), _descriptor(lse, [1, ROWS]), _descriptor(delta, [1, ROWS]),
              _descriptor(dq32, [1, ROWS, DQ_COLS]))
     _attn_bwd_ws_kernel[(-(-Mk // BLOCK_N), B * Hkv)](
-        *descs, dk, dv, *bounds, Hkv, H // Hkv, Mq, Mk, scale * 1.4426950408889634, scale, CONSUMER_REGS[masked], masked,
+        *descs, dk, dv, *bounds, Hkv, H // Hkv, Mq, Mk, scale * 1.4426950408889634, scale, CONSUMER_REGS, masked,
         **switches, num_warps=4,
     )
