@@ -94,7 +94,7 @@ GLUON_FEATURES = frozenset({"padded_keys", "band"})  # the masks the Gluon backw
 _gluon_failure: list[str] = []  # why the Gluon backward cannot run with the installed Triton, once known
 
 
-def _gluon_runs(q, k, v, dout, lse, spec: BiasSpec, need_dbias: bool, dropout_p: float) -> bool:
+def _gluon_runs(q, k, v, lse, spec: BiasSpec, need_dbias: bool, dropout_p: float) -> bool:
     """Whether the Gluon backward takes the call: the ``gluon_backward`` option, an sm_90 GPU, a Triton whose
     Gluon builds the kernel, a bias of :data:`GLUON_FEATURES` only, no dropout and no bias gradient, runs
     that need not be deterministic (its dQ adds tiles in any order), at least ``gluon_min_scores`` scores,
@@ -114,7 +114,7 @@ def _gluon_runs(q, k, v, dout, lse, spec: BiasSpec, need_dbias: bool, dropout_p:
     except Exception as e:  # a Triton without Gluon, or whose Gluon lacks what the kernel uses
         flash._gluon_fails(e, _gluon_failure, "backward")
         return False
-    return gluon_backward.eligible(q, k, v, dout, lse)
+    return gluon_backward.eligible(q, k, v, lse)
 
 
 def _delta(out, dout, dlse: torch.Tensor | None, delta: torch.Tensor, f32: torch.Tensor, hdv: int) -> None:
@@ -137,6 +137,8 @@ def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, dq, 
     from . import gluon_backward
 
     args = _spec_args(spec, q.device)
+    if not dout.is_contiguous() or dout.data_ptr() % 16:  # the kernel reads it through a per-head descriptor
+        dout = dout.clone(memory_format=torch.contiguous_format)
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
     _delta(out, dout, dlse.to(torch.float32).contiguous() if dlse is not None else None, delta, args.f32, 128)
     dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -168,10 +170,8 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         dq.zero_(), dk.zero_(), dv.zero_()
         return dq, dk, dv, (torch.zeros_like(add) if need_dbias else None)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    if D == 128 and Dv == 128:
-        dense = dout.contiguous()
-        if (_gluon_runs(q, k, v, dense, lse, spec, need_dbias, dropout_p)
-                and _gluon_bwd(q, k, v, out, lse, dense, dlse, spec, scale, dq, dk, dv)):
+    if D == 128 and Dv == 128 and _gluon_runs(q, k, v, lse, spec, need_dbias, dropout_p):
+        if _gluon_bwd(q, k, v, out, lse, dout, dlse, spec, scale, dq, dk, dv):
             return dq, dk, dv, None
     delta = q.new_empty((B, H, Mq), dtype=torch.float32)
     plannable = dlse is None and not need_dbias and dropout_p == 0

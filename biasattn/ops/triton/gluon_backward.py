@@ -309,18 +309,18 @@ def _attn_bwd_ws_kernel(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc
         gl.warp_specialize([(_first, args), (_second, args), (_loader, args)], [4, 1], [REGS, 24])
 
 
-def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor) -> bool:
+def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor) -> bool:
     """Whether this kernel can run a backward on these tensors (see the module doc; the caller checks the
-    device, the bias, dropout, determinism and the size)."""
+    device, the bias, dropout, determinism and the size, and passes dO contiguous)."""
     B, H, Mq, D = q.shape
     Mk = k.shape[2]
     if D != 128 or k.shape[3] != 128 or v.shape[3] != 128 or min(Mq, Mk) == 0:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
-    if not all(t.is_contiguous() for t in (q, k, v, dout, lse)) or B * H * Mq >= 2**31 or B * k.shape[1] * Mk >= 2**31:
+    if not all(t.is_contiguous() for t in (q, k, v, lse)) or B * H * Mq >= 2**31 or B * k.shape[1] * Mk >= 2**31:
         return False
-    return all(t.data_ptr() % 16 == 0 for t in (q, k, v, dout, lse)) and Mq % 4 == 0
+    return all(t.data_ptr() % 16 == 0 for t in (q, k, v, lse)) and Mq % 4 == 0
 
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
