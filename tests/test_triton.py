@@ -1065,9 +1065,9 @@ def test_rows_seeing_few_keys_keep_the_short_tiles_off_the_gluon_forward():
     assert takes(ba.PaddedKeysMask([3000, 4096]), 4096, B=2)
 
 
-def test_a_triton_whose_gluon_cannot_build_the_forward_falls_back(monkeypatch):
-    """Where the installed Triton's Gluon cannot build the kernel (another version's API), the call runs the
-    ``triton.language`` kernels with the same results, and says why once a process."""
+def _gluon_that_cannot_build(monkeypatch, module: str, entry: str, **attrs):
+    """Replace the Gluon ``module`` of ``biasattn.ops.triton`` by one whose ``entry`` raises the
+    CompilationError of a Triton whose Gluon lacks what the kernel uses."""
     import ast
     import sys
     import types
@@ -1075,16 +1075,24 @@ def test_a_triton_whose_gluon_cannot_build_the_forward_falls_back(monkeypatch):
     from triton.compiler.errors import CompilationError
 
     import biasattn.ops.triton as package
-    from biasattn.ops.triton import flash
 
-    def attn_fwd(*args):
+    def fails(*args):
         raise CompilationError("x = 1", ast.parse("x = 1").body[0], "no such layout")
 
-    fake = types.ModuleType("biasattn.ops.triton.gluon_forward")
-    fake.attn_fwd = attn_fwd
-    fake.BLOCK_M = 128
+    fake = types.ModuleType(f"biasattn.ops.triton.{module}")
+    setattr(fake, entry, fails)
+    for name, value in attrs.items():
+        setattr(fake, name, value)
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
-    monkeypatch.setattr(package, "gluon_forward", fake, raising=False)
+    monkeypatch.setattr(package, module, fake, raising=False)
+
+
+def test_a_triton_whose_gluon_cannot_build_the_forward_falls_back(monkeypatch):
+    """Where the installed Triton's Gluon cannot build the kernel (another version's API), the call runs the
+    ``triton.language`` kernels with the same results, and says why once a process."""
+    from biasattn.ops.triton import flash
+
+    _gluon_that_cannot_build(monkeypatch, "gluon_forward", "attn_fwd", BLOCK_M=128)
     monkeypatch.setattr(flash, "_gluon_runs", lambda *args: True)  # as on an sm_90 GPU
     monkeypatch.setattr(flash, "_gluon_failure", [])
     q, k, v = qkv(B=1, Hq=1, Hkv=1, Mq=128, Mk=128, D=128, dtype=torch.float16)
@@ -1096,22 +1104,9 @@ def test_a_triton_whose_gluon_cannot_build_the_forward_falls_back(monkeypatch):
 def test_a_triton_whose_gluon_cannot_build_the_backward_falls_back(monkeypatch):
     """The same for the Gluon backward: the ``triton.language`` kernels compute the gradients, and a warning
     says why once a process; the forward is not affected."""
-    import ast
-    import sys
-    import types
-
-    from triton.compiler.errors import CompilationError
-
-    import biasattn.ops.triton as package
     from biasattn.ops.triton import flash, flash_bwd
 
-    def attn_bwd(*args):
-        raise CompilationError("x = 1", ast.parse("x = 1").body[0], "no such layout")
-
-    fake = types.ModuleType("biasattn.ops.triton.gluon_backward")
-    fake.attn_bwd = attn_bwd
-    monkeypatch.setitem(sys.modules, fake.__name__, fake)
-    monkeypatch.setattr(package, "gluon_backward", fake, raising=False)
+    _gluon_that_cannot_build(monkeypatch, "gluon_backward", "attn_bwd")
     monkeypatch.setattr(flash_bwd, "_gluon_runs", lambda *args: True)  # as on an sm_90 GPU
     monkeypatch.setattr(flash_bwd, "_gluon_failure", [])
     q, k, v = qkv(B=1, Hq=1, Hkv=1, Mq=64, Mk=64, D=128, dtype=torch.float16)
