@@ -336,18 +336,20 @@ def test_planned_launches_match_unplanned(triton_options, monkeypatch, name):
             assert replayed == 2
 
 
-@pytest.mark.parametrize("size", ["short", "long"])
+@pytest.mark.parametrize("size", ["short", "long", "gluon"])
 @pytest.mark.parametrize("name", ["causal", "window_padded"])
 def test_forward_backward_in_a_cuda_graph(size, name):
     """A forward+backward captured in a CUDA graph replays to what eager calls give, on new inputs
-    too; ``long`` backwards run dQ on a side stream, which the capture must take along."""
+    too; ``long`` backwards run dQ on a side stream, which the capture must take along. ``gluon`` lets
+    the Gluon backward take the long call where it runs (sm_90): its dQ adds tiles in any order, so dQ
+    may differ from the eager call's in its last bits."""
     from biasattn.bias.spec import lower
-    from biasattn.ops.triton import flash_bwd
+    from biasattn.ops.triton import flash_bwd, options
 
-    B, H, M, D = (8, 16, 2048, 128) if size == "long" else (2, 4, 300, 64)
+    B, H, M, D = (2, 4, 300, 64) if size == "short" else (8, 16, 2048, 128)
     bias = {"causal": ba.LowerTriangularMask(),
             "window_padded": ba.LocalAttentionMask(100, 0) & ba.PaddedKeysMask([M] * (B - 1) + [M // 3])}[name].to("cuda")
-    assert flash_bwd._long_backward(lower(bias, B, H, M, M), B, H, M, M, D) == (size == "long")
+    assert flash_bwd._long_backward(lower(bias, B, H, M, M), B, H, M, M, D) == (size != "short")
     q, k, v = (torch.randn(B, H, M, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn(B, H, M, D, device="cuda", dtype=torch.bfloat16)
 
@@ -355,24 +357,30 @@ def test_forward_backward_in_a_cuda_graph(size, name):
         out = ba.attention(q, k, v, bias, op="triton")
         return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = call()
-    for step in range(2):
-        if step:
-            with torch.no_grad():
-                for t in (q, k, v, dout):
-                    t.copy_(torch.randn_like(t))
-        graph.replay()
-        eager = call()
-        torch.cuda.synchronize()
-        for a, b in zip(captured, eager):
-            assert torch.equal(a, b)
+    with options.use(gluon_backward=size == "gluon"):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            call()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = call()
+        for step in range(2):
+            if step:
+                with torch.no_grad():
+                    for t in (q, k, v, dout):
+                        t.copy_(torch.randn_like(t))
+            graph.replay()
+            eager = call()
+            torch.cuda.synchronize()
+            for i, (a, b) in enumerate(zip(captured, eager)):
+                if size == "gluon" and i == 1:  # dq: float32 sums in another order (apart by far less than
+                    a, b = a.float(), b.float()  # 1e-5 of the largest), then rounded to bf16 (one ulp apart)
+                    tol = 2**-7 * torch.maximum(a.abs(), b.abs()) + 1e-5 * b.abs().max()
+                    assert bool(((a - b).abs() <= tol).all()), float((a - b).abs().max())
+                else:
+                    assert torch.equal(a, b)
 
 
 TMA_CASES = {
