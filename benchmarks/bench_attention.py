@@ -2,9 +2,9 @@
 
 For each case of :mod:`benchmarks.cases` (no bias, causal, window 1024, padded keys, packed varlen,
 block-sparse 25%, additive ``[1, H, M, M]``, ALiBi), each sequence length (B·M = 16384 tokens), head
-dim and mode (``fwd``, ``fwd+bwd``), every provider that can express the case runs in the same
+dim and mode (``fwd``, ``fwd+bwd``, or ``bwd``: the backward alone), every provider that can express the case runs in the same
 process on the same inputs: ``triton_median_ms`` from ``triton.testing.do_bench``, TFLOP/s over the
-visible pairs (4·D per pair forward, 3.5× that for forward+backward), peak memory of one call above
+visible pairs (4·D per pair forward, 2.5× that backward, 3.5× forward+backward), peak memory of one call above
 the inputs, and the max difference of its output from the ``triton`` output (a harness check).
 
 SDPA flash and cudnn get ``is_causal`` (they take no other mask); SDPA efficient and math get the
@@ -121,7 +121,12 @@ def provider_fn(name: str, case, flex: Flex | None):
 
 
 def _call(fn, inputs, mode: str):
-    """``(call, out)``: the timed call (forward, or forward+backward with a fixed random dout) and one output."""
+    """``(call, out)``: the timed call (forward; forward+backward with a fixed random dout; or the backward
+    alone, on the graph of one forward kept for every call) and one output."""
+    if mode == "bwd":
+        kept = fn()
+        dout = torch.randn_like(kept)
+        return (lambda: torch.autograd.grad(kept, inputs, dout, retain_graph=True)), kept.detach()
     out = fn().detach()  # no autograd graph kept alive: a CUDA-graph capture of the call needs none around
     if mode == "fwd":
         return fn, out
@@ -463,7 +468,7 @@ def main(argv=None) -> int:
     p.add_argument("--cases", nargs="+", default=list(CASE_NAMES), choices=CASE_NAMES)
     p.add_argument("--seqlens", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
-    p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "bwd", "fwd+bwd"])
     p.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
     p.add_argument("--flex-seqlens", nargs="+", type=int, default=[2048, 8192],
                    help="sequence lengths at which FlexAttention runs (each costs a compile)")

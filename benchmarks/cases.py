@@ -51,10 +51,10 @@ class Case:
     extra: dict = field(default_factory=dict)
 
     def flops(self, mode: str) -> float:
-        """FLOPs of the visible pairs: 4·D per pair forward; forward+backward is 3.5× forward."""
+        """FLOPs of the visible pairs: 4·D per pair forward; the backward is 2.5× forward, forward+backward 3.5×."""
         D = self.q.shape[-1]
         fwd = 4.0 * D * self.visible
-        return fwd * (3.5 if mode == "fwd+bwd" else 1.0)
+        return fwd * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[mode]
 
 
 def _qkv(B, H, M, D, dtype, device, requires_grad, gen):
