@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gluon_forward import _key_bounds
+from .gluon_forward import _key_bounds, shared_layout
 
 ROWS = 64  # query rows per tile
 HALF = 64  # keys per consumer warpgroup
@@ -326,11 +326,7 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """A TMA descriptor of ``t`` viewed as ``[heads, rows(, D)]`` with boxes of ``block``."""
     shape = [t.shape[0] * t.shape[1]] + list(t.shape[2:])
     view = t.view(shape)
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[t.dtype]
-    if len(block) == 2:  # lse, delta: rows of float32, unswizzled
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    else:
-        layout = gl.NVMMASharedLayout.get_default_for(block, gdt)
+    layout = shared_layout(tuple(block), t.dtype, swizzled=len(block) == 3)  # lse and delta: unswizzled rows
     return TensorDescriptor(view, shape, list(view.stride()), block, layout)
 
 

@@ -22,6 +22,8 @@ binding, tens of microseconds of host time). This module is imported on the firs
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -345,6 +347,16 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sched, KSeqSta
         gl.warp_specialize([(_first, args), (_second, args), (_loader, args)], [4, 1], [REGS, 24])
 
 
+@functools.cache
+def shared_layout(block: tuple[int, ...], dtype: torch.dtype, swizzled: bool = True) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a TMA box ``block`` of ``dtype``, swizzled for the tensor cores or not (rows of
+    lse); made once per box, since it costs more host time than the descriptor around it."""
+    if not swizzled:
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * dtype.itemsize, rank=len(block))
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), gdt)
+
+
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether this kernel can run a forward on these tensors (see the module doc; the caller checks the
     device, the bias, dropout and the size)."""
@@ -369,9 +381,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     the launch masked scores (then rows may carry a NaN lse for the exact pass)."""
     B, H, Mq, D = q.shape
     Mk = k.shape[2]
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    half = gl.NVMMASharedLayout.get_default_for([ROWS, D], gdt)
-    tile = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gdt)
+    half, tile = shared_layout((ROWS, D), q.dtype), shared_layout((BLOCK_N, D), q.dtype)
     descs = []
     for t, block, layout in ((q, ROWS, half), (k, BLOCK_N, tile), (v, BLOCK_N, tile), (out, ROWS, half)):
         rows = t.view(-1, D)
