@@ -38,12 +38,13 @@ from .common_kernels import (
 
 @triton.jit
 def _attn_bwd_preprocess_kernel(
-    Out, DOut, DLse, Delta, Lse, Lse2, stride_ob, stride_oh, stride_om, stride_od, stride_db, stride_dh, stride_dm,
+    Out, DOut, DLse, Delta, Lse, LseGuarded, stride_ob, stride_oh, stride_om, stride_od, stride_db, stride_dh, stride_dm,
     stride_dd, H, Mq, Dv, BLOCK_M: tl.constexpr, HEAD_DIM_V: tl.constexpr, HAS_DLSE: tl.constexpr,
-    WRITE_LSE2: tl.constexpr,
+    WRITE_GUARDED: tl.constexpr,
 ):
-    """``Delta [B, H, Mq] = rowsum(dOut * Out) - dLse`` in float32; with ``WRITE_LSE2`` also ``Lse2 = Lse · log2(e)``,
-    +inf where ``Lse`` is -inf and NaN where it is +inf (a row that saw an infinite score has no defined gradient)."""
+    """``Delta [B, H, Mq] = rowsum(dOut * Out) - dLse`` in float32; with ``WRITE_GUARDED`` also ``LseGuarded``: ``Lse``
+    with +inf where it is -inf (a row that saw no key gets P = 0) and NaN where it is +inf (a row that saw an
+    infinite score has no defined gradient)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -58,11 +59,11 @@ def _attn_bwd_preprocess_kernel(
     if HAS_DLSE:
         delta -= tl.load(DLse + pid_bh.to(tl.int64) * Mq + rows64, mask=rows < Mq, other=0.0)
     tl.store(Delta + pid_bh.to(tl.int64) * Mq + rows64, delta, mask=rows < Mq)
-    if WRITE_LSE2:
+    if WRITE_GUARDED:
         lse = tl.load(Lse + pid_bh.to(tl.int64) * Mq + rows64, mask=rows < Mq, other=0.0)
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # rows that saw nothing get p = 0
-        lse2 = tl.where(lse < float("inf"), lse2, float("nan"))
-        tl.store(Lse2 + pid_bh.to(tl.int64) * Mq + rows64, lse2, mask=rows < Mq)
+        guarded = tl.where(lse == float("-inf"), float("inf"), lse)
+        guarded = tl.where(lse < float("inf"), guarded, float("nan"))
+        tl.store(LseGuarded + pid_bh.to(tl.int64) * Mq + rows64, guarded, mask=rows < Mq)
 
 
 @triton.jit

@@ -118,16 +118,16 @@ def _gluon_runs(q, k, v, lse, spec: BiasSpec, need_dbias: bool, dropout_p: float
 
 
 def _delta(out, dout, dlse: torch.Tensor | None, delta: torch.Tensor, f32: torch.Tensor, hdv: int,
-           lse: torch.Tensor | None = None, lse2: torch.Tensor | None = None) -> None:
+           lse: torch.Tensor | None = None, guarded: torch.Tensor | None = None) -> None:
     """``delta = rowsum(dout * out) - dlse`` (float32 ``[B, H, Mq]``); ``f32`` a dummy for an absent ``dlse``,
-    ``hdv`` the kernels' tile of value rows. Given ``lse`` and ``lse2``, also ``lse2 = lse · log2(e)`` (+inf where
-    ``lse`` is -inf, NaN where it is +inf)."""
+    ``hdv`` the kernels' tile of value rows. Given ``lse`` and ``guarded``, also ``guarded = lse`` with +inf
+    where ``lse`` is -inf and NaN where it is +inf."""
     B, H, Mq, Dv = out.shape
     pre_bm = 16 if flash.INTERPRETED else 64
     _preprocess[(cdiv(Mq, pre_bm), B * H)](
-        out, dout, dlse if dlse is not None else f32, delta, f32 if lse is None else lse, f32 if lse2 is None else lse2,
+        out, dout, dlse if dlse is not None else f32, delta, f32 if lse is None else lse, f32 if guarded is None else guarded,
         *out.stride(), *dout.stride(), H, Mq, Dv, BLOCK_M=pre_bm, HEAD_DIM_V=hdv, HAS_DLSE=dlse is not None,
-        WRITE_LSE2=lse2 is not None,
+        WRITE_GUARDED=guarded is not None,
     )
 
 
@@ -142,11 +142,11 @@ def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, dq, 
     args = _spec_args(spec, q.device)
     if not dout.is_contiguous() or dout.data_ptr() % 16:  # the kernel reads it through a per-head descriptor
         dout = dout.clone(memory_format=torch.contiguous_format)
-    delta, lse2 = torch.empty((2, *lse.shape), dtype=torch.float32, device=q.device)
-    _delta(out, dout, dlse.to(torch.float32).contiguous() if dlse is not None else None, delta, args.f32, 128, lse, lse2)
+    delta, guarded = torch.empty((2, *lse.shape), dtype=torch.float32, device=q.device)
+    _delta(out, dout, dlse.to(torch.float32).contiguous() if dlse is not None else None, delta, args.f32, 128, lse, guarded)
     dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     try:
-        gluon_backward.attn_bwd(q, k, v, dout, lse2, delta, dq32, dk, dv, scale,
+        gluon_backward.attn_bwd(q, k, v, dout, guarded, delta, dq32, dk, dv, scale,
                                 (args.kv, args.band_lo, args.band_hi),
                                 dict(HAS_PADDED=args.has_padded, HAS_BAND=args.has_band))
     except (CompilationError, OutOfResources) as e:
