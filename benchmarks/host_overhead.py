@@ -190,20 +190,21 @@ def thread_split(case, iters: int, top: int) -> None:
         ag._AttentionFunction.backward = original
 
 
-def ab_plans(calls: dict, rounds: int, iters: int) -> None:
-    """Host µs of the forced-operator layers with launch plans on and off, alternating rounds (medians)."""
+def ab_option(calls: dict, option: str, rounds: int, iters: int) -> None:
+    """Host µs of the forced-operator layers with a launcher option (``plans``, ``direct_launch``) on and off,
+    alternating rounds (medians)."""
     from biasattn.ops.triton import options
 
     names = [n for n in calls if "op=triton" in n]
     times: dict = {(n, on): [] for n in names for on in (True, False)}
     for _ in range(rounds):
         for on in (True, False):
-            with options.use(plans=on):
+            with options.use(**{option: on}):
                 for n in names:
                     times[(n, on)].append(per_call_us(calls[n], iters))
     for n in names:
         on, off = (sorted(times[(n, s)])[rounds // 2] for s in (True, False))
-        print(f"  plans on {on:8.1f}  off {off:8.1f}  ({off / on:.2f}x)  {n}")
+        print(f"  {option} on {on:8.1f}  off {off:8.1f}  ({off / on:.2f}x)  {n}")
 
 
 def launch_costs(iters: int, D: int) -> None:
@@ -324,6 +325,10 @@ def main(argv=None) -> int:
     p.add_argument("--threads", action="store_true", help="split fwd+bwd host time by thread (see above)")
     p.add_argument("--ab-plans", type=int, default=0, metavar="ROUNDS",
                    help="time the forced-operator layers with launch plans on and off in ROUNDS alternating rounds")
+    p.add_argument("--ab-direct", type=int, default=0, metavar="ROUNDS",
+                   help="the same with direct launches (launch.direct) on and off")
+    p.add_argument("--gluon", action="store_true",
+                   help="let the Gluon kernels (sm_90, D=128) take these small calls: their host cost (use --M 1024 or more)")
     p.add_argument("--targets", action="store_true", help="only the target rows against SDPA (prefill, decode, padded masks)")
     p.add_argument("--launches", action="store_true", help="only the host cost of each kernel launch, against an empty kernel")
     p.add_argument("--masks", action="store_true", help="only the host cost of building each mask afresh")
@@ -337,21 +342,29 @@ def main(argv=None) -> int:
     if args.targets:
         target_rows(args.iters, args.D)
         return 0
-    for name in args.cases:
-        case = make_case(name, B=1, H=2, M=args.M, D=args.D, docs=(2, 4))
-        print(f"\n== {name}, B=1 H=2 M={args.M} D={args.D} bf16: host µs per call")
-        if args.threads:
-            thread_split(case, args.iters, args.top)
-            continue
-        if args.ab_plans:
-            ab_plans(layers(case), args.ab_plans, args.iters)
-            continue
-        calls = layers(case)
-        for layer, call in calls.items():
-            print(f"  {per_call_us(call, args.iters):8.1f}  {layer}")
-        if name in args.profile:
-            host_profile(calls["attention fwd+bwd (op=triton)"], args.iters // 4, args.top)
+    from biasattn.ops.triton import options
+
+    with options.use(gluon_min_scores=0 if args.gluon else options.current().gluon_min_scores):
+        for name in args.cases:
+            per_case(name, args)
     return 0
+
+
+def per_case(name: str, args) -> None:
+    """The rows of one case: every layer, or the thread split, or an option's A/B."""
+    case = make_case(name, B=1, H=2, M=args.M, D=args.D, docs=(2, 4))
+    print(f"\n== {name}, B=1 H=2 M={args.M} D={args.D} bf16: host µs per call")
+    if args.threads:
+        thread_split(case, args.iters, args.top)
+        return
+    if args.ab_plans or args.ab_direct:
+        ab_option(layers(case), "plans" if args.ab_plans else "direct_launch", args.ab_plans or args.ab_direct, args.iters)
+        return
+    calls = layers(case)
+    for layer, call in calls.items():
+        print(f"  {per_call_us(call, args.iters):8.1f}  {layer}")
+    if name in args.profile:
+        host_profile(calls["attention fwd+bwd (op=triton)"], args.iters // 4, args.top)
 
 
 if __name__ == "__main__":
