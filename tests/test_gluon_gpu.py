@@ -156,6 +156,29 @@ def test_deterministic_runs_keep_the_triton_backward(gluon_calls, gluon_bwd_call
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+def test_repeated_calls_launch_the_compiled_kernels_directly(gluon_calls, gluon_bwd_calls, causal):
+    """The second call of a signature skips Triton's binding (``launch.direct``) in both Gluon kernels and
+    gives what the first gave: the same output and dK/dV, dQ apart only by the order of its additions."""
+    from biasattn.ops.triton import gluon_backward, gluon_forward
+
+    q, k, v = qkv(B=2, Hq=4, Hkv=2, Mq=384, Mk=384, D=128, dtype=torch.bfloat16)
+    dout = torch.randn(2, 4, 384, 128, device=q.device, dtype=q.dtype)
+    bias = ba.LowerTriangularMask() if causal else None
+    runs, hits = [], []
+    for _ in range(3):
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        out = ba.attention(qq, kk, vv, bias, op="triton")
+        runs.append((out, *torch.autograd.grad(out, (qq, kk, vv), dout)))
+        hits.append((gluon_forward._launch_fwd.hits, gluon_backward._launch_bwd.hits))
+    assert len(gluon_calls) == 3 and len(gluon_bwd_calls) == 3
+    assert hits[2][0] > hits[0][0] and hits[2][1] > hits[0][1]
+    out, dq, dk, dv = runs[0]
+    assert torch.equal(runs[2][0], out) and torch.equal(runs[2][2], dk) and torch.equal(runs[2][3], dv)
+    a, b = runs[2][1].float(), dq.float()
+    assert bool(((a - b).abs() <= 2**-7 * torch.maximum(a.abs(), b.abs()) + 1e-5 * b.abs().max()).all())
+
+
 def _reference(q, k, v, mask):
     """``(float64, low precision)`` math-SDPA outputs under a dense boolean ``mask``."""
     with sdpa_kernel(SDPBackend.MATH):

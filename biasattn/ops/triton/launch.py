@@ -6,7 +6,7 @@ wrapper here keeps, per device, the compiled kernel of each argument signature a
 the compiled launcher the way ``JITFunction.run`` does. Two tables lead to a compiled kernel:
 
 - the exact signature (each argument's type, each tensor's dtype and 16-byte alignment, each
-  tensor descriptor's dtype and block shape, every other argument's value, the constexprs and
+  tensor descriptor's dtype, block shape and (Gluon) shared layout, every other argument's value, the constexprs and
   launch options; for the integer arguments named as unkeyed, which the kernel does not
   specialize, only whether they fit 32 bits): one lookup of a few C-level passes;
 - on a miss there, the specialization (the same, but each integer that is not a constexpr reduced
@@ -62,6 +62,11 @@ def _hook(hook):
     return None if hook is None or not getattr(hook, "calls", True) else hook
 
 
+def _device(first) -> torch.device:
+    """The launch device: that of the first argument, a tensor or a tensor descriptor (Gluon kernels)."""
+    return getattr(first, "base", first).device
+
+
 def _picker(positions: list[int]):
     """A function returning the tuple of ``args[i]`` for ``i`` in ``positions``."""
     if not positions:
@@ -88,7 +93,7 @@ class _Direct:
 
     def _signature(self, args: tuple) -> tuple:
         """``(argument types, every keyed non-tensor value, tensor dtypes, tensor 16-byte alignments,
-        whether each unkeyed integer fits 32 bits, descriptor dtypes and block shapes)``: where the
+        whether each unkeyed integer fits 32 bits, descriptor dtypes, block shapes and shared layouts)``: where the
         tensors sit is looked up once per tuple of argument types, so a call costs a few C-level
         passes instead of a Python step per argument."""
         types = tuple(map(type, args))
@@ -106,7 +111,7 @@ class _Direct:
         tensors, keyed, unkeyed, descs = (pick(args) for pick in picks)
         return (types, keyed, tuple([t.dtype for t in tensors]), tuple([t.data_ptr() & 15 == 0 for t in tensors]),
                 tuple([-2**31 <= a < 2**31 for a in unkeyed]),
-                tuple([(d.base.dtype, tuple(d.block_shape), d.padding) for d in descs]))
+                tuple([(d.base.dtype, tuple(d.block_shape), d.padding, getattr(d, "layout", None)) for d in descs]))
 
     def _specialization(self, args: tuple, signature: tuple) -> tuple:
         """``signature`` with the keyed integers (not constexprs) reduced to Triton's integer
@@ -121,7 +126,7 @@ class _Direct:
         return functools.partial(self.launch, grid)
 
     def launch(self, grid, *args, **meta):
-        """Launch on ``grid``; the first tensor argument's device is the launch device. Inside
+        """Launch on ``grid``; the first argument's device (a tensor's or a descriptor's) is the launch device. Inside
         :func:`plans.recording` the launch is also recorded, with the compiled entry it used."""
         entry = self._launch(grid, args, meta)
         rec = plans.active()
@@ -136,7 +141,7 @@ class _Direct:
     def _launch(self, grid, args, meta):
         """Launch; return the table entry ``(compiled, constexpr tail)`` that ran, or None when
         the launch went through ``kernel[grid]``."""
-        device = args[0].device
+        device = _device(args[0])
         opts = options.current()
         if not (opts.direct_launch and device.type == "cuda" and _triton_run_matches()):
             self.kernel[grid](*args, **meta)
@@ -169,7 +174,7 @@ class _Direct:
         compiled, tail = entry
         get_stream, knobs = _runtime()
         values = (*args, *tail)
-        stream = get_stream(args[0].device.index)
+        stream = get_stream(_device(args[0]).index)
         g = tuple(grid) + (1, 1)
         enter, leave = _hook(knobs.runtime.launch_enter_hook), _hook(knobs.runtime.launch_exit_hook)
         # the metadata only the hooks read: without one, neither it nor a call into an empty chain
