@@ -51,6 +51,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _same_draws_in_any_order():
+    """Seed torch's global generator before every test: its random inputs then do not depend on the tests its
+    process ran before (xdist shares them out differently on every run), and a failure reruns alone."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture
 def attention_spy(monkeypatch):
     """``install(module)`` wraps ``module.attention`` and returns the list of biases it receives."""
