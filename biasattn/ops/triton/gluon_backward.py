@@ -40,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .common_kernels import LOG2E
 from .gluon_forward import _key_bounds, shared_layout
 from .launch import direct
 
@@ -48,7 +49,6 @@ HALF = 64  # keys per consumer warpgroup
 BLOCK_N = 2 * HALF  # keys per program
 DQ_COLS = 32  # columns of one dQ reduction: 128 bytes of float32, one swizzled TMA box
 RING = 2  # Q/dO tiles in flight
-LOG2E = gl.constexpr(1.4426950408889634)
 CONSUMER_REGS = {False: 240, True: 232}  # registers per consumer thread, unmasked and masked (the loader takes 24)
 _ROWS, _HALF, _BLOCK_N, _DQ_COLS, _RING = (gl.constexpr(x) for x in (ROWS, HALF, BLOCK_N, DQ_COLS, RING))  # in kernels
 
@@ -349,6 +349,6 @@ def attn_bwd(q, k, v, dout, lse, delta, dq32, dk, dv, scale: float, bounds: tupl
              _descriptor(dout, [1, ROWS, D]), _descriptor(lse, [1, ROWS]), _descriptor(delta, [1, ROWS]),
              _descriptor(dq32, [1, ROWS, DQ_COLS]))
     _launch_bwd[(-(-Mk // BLOCK_N), B * Hkv)](
-        *descs, dk, dv, *bounds, Hkv, H // Hkv, Mq, Mk, scale * 1.4426950408889634, scale, CONSUMER_REGS[masked], masked,
+        *descs, dk, dv, *bounds, Hkv, H // Hkv, Mq, Mk, scale * LOG2E.value, scale, CONSUMER_REGS[masked], masked,
         **switches, num_warps=4,
     )
