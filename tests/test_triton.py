@@ -931,6 +931,25 @@ def test_direct_launch_signature():
     assert sig(t=5) != sig(t=6) and sig(t=5)[0] != sig()[0]  # a tensor slot holding an int keys on its value
 
 
+def test_direct_launch_specialization_of_stride_tuples():
+    """Strides passed as a tuple key the specialization table by what Triton specializes each on (equal to 1,
+    divisible by 16), as lone integers do: a call whose sizes changed finds the kernel compiled for the last."""
+    from biasattn.ops.triton import launch
+    from biasattn.ops.triton.fwd_kernels import _attn_fwd_kernel
+
+    direct = launch.direct(_attn_fwd_kernel)
+    t = torch.zeros(64)
+
+    def spec(strides):
+        args = (t, strides)
+        return direct._specialization(args, direct._signature(args))
+
+    assert spec((4096, 512, 128, 1)) == spec((8192, 1024, 128, 1))  # longer rows: same classes
+    assert spec((4096, 512, 128, 1)) != spec((4096, 512, 120, 1))  # 120 is not divisible by 16
+    assert spec((4096, 512, 128, 1)) != spec((4096, 512, 128, 2))  # a unit stride is a constant
+    assert direct._signature((t, (4096, 512, 128, 1))) != direct._signature((t, (8192, 1024, 128, 1)))  # exact table
+
+
 def test_direct_launch_signature_of_descriptors():
     """A tensor descriptor keys on its dtype and block shape, not on its base or extents."""
     from triton.tools.tensor_descriptor import TensorDescriptor

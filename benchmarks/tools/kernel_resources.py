@@ -106,9 +106,6 @@ def capture(case: str, D: int, dtype, kernel: str, cfg: configs.TileConfig, drop
 def _signature(fn: JITFunction, args, kwargs) -> tuple[dict, dict, dict, dict]:
     """Signature, constexprs, attributes and options as Triton's launcher would specialize them
     (an integer equal to 1 becomes a constant; pointers and integers divisible by 16 say so)."""
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
-
     sig, constexprs, attrs, options = {}, {}, {}, {}
     for key in ("num_warps", "num_stages"):
         if key in kwargs:
@@ -121,14 +118,25 @@ def _signature(fn: JITFunction, args, kwargs) -> tuple[dict, dict, dict, dict]:
             constexprs[name] = value
             sig[name] = "constexpr"
             continue
-        kind, attr = native_specialize_impl(BaseBackend, value, False, not param.do_not_specialize,
-                                            not param.do_not_specialize_on_alignment)
-        sig[name] = kind
-        if kind == "constexpr":
-            constexprs[name] = value
-        elif attr == "D":
-            attrs[(i,)] = [["tt.divisibility", 16]]
+        sig[name] = _specialize(value, (i,), param, constexprs, attrs)
     return sig, constexprs, attrs, options
+
+
+def _specialize(value, path: tuple, param, constexprs: dict, attrs: dict):
+    """The signature kind of one argument at ``path``, a tuple of kinds for a tuple (strides), noting
+    the constants and 16-divisible values it specializes on under their paths."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    if type(value) is tuple:
+        return tuple(_specialize(x, path + (j,), param, constexprs, attrs) for j, x in enumerate(value))
+    kind, attr = native_specialize_impl(BaseBackend, value, False, not param.do_not_specialize,
+                                        not param.do_not_specialize_on_alignment)
+    if kind == "constexpr":
+        constexprs[path] = value
+    elif attr == "D":
+        attrs[path] = [["tt.divisibility", 16]]
+    return kind
 
 
 def resources(fn: JITFunction, args, kwargs, arch: int) -> dict:

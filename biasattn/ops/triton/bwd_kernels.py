@@ -38,13 +38,16 @@ from .common_kernels import (
 
 @triton.jit
 def _attn_bwd_preprocess_kernel(
-    Out, DOut, DLse, Delta, Lse, LseGuarded, stride_ob, stride_oh, stride_om, stride_od, stride_db, stride_dh, stride_dm,
-    stride_dd, H, Mq, Dv, BLOCK_M: tl.constexpr, HEAD_DIM_V: tl.constexpr, HAS_DLSE: tl.constexpr,
-    WRITE_GUARDED: tl.constexpr,
+    Out, DOut, DLse, Delta, Lse, LseGuarded,
+    o_strides, do_strides,
+    H, Mq, Dv,
+    BLOCK_M: tl.constexpr, HEAD_DIM_V: tl.constexpr, HAS_DLSE: tl.constexpr, WRITE_GUARDED: tl.constexpr,
 ):
     """``Delta [B, H, Mq] = rowsum(dOut * Out) - dLse`` in float32; with ``WRITE_GUARDED`` also ``LseGuarded``: ``Lse``
     with +inf where it is -inf (a row that saw no key gets P = 0) and NaN where it is +inf (a row that saw an
     infinite score has no defined gradient)."""
+    stride_ob, stride_oh, stride_om, stride_od = o_strides
+    stride_db, stride_dh, stride_dm, stride_dd = do_strides
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -372,32 +375,33 @@ def _dkdv_program(b, hk, G, cols, n_end, seg, pid_n, kv_ops, bounds, qdo_ops, gr
 @triton.jit(do_not_specialize=["nb_loop", "nhk_loop", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
                              "seed_lo", "seed_hi", "drop_thresh"])  # values that vary per call: no recompiles
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, DBias, DCol,
-    Add, Slopes, Layout, QSeqStart, KvLens, BandLo, BandHi, Sched, TileCount, TileIdx,
-    qk_scale, sm_scale,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    stride_gb, stride_gh, stride_gm, stride_gn,
-    stride_ab, stride_ah, stride_am, stride_an,
-    stride_sb, stride_sh,
-    stride_lb, stride_lh, stride_lq, stride_lk,
-    stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
-    H, G, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop,
-    layout_q_off, layout_k_off, block_q, block_k, alibi_shift, seed_lo, seed_hi, drop_thresh, drop_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
-    SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
-    BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr,
-    LIST_TILES: tl.constexpr,
-    HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr,
-    COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
-    GQA: tl.constexpr, OUTER_LOOPS: tl.constexpr, HAS_DROPOUT: tl.constexpr, DROP_ALIGNED: tl.constexpr,
-    HIDDEN_LINES: tl.constexpr,
+    Q, K, V, DO, Lse, Delta, DK, DV, DBias, DCol, Add, Slopes, Layout, QSeqStart, KvLens, BandLo, BandHi, Sched,
+    TileCount, TileIdx, qk_scale, sm_scale,
+    q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, g_strides, add_strides, slope_strides,
+    layout_strides, count_strides, tile_strides,
+    H, G, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop, layout_q_off, layout_k_off, block_q, block_k, alibi_shift,
+    seed_lo, seed_hi, drop_thresh, drop_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    EVEN_D: tl.constexpr, SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr,
+    HAS_BAND: tl.constexpr, BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr,
+    LIST_ONLY: tl.constexpr, LIST_TILES: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    FULL_DBIAS: tl.constexpr, DBIAS_ACCUM: tl.constexpr, COL_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INDEX_64: tl.constexpr, GQA: tl.constexpr, OUTER_LOOPS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DROP_ALIGNED: tl.constexpr, HIDDEN_LINES: tl.constexpr,
 ):
     """Grid ``(key tiles, (B / nb_loop) * (Hkv / nhk_loop))``. Writes ``DK``, ``DV`` ``[B, Hkv, Mk, D|Dv]``."""
+    stride_qb, stride_qh, stride_qm, stride_qd = q_strides
+    stride_kb, stride_kh, stride_kn, stride_kd = k_strides
+    stride_vb, stride_vh, stride_vn, stride_vd = v_strides
+    stride_dob, stride_doh, stride_dom, stride_dod = do_strides
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd = dk_strides
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd = dv_strides
+    stride_gb, stride_gh, stride_gm, stride_gn = g_strides
+    stride_ab, stride_ah, stride_am, stride_an = add_strides
+    stride_sb, stride_sh = slope_strides
+    stride_lb, stride_lh, stride_lq, stride_lk = layout_strides
+    stride_cb, stride_ch = count_strides
+    stride_tb, stride_th, stride_tp = tile_strides
     pid_n = tl.program_id(0)
     pid = tl.program_id(1)
     n_hk_groups = Hkv // nhk_loop
@@ -497,33 +501,34 @@ def _dq_tile(
 @triton.jit(do_not_specialize=["B", "n_prog_m", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
                              "seed_lo", "seed_hi", "drop_thresh"])  # values that vary per call: no recompiles
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, DRow, Out, DLse,
-    Add, Slopes, Layout, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, Sched, TileCount, TileIdx,
-    qk_scale, sm_scale,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_ab, stride_ah, stride_am, stride_an,
-    stride_sb, stride_sh,
-    stride_lb, stride_lh, stride_lq, stride_lk,
-    stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
-    B, H, G, Mq, Mk, D, Dv, n_prog_m,
-    layout_q_off, layout_k_off, block_q, block_k, alibi_shift, seed_lo, seed_hi, drop_thresh, drop_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
-    SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
-    BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr,
-    LIST_TILES: tl.constexpr,
-    HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, ROW_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
-    BATCH_INNER: tl.constexpr, HAS_DROPOUT: tl.constexpr, FUSED_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr,
-    HIDDEN_LINES: tl.constexpr,
+    Q, K, V, DO, Lse, Delta, DQ, DRow, Out, DLse, Add, Slopes, Layout, KSeqStart, KSeqLen, KvLens, BandLo, BandHi,
+    Sched, TileCount, TileIdx, qk_scale, sm_scale,
+    q_strides, k_strides, v_strides, do_strides, dq_strides, o_strides, add_strides, slope_strides, layout_strides,
+    count_strides, tile_strides,
+    B, H, G, Mq, Mk, D, Dv, n_prog_m, layout_q_off, layout_k_off, block_q, block_k, alibi_shift, seed_lo, seed_hi,
+    drop_thresh, drop_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    EVEN_D: tl.constexpr, SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr,
+    HAS_BAND: tl.constexpr, BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr,
+    LIST_ONLY: tl.constexpr, LIST_TILES: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    ROW_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, BATCH_INNER: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, FUSED_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr, HIDDEN_LINES: tl.constexpr,
 ):
     """Grid ``(query tiles, B * Hq)`` (``(query tiles * B, Hq)`` with ``BATCH_INNER``). Writes ``DQ [B, Hq, Mq, D]`` (and ``DRow [B, Hq, Mq]`` row sums of dS).
 
     With ``FUSED_DELTA`` the program computes its rows' ``Delta = rowsum(dO * Out) - dLse`` and stores
     it for the dK/dV kernel launched after it (no preprocessing launch); otherwise it reads ``Delta``."""
+    stride_qb, stride_qh, stride_qm, stride_qd = q_strides
+    stride_kb, stride_kh, stride_kn, stride_kd = k_strides
+    stride_vb, stride_vh, stride_vn, stride_vd = v_strides
+    stride_dob, stride_doh, stride_dom, stride_dod = do_strides
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd = dq_strides
+    stride_ob, stride_oh, stride_om, stride_od = o_strides
+    stride_ab, stride_ah, stride_am, stride_an = add_strides
+    stride_sb, stride_sh = slope_strides
+    stride_lb, stride_lh, stride_lq, stride_lk = layout_strides
+    stride_cb, stride_ch = count_strides
+    stride_tb, stride_th, stride_tp = tile_strides
     pid_m, b, h, pid_bh = _program_ids(B, H, n_prog_m, 1, BATCH_INNER, False)
     hk = h // G
     seed, row_blocks, drop_base = _dropout_stream(pid_bh, Mq, Mk, seed_lo, seed_hi)

@@ -30,22 +30,13 @@ from .common_kernels import (
 @triton.jit(do_not_specialize=["n_sharers", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
                              "seed_lo", "seed_hi", "drop_thresh"])
 def _attn_bwd_dbias_kernel(
-    Q, K, V, DO, Lse, Delta, DBias,
-    Add, Slopes, Layout, KvLens, BandLo, BandHi,
-    qk_scale,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_gb, stride_gh, stride_gm, stride_gn,
-    stride_ab, stride_ah, stride_am, stride_an,
-    stride_sb, stride_sh,
-    stride_lb, stride_lh, stride_lq, stride_lk,
-    H, G, Hb, Mq, Mk, D, Dv, n_tiles_n, n_sharers, heads_shared,
-    layout_q_off, layout_k_off, block_q, block_k, alibi_shift, seed_lo, seed_hi, drop_thresh, drop_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr, HAS_LAYOUT: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    Q, K, V, DO, Lse, Delta, DBias, Add, Slopes, Layout, KvLens, BandLo, BandHi, qk_scale,
+    q_strides, k_strides, v_strides, do_strides, g_strides, add_strides, slope_strides, layout_strides,
+    H, G, Hb, Mq, Mk, D, Dv, n_tiles_n, n_sharers, heads_shared, layout_q_off, layout_k_off, block_q, block_k,
+    alibi_shift, seed_lo, seed_hi, drop_thresh, drop_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    EVEN_D: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr, HAS_LAYOUT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     """Grid ``(query tiles * key tiles, Bb * Hb)`` for a gradient ``DBias [Bb, Hb, Mq, Mk]``.
 
@@ -54,6 +45,14 @@ def _attn_bwd_dbias_kernel(
     broadcast over the batch and ``hh`` = 0 when it is broadcast over heads (``heads_shared`` = H),
     else ``heads_shared`` = 1.
     """
+    stride_qb, stride_qh, stride_qm, stride_qd = q_strides
+    stride_kb, stride_kh, stride_kn, stride_kd = k_strides
+    stride_vb, stride_vh, stride_vn, stride_vd = v_strides
+    stride_dob, stride_doh, stride_dom, stride_dod = do_strides
+    stride_gb, stride_gh, stride_gm, stride_gn = g_strides
+    stride_ab, stride_ah, stride_am, stride_an = add_strides
+    stride_sb, stride_sh = slope_strides
+    stride_lb, stride_lh, stride_lq, stride_lk = layout_strides
     pid = tl.program_id(0)
     tm = pid // n_tiles_n
     tn = pid % n_tiles_n
@@ -135,9 +134,7 @@ def _attn_bwd_dbias_kernel(
 @triton.jit
 def _attn_bwd_dq_from_ds_kernel(
     K, DS, DQ, KvLens, BandLo, BandHi, sm_scale,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_gb, stride_gh, stride_gm, stride_gn,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    k_strides, g_strides, dq_strides,
     H, G, Mq, Mk, D,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
@@ -148,6 +145,9 @@ def _attn_bwd_dq_from_ds_kernel(
     itself (0 where a key is hidden), so dQ needs one product per tile instead of recomputing ``S``,
     ``P`` and ``dP`` (three). The program walks the key span its rows can see.
     """
+    stride_kb, stride_kh, stride_kn, stride_kd = k_strides
+    stride_gb, stride_gh, stride_gm, stride_gn = g_strides
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd = dq_strides
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H

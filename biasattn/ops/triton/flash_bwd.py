@@ -126,7 +126,7 @@ def _delta(out, dout, dlse: torch.Tensor | None, delta: torch.Tensor, f32: torch
     pre_bm = 16 if flash.INTERPRETED else 64
     _preprocess[(cdiv(Mq, pre_bm), B * H)](
         out, dout, dlse if dlse is not None else f32, delta, f32 if lse is None else lse, f32 if guarded is None else guarded,
-        *out.stride(), *dout.stride(), H, Mq, Dv, BLOCK_M=pre_bm, HEAD_DIM_V=hdv, HAS_DLSE=dlse is not None,
+        out.stride(), dout.stride(), H, Mq, Dv, BLOCK_M=pre_bm, HEAD_DIM_V=hdv, HAS_DLSE=dlse is not None,
         WRITE_GUARDED=guarded is not None,
     )
 
@@ -218,9 +218,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     dcol = torch.zeros((B, H, Mk), dtype=torch.float32, device=dev) if reduction == "col" else d32
     drow = torch.zeros((B, H, Mq), dtype=torch.float32, device=dev) if reduction == "row" else d32
     g_strides = _bcast_strides(dbias, (B, H, Mq, Mk)) if reduction == "full" else (0, 0, 0, 0)
-    common = (
-        *args.add_strides, *args.slope_strides, *args.layout_strides,
-    )
+    common = (args.add_strides, args.slope_strides, args.layout_strides)
     g_span = (Mq - 1) * abs(g_strides[2]) + (Mk - 1) * abs(g_strides[3])
     index_64 = _index_64(
         slice_span(q), slice_span(k), slice_span(v), slice_span(out), slice_span(dout), slice_span(dq),
@@ -245,7 +243,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             args.add, args.slopes, args.layout, args.qs, args.kv, args.band_lo, args.band_hi,
             sched.table if sched.table is not None else args.d32, count, index,
             qk_scale, scale,
-            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(), *g_strides, *common, *cs, *ts,
+            q.stride(), k.stride(), v.stride(), dout.stride(), dk.stride(), dv.stride(), g_strides, *common, cs, ts,
             H, H // Hkv, Hkv, Mq, Mk, D, Dv, nb_loop, nhk_loop,
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,
@@ -269,7 +267,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             args.add, args.slopes, args.layout, args.ks, args.kl, args.kv, args.band_lo, args.band_hi,
             sched.table if sched.table is not None else args.d32, count, index,
             qk_scale, scale,
-            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *out.stride(), *common, *cs, *ts,
+            q.stride(), k.stride(), v.stride(), dout.stride(), dq.stride(), out.stride(), *common, cs, ts,
             B, H, H // Hkv, Mq, Mk, D, Dv, sched.n,
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even, BATCH_INNER=batch_inner,
@@ -283,7 +281,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     def run_dq_ds(cfg: configs.TileConfig) -> None:
         _dq_ds[(cdiv(Mq, cfg.block_m), B * H)](
             k, dbias, dq, args.kv, args.band_lo, args.band_hi, scale,
-            *k.stride(), *g_strides, *dq.stride(), H, H // Hkv, Mq, Mk, D,
+            k.stride(), g_strides, dq.stride(), H, H // Hkv, Mq, Mk, D,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, EVEN_D=even,
             HAS_PADDED=args.has_padded, HAS_BAND=args.has_band, DOT_PRECISION=_dot_precision(q.dtype),
             INDEX_64=index_64, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -298,7 +296,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
             q, k, v, dout, lse, delta, dbias,
             args.add, args.slopes, args.layout, args.kv, args.band_lo, args.band_hi,
             qk_scale,
-            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dbias.stride(), *common,
+            q.stride(), k.stride(), v.stride(), dout.stride(), dbias.stride(), *common,
             H, H // Hkv, hb, Mq, Mk, D, Dv, n_tiles_n, n_sharers, heads_shared,
             spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=hd, HEAD_DIM_V=hdv, EVEN_D=even,

@@ -142,12 +142,11 @@ def _store_rows(acc, m_i, l_i, o_ptrs, lse_ptrs, keep, dims, dim_end, drop_scale
 @triton.jit(do_not_specialize=["B", "n_prog_m", "chunk", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
                              "seed_lo", "seed_hi", "drop_thresh"])
 def _attn_fwd_exact_kernel(
-    Q, KP, VP, Out, Lse, Add, Slopes, Layout, QSeqStart, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, Sched, qk_scale,
-    stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-    stride_ab, stride_ah, stride_am, stride_an, stride_sb, stride_sh, stride_lb, stride_lh, stride_lq, stride_lk,
-    B, H, G, Mq, Mk, D, Dv, n_prog_m, chunk,
-    layout_q_off, layout_k_off, block_q, block_k, alibi_shift, seed_lo, seed_hi, drop_thresh, drop_scale,
+    Q, KP, VP, Out, Lse, Add, Slopes, Layout, QSeqStart, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, Sched,
+    qk_scale,
+    q_strides, k_strides, v_strides, o_strides, add_strides, slope_strides, layout_strides,
+    B, H, G, Mq, Mk, D, Dv, n_prog_m, chunk, layout_q_off, layout_k_off, block_q, block_k, alibi_shift, seed_lo,
+    seed_hi, drop_thresh, drop_scale,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, SCHEDULED: tl.constexpr,
     HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr, BAND_PER_SEGMENT: tl.constexpr,
     HAS_LAYOUT: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -162,6 +161,13 @@ def _attn_fwd_exact_kernel(
     ``0 * NaN`` in the pipelined kernel. This rare path runs the marked rows' blocks of ``SUB_M``
     rows, 16 keys by 16 value dims at a time, every tile masked: a kernel of its own, so the pipelined
     one keeps its registers, and a small one, so the programs that return at once cost little."""
+    stride_qb, stride_qh, stride_qm, stride_qd = q_strides
+    stride_kb, stride_kh, stride_kn, stride_kd = k_strides
+    stride_vb, stride_vh, stride_vn, stride_vd = v_strides
+    stride_ob, stride_oh, stride_om, stride_od = o_strides
+    stride_ab, stride_ah, stride_am, stride_an = add_strides
+    stride_sb, stride_sh = slope_strides
+    stride_lb, stride_lh, stride_lq, stride_lk = layout_strides
     pid_m, b, h, pid_bh = _program_ids(B, H, n_prog_m, chunk, BATCH_INNER, TAIL_ORDER)
     prog, m0, m_end, seg = _query_rows(pid_m, n_prog_m, Mq, Sched, SCHEDULED, BLOCK_M)
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -215,25 +221,18 @@ def _attn_fwd_exact_kernel(
 @triton.jit(do_not_specialize=["B", "n_prog_m", "chunk", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
                              "seed_lo", "seed_hi", "drop_thresh"])  # values that vary per call: no recompiles
 def _attn_fwd_kernel(
-    Q, K, V, KP, VP, Out, Lse,
-    Add, Slopes, Layout, QSeqStart, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, Sched, TileCount, TileIdx,
-    qk_scale,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_ab, stride_ah, stride_am, stride_an,
-    stride_sb, stride_sh,
-    stride_lb, stride_lh, stride_lq, stride_lk,
-    stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
-    B, H, G, Mq, Mk, D, Dv, n_prog_m, chunk,
-    layout_q_off, layout_k_off, block_q, block_k, alibi_shift, seed_lo, seed_hi, drop_thresh, drop_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
-    SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr,
-    BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr, LIST_ONLY: tl.constexpr,
-    HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
-    BATCH_INNER: tl.constexpr, HAS_DROPOUT: tl.constexpr, LIST_TILES: tl.constexpr, TAIL_ORDER: tl.constexpr,
-    TMA_KV: tl.constexpr, TMA_EDGES: tl.constexpr, HIDDEN_LINES: tl.constexpr,
+    Q, K, V, KP, VP, Out, Lse, Add, Slopes, Layout, QSeqStart, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, Sched,
+    TileCount, TileIdx, qk_scale,
+    q_strides, k_strides, v_strides, o_strides, add_strides, slope_strides, layout_strides, count_strides,
+    tile_strides,
+    B, H, G, Mq, Mk, D, Dv, n_prog_m, chunk, layout_q_off, layout_k_off, block_q, block_k, alibi_shift, seed_lo,
+    seed_hi, drop_thresh, drop_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    EVEN_D: tl.constexpr, SCHEDULED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr,
+    HAS_BAND: tl.constexpr, BAND_PER_SEGMENT: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_EXACT: tl.constexpr,
+    LIST_ONLY: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INDEX_64: tl.constexpr, BATCH_INNER: tl.constexpr, HAS_DROPOUT: tl.constexpr, LIST_TILES: tl.constexpr,
+    TAIL_ORDER: tl.constexpr, TMA_KV: tl.constexpr, TMA_EDGES: tl.constexpr, HIDDEN_LINES: tl.constexpr,
 ):
     """Grid ``(query tiles, B * Hq)`` (``(query tiles * B, Hq)`` with ``BATCH_INNER``). Writes ``Out [B, Hq, Mq, Dv]`` and ``Lse [B, Hq, Mq]`` (natural log).
 
@@ -241,6 +240,15 @@ def _attn_fwd_kernel(
     With ``TMA_KV``, ``K`` and ``V`` are tensor descriptors (Hopper's copy engine) and ``KP``/``VP``
     the same tensors as pointers; the unmasked tiles come through the descriptors, the masked ones too
     with ``TMA_EDGES`` (when no key can be hidden from every row, so whole tiles may be read)."""
+    stride_qb, stride_qh, stride_qm, stride_qd = q_strides
+    stride_kb, stride_kh, stride_kn, stride_kd = k_strides
+    stride_vb, stride_vh, stride_vn, stride_vd = v_strides
+    stride_ob, stride_oh, stride_om, stride_od = o_strides
+    stride_ab, stride_ah, stride_am, stride_an = add_strides
+    stride_sb, stride_sh = slope_strides
+    stride_lb, stride_lh, stride_lq, stride_lk = layout_strides
+    stride_cb, stride_ch = count_strides
+    stride_tb, stride_th, stride_tp = tile_strides
     pid_m, b, h, pid_bh = _program_ids(B, H, n_prog_m, chunk, BATCH_INNER, TAIL_ORDER)
     seed, row_blocks, drop_base = _dropout_stream(pid_bh, Mq, Mk, seed_lo, seed_hi)
     hk = h // G

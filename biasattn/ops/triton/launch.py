@@ -9,9 +9,9 @@ the compiled launcher the way ``JITFunction.run`` does. Two tables lead to a com
   tensor descriptor's dtype, block shape and (Gluon) shared layout, every other argument's value, the constexprs and
   launch options; for the integer arguments named as unkeyed, which the kernel does not
   specialize, only whether they fit 32 bits): one lookup of a few C-level passes;
-- on a miss there, the specialization (the same, but each integer that is not a constexpr reduced
-  to what Triton specializes it on: equal to 1, divisible by 16, 32 or 64 bits; floats to their
-  type): a call whose sizes changed (a decode step against a cache one key longer) still finds
+- on a miss there, the specialization (the same, but each integer that is not a constexpr, in a tuple
+  of strides too, reduced to what Triton specializes it on: equal to 1, divisible by 16, 32 or 64
+  bits; floats to their type): a call whose sizes changed (a decode step against a cache one key longer) still finds
   the kernel compiled for the last one instead of going through Triton's binding.
 
 A miss in both, the interpreter, a CPU tensor, a Triton whose ``run`` does not end in that call,
@@ -67,6 +67,11 @@ def _device(first) -> torch.device:
     return getattr(first, "base", first).device
 
 
+def _int_class(a: int) -> int:
+    """What Triton specializes an integer argument on: equal to 1, divisible by 16, fits 32 or 64 bits."""
+    return (a == 1) + ((a & 15 == 0) << 1) + ((-2**31 <= a < 2**31) << 2) + ((a < 2**63) << 3)
+
+
 def _picker(positions: list[int]):
     """A function returning the tuple of ``args[i]`` for ``i`` in ``positions``."""
     if not positions:
@@ -104,10 +109,13 @@ class _Direct:
             keyed = [i for i, t in enumerate(types) if i not in tensors and i not in descs and i not in self.unkeyed]
             unkeyed = [i for i in self.unkeyed if i < len(types) and i not in tensors]
             picks = self.picks[types] = (_picker(tensors), _picker(keyed), _picker(unkeyed), _picker(descs))
-            # for _specialization: integers reduced to their class, floats dropped (constexprs stay exact)
+            # for _specialization: integers (alone or in tuples) reduced to their class, floats dropped
+            # (constexprs stay exact)
             ints = [i for i in keyed if types[i] is int and i not in self.constexprs]
-            exact = [i for i in keyed if i not in ints and not (types[i] is float and i not in self.constexprs)]
-            self.spec_picks[types] = (_picker(exact), _picker(ints))
+            tuples = [i for i in keyed if types[i] is tuple and i not in self.constexprs]
+            exact = [i for i in keyed if i not in ints and i not in tuples
+                     and not (types[i] is float and i not in self.constexprs)]
+            self.spec_picks[types] = (_picker(exact), _picker(ints), _picker(tuples))
         tensors, keyed, unkeyed, descs = (pick(args) for pick in picks)
         return (types, keyed, tuple([t.dtype for t in tensors]), tuple([t.data_ptr() & 15 == 0 for t in tensors]),
                 tuple([-2**31 <= a < 2**31 for a in unkeyed]),
@@ -117,10 +125,10 @@ class _Direct:
         """``signature`` with the keyed integers (not constexprs) reduced to Triton's integer
         specialization and the keyed floats dropped (their type is in the signature)."""
         types = signature[0]
-        exact, ints = (pick(args) for pick in self.spec_picks[types])  # filled by _signature
-        classes = tuple([(a == 1) + ((a & 15 == 0) << 1) + ((-2**31 <= a < 2**31) << 2) + ((a < 2**63) << 3)
-                         for a in ints])
-        return (types, exact, classes, *signature[2:])
+        exact, ints, tuples = (pick(args) for pick in self.spec_picks[types])  # filled by _signature
+        classes = tuple([_int_class(a) for a in ints])
+        tuple_classes = tuple([tuple([_int_class(a) for a in t]) for t in tuples])
+        return (types, exact, classes, tuple_classes, *signature[2:])
 
     def __getitem__(self, grid):
         return functools.partial(self.launch, grid)

@@ -265,7 +265,7 @@ def splitk_attention_fwd(
             spec.band_lo if spec.band_lo is not None else q, spec.band_hi if spec.band_hi is not None else q,
             add if add is not None else q, slopes if slopes is not None else q,
             qk_scale, spec.alibi_shift,
-            *q.stride(), *k.stride(), *v.stride(), *so, *sl, *sa, *ss,
+            q.stride(), k.stride(), v.stride(), so, sl, sa, ss,
             Hkv, Mq, Mk, D, Dv, G, row_blocks, num_splits, tiles_per_split, mq_stride,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
             HAS_KV_LEN=spec.kv_seqlens is not None and not segments, HAS_SEGMENTS=segments,

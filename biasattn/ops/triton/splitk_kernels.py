@@ -88,16 +88,8 @@ def _splitk_tile(
 
 @triton.jit
 def _splitk_fwd_kernel(
-    Q, K, V, Out, Lse,
-    KvLen, QStart, KStart, KLen, BandLo, BandHi, Add, Slopes,
-    qk_scale, alibi_shift,
-    stride_qz, stride_qh, stride_qm, stride_qd,
-    stride_kz, stride_kh, stride_kn, stride_kd,
-    stride_vz, stride_vh, stride_vn, stride_vd,
-    stride_os, stride_oz, stride_oh, stride_om, stride_od,
-    stride_ls, stride_lz, stride_lh, stride_lm,
-    stride_az, stride_ah, stride_am, stride_an,
-    stride_sz, stride_sh,
+    Q, K, V, Out, Lse, KvLen, QStart, KStart, KLen, BandLo, BandHi, Add, Slopes, qk_scale, alibi_shift,
+    q_strides, k_strides, v_strides, o_strides, lse_strides, add_strides, slope_strides,
     Hkv, Mq, Mk, D, Dv, groups, row_blocks, num_splits, tiles_per_split, MQ_STRIDE,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HAS_KV_LEN: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_BAND: tl.constexpr, BAND_PER_SEGMENT: tl.constexpr,
@@ -108,6 +100,13 @@ def _splitk_fwd_kernel(
 
     With ``PDL`` the program lets the merge kernel launch once its key loop is done (its stores follow;
     the merge waits for them)."""
+    stride_qz, stride_qh, stride_qm, stride_qd = q_strides
+    stride_kz, stride_kh, stride_kn, stride_kd = k_strides
+    stride_vz, stride_vh, stride_vn, stride_vd = v_strides
+    stride_os, stride_oz, stride_oh, stride_om, stride_od = o_strides
+    stride_ls, stride_lz, stride_lh, stride_lm = lse_strides
+    stride_az, stride_ah, stride_am, stride_an = add_strides
+    stride_sz, stride_sh = slope_strides
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rb = pid % row_blocks
