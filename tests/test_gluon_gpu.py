@@ -129,7 +129,22 @@ def test_other_calls_keep_the_triton_kernels(gluon_calls, gluon_bwd_calls, case)
         check(q, k, v, lambda add: ba.AdditiveBias(add), torch.randn(1, 2, M, M, device="cuda", dtype=dtype))
     else:
         check(q, k, v, const(bias))
-    assert gluon_calls == [] and gluon_bwd_calls == []
+    assert gluon_calls == [] and bool(gluon_bwd_calls) == (case == "D64")  # the backward runs at D=64 too
+
+
+@pytest.mark.parametrize("case", ["none", "causal", "window", "padded"])
+def test_backward_at_head_dim_64_matches_the_reference(gluon_calls, gluon_bwd_calls, case):
+    """At head dim 64 the forward keeps the ``triton.language`` kernel and the backward runs in Gluon, one dQ
+    piece a tile per warpgroup (its staging buffers alternating by tile)."""
+    B, M, bias = 2, 384, None
+    if case == "causal":
+        bias = ba.LowerTriangularMask()
+    elif case == "window":
+        bias = ba.LocalAttentionMask(window_left=100, window_right=64)
+    elif case == "padded":
+        bias = ba.PaddedKeysMask([100, 384], device="cuda")
+    check(*qkv(B=B, Hq=4, Hkv=2, Mq=M, Mk=M, D=64, dtype=torch.bfloat16), const(bias))
+    assert gluon_calls == [] and gluon_bwd_calls
 
 
 def test_backward_rows_not_a_multiple_of_four_keep_the_triton_kernels(gluon_calls, gluon_bwd_calls):

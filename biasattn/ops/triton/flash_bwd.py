@@ -143,7 +143,8 @@ def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, dq, 
     if not dout.is_contiguous() or dout.data_ptr() % 16:  # the kernel reads it through a per-head descriptor
         dout = dout.clone(memory_format=torch.contiguous_format)
     delta, guarded = torch.empty((2, *lse.shape), dtype=torch.float32, device=q.device)
-    _delta(out, dout, dlse.to(torch.float32).contiguous() if dlse is not None else None, delta, args.f32, 128, lse, guarded)
+    _delta(out, dout, dlse.to(torch.float32).contiguous() if dlse is not None else None, delta, args.f32, q.shape[3],
+           lse, guarded)
     dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     try:
         gluon_backward.attn_bwd(q, k, v, dout, guarded, delta, dq32, dk, dv, scale,
@@ -173,7 +174,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         dq.zero_(), dk.zero_(), dv.zero_()
         return dq, dk, dv, (torch.zeros_like(add) if need_dbias else None)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    if D == 128 and Dv == 128 and _gluon_runs(q, k, v, lse, spec, need_dbias, dropout_p):
+    if D == Dv and D in (64, 128) and _gluon_runs(q, k, v, lse, spec, need_dbias, dropout_p):
         if _gluon_bwd(q, k, v, out, lse, dout, dlse, spec, scale, dq, dk, dv):
             return dq, dk, dv, None
     delta = q.new_empty((B, H, Mq), dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""The backward at head dim 128 on Hopper, warp-specialized in Gluon: no bias, causal masks, windows and
+"""The backward at head dims 64 and 128 on Hopper, warp-specialized in Gluon: no bias, causal masks, windows and
 padded keys, MHA and GQA.
 
 A program owns 128 keys of one KV head and walks the 64-row query tiles that see them, for every
@@ -7,7 +7,7 @@ delta tile by tile through a ring of two stages (TMA copies and mbarriers). Two 
 own 64 of the keys. Per tile each computes ``S^T = K Q^T`` and ``dP^T = V dO^T``, then ``P^T`` and
 ``dS^T``, and accumulates ``dV += P^T dO`` and ``dK += dS^T Q`` in registers. dQ takes no extra
 matmul of S: each warpgroup stores its half of ``dS^T`` in shared memory, and once both halves are
-there each computes 64 columns of ``dS K`` over the 128 keys and adds them to a float32 dQ in global
+there each computes half the columns of ``dS K`` over the 128 keys and adds them to a float32 dQ in global
 memory by TMA reductions (``cp.reduce.async.bulk``). It does so one tile late, so the two warpgroups
 rarely wait for each other (``docs/design.md``, "Backwards at D=128 on Hopper: dQ by TMA reductions").
 
@@ -22,7 +22,7 @@ its non-finite elements are zeroed in shared memory once, so that ``dS K`` takes
 Tiles past the end of a head read zeros and write nothing: the descriptors are per head
 (``[B·H, M, D]``).
 
-:func:`eligible` says which tensors it takes: fp16/bf16, D = Dv = 128, contiguous ``[B, H, M, D]``
+:func:`eligible` says which tensors it takes: fp16/bf16, D = Dv = 64 or 128, contiguous ``[B, H, M, D]``
 tensors. This module is imported on the first call that may use it.
 """
 
@@ -106,8 +106,11 @@ def _flat(buf):
 
 @gluon.jit
 def _dq_part(ds_smem, k_smem, dq_smem, dq_desc, buf, bh, m0, zero_q, sm_scale, PART: gl.constexpr, C: gl.constexpr):
-    """Add columns ``[64 PART + 32 C, +32)`` of ``dS K`` of the tile whose ``dS^T`` halves are in ``buf``."""
-    col: gl.constexpr = PART * _HALF + C * _DQ_COLS
+    """Add columns ``[D/2 PART + 32 C, +32)`` of ``dS K`` of the tile whose ``dS^T`` halves are in ``buf``: at
+    D=128 two pieces a tile, each in its staging buffer; at D=64 one, whose two buffers alternate by tile
+    (``tma.store_wait(1)`` then guards the buffer about to be written)."""
+    D: gl.constexpr = k_smem.type.shape[3]
+    col: gl.constexpr = PART * (D // 2) + C * _DQ_COLS
     dq = warpgroup_mma(ds_smem.index(2 * buf).permute((1, 0)), _flat(k_smem.index(0)).slice(col, _DQ_COLS, dim=1),
                        zero_q, use_acc=False, is_async=True)
     dq = warpgroup_mma(ds_smem.index(2 * buf + 1).permute((1, 0)),
@@ -115,7 +118,10 @@ def _dq_part(ds_smem, k_smem, dq_smem, dq_desc, buf, bh, m0, zero_q, sm_scale, P
     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
     tma.store_wait(1)  # the reduction that last read this buffer is done
     gl.thread_barrier()
-    out = dq_smem.index(2 * PART + C)
+    if D == 128:
+        out = dq_smem.index(2 * PART + C)
+    else:
+        out = dq_smem.index(2 * PART + buf)
     _flat(out).store(dq * sm_scale)
     fence_async_shared()
     gl.thread_barrier()
@@ -186,8 +192,9 @@ def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, 
             _dq_part(ds_smem, k_smem, dq_smem, dq_desc, prev, bh_prev, m_prev, zero_q, sm_scale, PART, 0)
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
         mbarrier.arrive(empty.index(s), count=1)
-        if t > 0:
-            _dq_part(ds_smem, k_smem, dq_smem, dq_desc, prev, bh_prev, m_prev, zero_q, sm_scale, PART, 1)
+        if D == 128:
+            if t > 0:
+                _dq_part(ds_smem, k_smem, dq_smem, dq_desc, prev, bh_prev, m_prev, zero_q, sm_scale, PART, 1)
         ds_smem.index(2 * (t % 2) + PART).store(ds)
         fence_async_shared()
         gl.thread_barrier()
@@ -198,7 +205,8 @@ def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, 
         last = (n_tiles - 1) % 2
         mbarrier.wait(ds_bar.index(last), ((n_tiles - 1) // 2) & 1)
         _dq_part(ds_smem, k_smem, dq_smem, dq_desc, last, bh_prev, m_prev, zero_q, sm_scale, PART, 0)
-        _dq_part(ds_smem, k_smem, dq_smem, dq_desc, last, bh_prev, m_prev, zero_q, sm_scale, PART, 1)
+        if D == 128:
+            _dq_part(ds_smem, k_smem, dq_smem, dq_desc, last, bh_prev, m_prev, zero_q, sm_scale, PART, 1)
     tma.store_wait(0)
     dims = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     keys_o = k0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, o_layout))
@@ -270,10 +278,10 @@ def _row_span(n0, Mq, bounds, MASKED: gl.constexpr):
 def _attn_bwd_ws_kernel(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, DK, DV, KvLens, BandLo, BandHi, Hkv,
                         G, Mq, Mk, qk_scale, sm_scale, REGS: gl.constexpr, MASKED: gl.constexpr,
                         HAS_PADDED: gl.constexpr, HAS_BAND: gl.constexpr):
-    """Grid ``(key tiles of 128, B * Hkv)``. Q, dO and dQ (float32, zeroed) are ``[B·H, Mq, 128]`` descriptors,
+    """Grid ``(key tiles of 128, B * Hkv)``. Q, dO and dQ (float32, zeroed) are ``[B·H, Mq, D]`` descriptors,
     lse (natural log; +inf for a row that saw no key, NaN for one that saw an infinite score) and delta
-    ``[B·H, Mq]``, K and V ``[B·Hkv, Mk, 128]`` (``G`` query heads per KV head); writes dK and dV
-    (``[B, Hkv, Mk, 128]``, contiguous) and adds into dQ. Without ``MASKED``, Mq is a multiple of 64, Mk of 128,
+    ``[B·H, Mq]``, K and V ``[B·Hkv, Mk, D]`` (``G`` query heads per KV head); writes dK and dV
+    (``[B, Hkv, Mk, D]``, contiguous) and adds into dQ. Without ``MASKED``, Mq is a multiple of 64, Mk of 128,
     and every row sees every key."""
     dtype: gl.constexpr = k_desc.dtype
     n0 = gl.program_id(0) * _BLOCK_N
@@ -319,7 +327,7 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tenso
     device, the bias, dropout, determinism and the size, and passes dO contiguous)."""
     B, H, Mq, D = q.shape
     Mk = k.shape[2]
-    if D != 128 or k.shape[3] != 128 or v.shape[3] != 128 or min(Mq, Mk) == 0:
+    if D not in (64, 128) or k.shape[3] != D or v.shape[3] != D or min(Mq, Mk) == 0:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
