@@ -24,10 +24,11 @@ pytestmark = [
 def gluon_calls(triton_options, monkeypatch):
     """Every call large enough for the Gluon forward; returns the list its launches are logged in, as
     ``(q shape, k shape, masked)``."""
-    from biasattn.ops.triton import flash, gluon_forward
+    from biasattn.ops.triton import flash, flash_bwd, gluon_forward
 
     triton_options(gluon_min_scores=0)
     monkeypatch.setattr(flash, "_gluon_span", lambda *args: True)  # rows seeing few keys take it too
+    monkeypatch.setattr(flash_bwd, "GLUON_D64_MASKED_MIN_KEYS", 0)  # and masked calls at D=64 of any length
     calls = []
     real = gluon_forward.attn_fwd
 
@@ -145,6 +146,18 @@ def test_backward_at_head_dim_64_matches_the_reference(gluon_calls, gluon_bwd_ca
         bias = ba.PaddedKeysMask([100, 384], device="cuda")
     check(*qkv(B=B, Hq=4, Hkv=2, Mq=M, Mk=M, D=64, dtype=torch.bfloat16), const(bias))
     assert gluon_calls == [] and gluon_bwd_calls
+
+
+@pytest.mark.parametrize("case", ["none", "causal"])
+def test_masked_backward_at_head_dim_64_needs_many_keys(gluon_calls, gluon_bwd_calls, monkeypatch, case):
+    """At head dim 64 a masked call with fewer keys than ``GLUON_D64_MASKED_MIN_KEYS`` keeps the
+    ``triton.language`` backward (faster there); a call without a bias takes the Gluon one at any length."""
+    from biasattn.ops.triton import flash_bwd
+
+    monkeypatch.setattr(flash_bwd, "GLUON_D64_MASKED_MIN_KEYS", 512)
+    bias = ba.LowerTriangularMask() if case == "causal" else None
+    check(*qkv(B=2, Hq=2, Hkv=2, Mq=384, Mk=384, D=64, dtype=torch.bfloat16), const(bias))
+    assert bool(gluon_bwd_calls) == (case == "none")
 
 
 def test_backward_rows_not_a_multiple_of_four_keep_the_triton_kernels(gluon_calls, gluon_bwd_calls):

@@ -91,6 +91,7 @@ def _tables(spec: BiasSpec, blocks: tuple[int, int], device, roles: tuple) -> tu
 
 
 GLUON_FEATURES = frozenset({"padded_keys", "band"})  # the masks the Gluon backward takes
+GLUON_D64_MASKED_MIN_KEYS = 4096  # at head dim 64, masked calls with fewer keys keep the triton.language backward
 _gluon_failure: list[str] = []  # why the Gluon backward cannot run with the installed Triton, once known
 
 
@@ -98,8 +99,9 @@ def _gluon_runs(q, k, v, lse, spec: BiasSpec, need_dbias: bool, dropout_p: float
     """Whether the Gluon backward takes the call: the ``gluon_backward`` option, an sm_90 GPU, a Triton whose
     Gluon builds the kernel, a bias of :data:`GLUON_FEATURES` only, no dropout and no bias gradient, runs
     that need not be deterministic (its dQ adds tiles in any order), at least ``gluon_min_scores`` scores,
-    rows that see many keys (:func:`~.flash._gluon_span`) and the kernel's tensors
-    (:func:`.gluon_backward.eligible`). The module is imported on the first call that gets this far."""
+    rows that see many keys (:func:`~.flash._gluon_span`), at head dim 64 either no bias or at least
+    :data:`GLUON_D64_MASKED_MIN_KEYS` keys, and the kernel's tensors (:func:`.gluon_backward.eligible`). The
+    module is imported on the first call that gets this far."""
     opts = options.current()
     if (not opts.gluon_backward or _gluon_failure or flash.INTERPRETED or q.device.type != "cuda" or dropout_p > 0
             or need_dbias or not spec.features <= GLUON_FEATURES or torch.are_deterministic_algorithms_enabled()
@@ -108,6 +110,8 @@ def _gluon_runs(q, k, v, lse, spec: BiasSpec, need_dbias: bool, dropout_p: float
     B, H, Mq, _ = q.shape
     Mk = k.shape[2]
     if computed_scores(spec, B, H, Mq, Mk) < opts.gluon_min_scores or not flash._gluon_span(spec, Mq, Mk):
+        return False
+    if q.shape[3] == 64 and spec.features and Mk < GLUON_D64_MASKED_MIN_KEYS:
         return False
     try:
         from . import gluon_backward
