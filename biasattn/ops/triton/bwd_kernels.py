@@ -213,21 +213,16 @@ def _dkdv_head(dk, dv, k, v, keys, span, b, b64, h, pid_n, qdo_ops, grads, lists
             for t in range(0, count):
                 m0 = tl.load(tiles + t) * BLOCK_M
                 if (m0 < hi) & (m0 + BLOCK_M > lo):
-                    if LAYOUT_EXACT:  # kernel tiles lie inside layout blocks: the list settles the layout
-                        if (m0 >= full_lo) & (m0 + BLOCK_M <= full_hi):
-                            dk, dv, dcol = _dkdv_tile(
-                                dk, dv, dcol, k, v, m0, ktile, qdo, sizes, bias, drop, 0.0, FEATURES,
-                                MASKED=False, LAYOUT_MASK=False, PRELOADED=False,
-                            )
-                        else:
-                            dk, dv, dcol = _dkdv_tile(
-                                dk, dv, dcol, k, v, m0, ktile, qdo, sizes, bias, drop, 0.0, FEATURES,
-                                MASKED=True, LAYOUT_MASK=False, PRELOADED=False,
-                            )
+                    # LAYOUT_EXACT: tiles lie inside layout blocks, so the list settles the layout
+                    if LAYOUT_EXACT and (m0 >= full_lo) & (m0 + BLOCK_M <= full_hi):
+                        dk, dv, dcol = _dkdv_tile(
+                            dk, dv, dcol, k, v, m0, ktile, qdo, sizes, bias, drop, 0.0, FEATURES,
+                            MASKED=False, LAYOUT_MASK=False, PRELOADED=False,
+                        )
                     else:
                         dk, dv, dcol = _dkdv_tile(
                             dk, dv, dcol, k, v, m0, ktile, qdo, sizes, bias, drop, 0.0, FEATURES,
-                            MASKED=True, LAYOUT_MASK=True, PRELOADED=False,
+                            MASKED=True, LAYOUT_MASK=not LAYOUT_EXACT, PRELOADED=False,
                         )
     else:
         for t in range(0, a):
@@ -588,21 +583,16 @@ def _attn_bwd_dq_kernel(
             for t in range(0, count):
                 n0 = tl.load(tiles + t) * BLOCK_N
                 if (n0 < hi) & (n0 + BLOCK_N > lo):
-                    if LAYOUT_EXACT:  # kernel tiles lie inside layout blocks: the list settles the layout
-                        if (n0 >= full_lo) & (n0 + BLOCK_N <= full_hi):
-                            dq, drow = _dq_tile(
-                                dq, drow, q, do, lse2, delta, n0, qtile, kv, sizes, bias, drop, 0.0, FEATURES,
-                                MASKED=False, LAYOUT_MASK=False, PRELOADED=False,
-                            )
-                        else:
-                            dq, drow = _dq_tile(
-                                dq, drow, q, do, lse2, delta, n0, qtile, kv, sizes, bias, drop, 0.0, FEATURES,
-                                MASKED=True, LAYOUT_MASK=False, PRELOADED=False,
-                            )
+                    # LAYOUT_EXACT: tiles lie inside layout blocks, so the list settles the layout
+                    if LAYOUT_EXACT and (n0 >= full_lo) & (n0 + BLOCK_N <= full_hi):
+                        dq, drow = _dq_tile(
+                            dq, drow, q, do, lse2, delta, n0, qtile, kv, sizes, bias, drop, 0.0, FEATURES,
+                            MASKED=False, LAYOUT_MASK=False, PRELOADED=False,
+                        )
                     else:
                         dq, drow = _dq_tile(
                             dq, drow, q, do, lse2, delta, n0, qtile, kv, sizes, bias, drop, 0.0, FEATURES,
-                            MASKED=True, LAYOUT_MASK=True, PRELOADED=False,
+                            MASKED=True, LAYOUT_MASK=not LAYOUT_EXACT, PRELOADED=False,
                         )
     else:
         lo = lo // 16 * 16  # 16-aligned tile starts: a bias row is read in 16-byte vectors

@@ -303,23 +303,17 @@ def _attn_fwd_kernel(
             for t in range(0, count):
                 n0 = tl.load(tiles + t) * BLOCK_N
                 if (n0 < hi) & (n0 + BLOCK_N > lo):
-                    if LAYOUT_EXACT:  # kernel tiles lie inside layout blocks: the list settles the layout
-                        if (n0 >= full_lo) & (n0 + BLOCK_N <= full_hi):
-                            acc, m_i, l_i = _fwd_tile(
-                                acc, m_i, l_i, q, n0, qtile, kv, sizes, bias, drop, 0.0, FEATURES,
-                                MASKED=False, LAYOUT_MASK=False, PRELOADED=False, TMA_KV=TMA_KV, EXACT=False,
-                                BLOCK_N=BLOCK_N, HEAD_DIM_V=HEAD_DIM_V, EVEN_D=EVEN_D, INDEX_64=INDEX_64,
-                            )
-                        else:
-                            acc, m_i, l_i = _fwd_tile(
-                                acc, m_i, l_i, q, n0, qtile, kv, sizes, bias, drop, 0.0, FEATURES,
-                                MASKED=True, LAYOUT_MASK=False, PRELOADED=False, TMA_KV=TMA_EDGES, EXACT=False,
-                                BLOCK_N=BLOCK_N, HEAD_DIM_V=HEAD_DIM_V, EVEN_D=EVEN_D, INDEX_64=INDEX_64,
-                            )
+                    # LAYOUT_EXACT: tiles lie inside layout blocks, so the list settles the layout
+                    if LAYOUT_EXACT and (n0 >= full_lo) & (n0 + BLOCK_N <= full_hi):
+                        acc, m_i, l_i = _fwd_tile(
+                            acc, m_i, l_i, q, n0, qtile, kv, sizes, bias, drop, 0.0, FEATURES,
+                            MASKED=False, LAYOUT_MASK=False, PRELOADED=False, TMA_KV=TMA_KV, EXACT=False,
+                            BLOCK_N=BLOCK_N, HEAD_DIM_V=HEAD_DIM_V, EVEN_D=EVEN_D, INDEX_64=INDEX_64,
+                        )
                     else:
                         acc, m_i, l_i = _fwd_tile(
                             acc, m_i, l_i, q, n0, qtile, kv, sizes, bias, drop, 0.0, FEATURES,
-                            MASKED=True, LAYOUT_MASK=True, PRELOADED=False, TMA_KV=TMA_EDGES, EXACT=False,
+                            MASKED=True, LAYOUT_MASK=not LAYOUT_EXACT, PRELOADED=False, TMA_KV=TMA_EDGES, EXACT=False,
                             BLOCK_N=BLOCK_N, HEAD_DIM_V=HEAD_DIM_V, EVEN_D=EVEN_D, INDEX_64=INDEX_64,
                         )
     else:  # masked tiles at the span's left edge, unmasked middle, masked right edge
