@@ -277,20 +277,20 @@ def test_a_nan_value_reaches_only_the_rows_that_see_it_through_descriptors(trito
     if not configs.interpreted():
         pytest.skip("descriptors are forced only under the interpreter; the GPU suite runs these masks")
     triton_options(descriptors_interpreted=True, descriptors_min_scores=0)
-    monkeypatch.setattr(configs, "_overrides", {"fwd": configs.TileConfig(32, 16, 4, 1)})
     built = record_descriptors(monkeypatch)
     q, k, v = qkv(Mq=48, Mk=48, D=16, Hq=1)
     bias = SPAN_BIASES[name]()
     ref = ba.attention(q.double(), k.double(), v.double(), bias, op="reference")
     low = ba.attention(q, k, v, bias, op="reference")
     seen = bias.materialize((1, 1, 48, 48), device=DEVICE)[0, 0] == 0  # [rows, keys]
-    for bad in range(48):
-        poisoned = v.clone()
-        poisoned[:, :, bad] = float("nan")
-        out = ba.attention(q, k, poisoned, bias, op="triton")
-        sees = seen[:, bad]
-        assert out[:, :, sees].isnan().all(), f"key {bad}"
-        assert_close(f"rows that do not see key {bad}", out[:, :, ~sees], ref[:, :, ~sees], low[:, :, ~sees])
+    with configs.override(fwd=configs.TileConfig(32, 16, 4, 1)):
+        for bad in range(48):
+            poisoned = v.clone()
+            poisoned[:, :, bad] = float("nan")
+            out = ba.attention(q, k, poisoned, bias, op="triton")
+            sees = seen[:, bad]
+            assert out[:, :, sees].isnan().all(), f"key {bad}"
+            assert_close(f"rows that do not see key {bad}", out[:, :, ~sees], ref[:, :, ~sees], low[:, :, ~sees])
     assert built and all(d is not None for d in built)
 
 
