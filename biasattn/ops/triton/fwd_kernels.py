@@ -47,6 +47,7 @@ def _fwd_tile(
     acc, m_i, l_i, q, n0, qtile, kv, sizes, bias, drop, bias_raw, FEATURES: tl.constexpr,
     MASKED: tl.constexpr, LAYOUT_MASK: tl.constexpr, PRELOADED: tl.constexpr, TMA_KV: tl.constexpr, EXACT: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, INDEX_64: tl.constexpr,
+    SPAN_CUT: tl.constexpr = True,
 ):
     """One key tile ``[n0, n0 + BLOCK_N)`` of the online softmax.
 
@@ -113,7 +114,8 @@ def _fwd_tile(
     elif MASKED:
         if HEAD_DIM_V >= 256:
             v = V_base.load([b, hk, n0, 0]).reshape(BLOCK_N, HEAD_DIM_V)
-        v = tl.where(((cols >= key_lo) & (cols < key_hi))[:, None], v, 0.0).to(v.dtype)
+        if SPAN_CUT:
+            v = tl.where(((cols >= key_lo) & (cols < key_hi))[:, None], v, 0.0).to(v.dtype)
     if EXACT:
         acc = _accumulate_visible_pv(acc, alpha, p, s, v, DOT_PRECISION)
     else:
@@ -259,6 +261,9 @@ def _attn_fwd_kernel(
     )
     lo, hi, full_lo, full_hi = _span(klo, khi, valid)
     key_lo, key_hi = lo, hi  # every key some row sees
+    # rows whose output holds a NaN or inf are computed again by _attn_fwd_exact_kernel: then masked
+    # tiles fetched through descriptors need not cut the values of keys outside the span
+    MARKED: tl.constexpr = HAS_BAND or (HAS_LAYOUT and not LAYOUT_EXACT and not LIST_ONLY) or HAS_ADDITIVE
 
     b64 = b.to(tl.int64)
     if INDEX_64:
@@ -314,7 +319,7 @@ def _attn_fwd_kernel(
                         acc, m_i, l_i = _fwd_tile(
                             acc, m_i, l_i, q, n0, qtile, kv, sizes, bias, drop, 0.0, FEATURES,
                             MASKED=True, LAYOUT_MASK=not LAYOUT_EXACT, PRELOADED=False, TMA_KV=TMA_EDGES, EXACT=False,
-                            BLOCK_N=BLOCK_N, HEAD_DIM_V=HEAD_DIM_V, EVEN_D=EVEN_D, INDEX_64=INDEX_64,
+                            BLOCK_N=BLOCK_N, HEAD_DIM_V=HEAD_DIM_V, EVEN_D=EVEN_D, INDEX_64=INDEX_64, SPAN_CUT=not MARKED,
                         )
     else:  # masked tiles at the span's left edge, unmasked middle, masked right edge
         lo = lo // 16 * 16  # 16-aligned tile starts: a bias row is read in 16-byte vectors
@@ -323,7 +328,7 @@ def _attn_fwd_kernel(
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, tl.multiple_of(lo + t * BLOCK_N, 16), qtile, kv, sizes, bias, drop, 0.0, FEATURES,
                 MASKED=True, LAYOUT_MASK=False, PRELOADED=False, TMA_KV=TMA_EDGES, EXACT=False,
-                BLOCK_N=BLOCK_N, HEAD_DIM_V=HEAD_DIM_V, EVEN_D=EVEN_D, INDEX_64=INDEX_64,
+                BLOCK_N=BLOCK_N, HEAD_DIM_V=HEAD_DIM_V, EVEN_D=EVEN_D, INDEX_64=INDEX_64, SPAN_CUT=not MARKED,
             )
         # the additive tile of the next key tile is loaded one iteration ahead: Triton pipelines only
         # dot operands, and a bias load waited on at once would stall every iteration
@@ -346,7 +351,7 @@ def _attn_fwd_kernel(
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, tl.multiple_of(lo + t * BLOCK_N, 16), qtile, kv, sizes, bias, drop, 0.0, FEATURES,
                 MASKED=True, LAYOUT_MASK=False, PRELOADED=False, TMA_KV=TMA_EDGES, EXACT=False,
-                BLOCK_N=BLOCK_N, HEAD_DIM_V=HEAD_DIM_V, EVEN_D=EVEN_D, INDEX_64=INDEX_64,
+                BLOCK_N=BLOCK_N, HEAD_DIM_V=HEAD_DIM_V, EVEN_D=EVEN_D, INDEX_64=INDEX_64, SPAN_CUT=not MARKED,
             )
 
     keep = valid & (rows < Mq)
@@ -355,4 +360,4 @@ def _attn_fwd_kernel(
     lse_ptrs = Lse + pid_bh.to(tl.int64) * Mq + rows64
     # rows whose output a hidden non-finite value may have reached: see _attn_fwd_exact_kernel
     _store_rows(acc, m_i, l_i, o_rows[:, None] + dv[None, :] * stride_od, lse_ptrs, keep, dv, Dv, drop_scale, HAS_DROPOUT,
-                HAS_BAND or (HAS_LAYOUT and not LAYOUT_EXACT and not LIST_ONLY) or HAS_ADDITIVE)
+                MARKED)
