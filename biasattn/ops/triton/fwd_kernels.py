@@ -60,11 +60,12 @@ def _fwd_tile(
     ``[B, Hkv, Mk, D]`` K and V: the copy engine fetches it and fills keys past ``Mk`` and dims past
     ``D`` with zeros. Otherwise it comes through the pointers ``KP_base``/``VP_base``, and a masked
     tile reads only the keys of the program's span ``[key_lo, key_hi)``: keys no row sees (past a cache
-    length, outside every packed segment) may hold anything, NaN included. On masked tiles, the values
-    of keys outside the span are zeros (a masked load, or a ``where`` after a TMA load), and hidden
-    scores are masked with ``where``, so a hidden key's NaN or inf reaches no row of the program
-    through its score and no row that no row of the program sees through its value. With ``EXACT``
-    (:func:`_attn_fwd_exact_kernel`) it reaches no row that cannot see it at all."""
+    length, outside every packed segment) may hold anything, NaN included. Hidden scores are masked
+    with ``where``, so a hidden key's NaN or inf reaches no row through its score. On masked tiles the
+    values of keys outside the span are zeros (a masked load, or with ``SPAN_CUT`` a ``where`` after
+    a TMA load), so such a value reaches no row of the program; without ``SPAN_CUT`` (launches whose
+    marked rows :func:`_attn_fwd_exact_kernel` computes again) it may reach them as ``0 * NaN``, and
+    the exact pass then takes it out. With ``EXACT`` (that kernel) it reaches no row that cannot see it."""
     rows, klo, khi, key_lo, key_hi, b, h, hk = qtile
     K_base, V_base, KP_base, VP_base, stride_kn, stride_kd, stride_vn, stride_vd = kv
     Mq, Mk, D, Dv, qk_scale = sizes
@@ -114,7 +115,7 @@ def _fwd_tile(
     elif MASKED:
         if HEAD_DIM_V >= 256:
             v = V_base.load([b, hk, n0, 0]).reshape(BLOCK_N, HEAD_DIM_V)
-        if SPAN_CUT:
+        if SPAN_CUT:  # one pass over V in registers, held across the softmax: it costs registers
             v = tl.where(((cols >= key_lo) & (cols < key_hi))[:, None], v, 0.0).to(v.dtype)
     if EXACT:
         acc = _accumulate_visible_pv(acc, alpha, p, s, v, DOT_PRECISION)
