@@ -86,8 +86,8 @@ def _fwd_tile(
     dv = tl.arange(0, HEAD_DIM_V)
     if TMA_KV:  # both loads first: the pipeliner then waits on one barrier and syncs the CTA once per tile
         k = K_base.load([b, hk, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
-        if not (MASKED and HEAD_DIM_V >= 256):  # a masked D=256 tile's V waits until its use (below): held
-            v = V_base.load([b, hk, n0, 0]).reshape(BLOCK_N, HEAD_DIM_V)  # in registers from here, it spills
+        if not (MASKED and SPAN_CUT and HEAD_DIM_V >= 256):  # a D=256 tile that cuts V waits for it until its use
+            v = V_base.load([b, hk, n0, 0]).reshape(BLOCK_N, HEAD_DIM_V)  # (below): cut from here, it spills
     else:
         k = _load_tile(KP_base + cols64[:, None] * stride_kn + dk[None, :] * stride_kd, cols, key_lo, key_hi, Mk,
                        dk, D, MASKED, HIDDEN_LINES, EVEN_D)
@@ -113,7 +113,7 @@ def _fwd_tile(
         v = _load_tile(VP_base + cols64[:, None] * stride_vn + dv[None, :] * stride_vd, cols, key_lo, key_hi, Mk,
                        dv, Dv, MASKED, True, EVEN_D)
     elif MASKED:
-        if HEAD_DIM_V >= 256:
+        if SPAN_CUT and HEAD_DIM_V >= 256:
             v = V_base.load([b, hk, n0, 0]).reshape(BLOCK_N, HEAD_DIM_V)
         if SPAN_CUT:  # one pass over V in registers, held across the softmax: it costs registers
             v = tl.where(((cols >= key_lo) & (cols < key_hi))[:, None], v, 0.0).to(v.dtype)
