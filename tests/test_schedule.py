@@ -115,27 +115,3 @@ def test_a_table_needs_no_host_copy_of_the_lengths():
     assert spec.host.q_seqstart is None
     got = [row for row in _rows(query_schedule(spec, 4, qs.device).table) if row[1] > row[0]]
     assert got == [(22, 24, 2), (18, 22, 2), (14, 18, 2), (13, 14, 1), (9, 13, 1), (5, 9, 1), (4, 5, 0), (0, 4, 0)]
-
-
-@pytest.mark.parametrize("seed", range(30))
-def test_hidden_keys_matches_a_plain_scan(seed):
-    """Whether packed segments leave a key that no query sees (then masked tiles may not read whole tiles)."""
-    from biasattn.ops.triton.flash import hidden_keys
-
-    rng = random.Random(seed)
-    n = rng.randint(1, 6)
-    q = [rng.choice([0, 1, 3]) for _ in range(n)]
-    k = [rng.choice([0, 2, 5]) for _ in range(n)]
-    if sum(q) == 0:
-        q[0] = 1
-    if sum(k) == 0:
-        k[0] = 1
-    x = torch.zeros(1, 1, sum(q), 8)
-    y = torch.zeros(1, 1, sum(k), 8)
-    spec = make_inputs(x, y, y, ba.BlockDiagonalMask.from_seqlens(q, k)).spec
-    covered, hidden = 0, False
-    for a, length, m in zip(spec.host.k_seqstart, spec.host.k_seqlen, q):
-        if length and m:
-            hidden = hidden or a > covered
-            covered = max(covered, a + length)
-    assert hidden_keys(spec) == (hidden or covered < sum(k))

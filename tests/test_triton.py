@@ -331,24 +331,6 @@ def test_hidden_lines_hold_nan(triton_options, monkeypatch, case, tma):
     assert all(d is not None for d in built) == tma and built
 
 
-def test_which_specs_can_hide_keys():
-    """Keys hidden from every query (so masked tiles never read them whole): past cache lengths, in a
-    document without queries, in a gap between documents' keys; never with plain packed documents."""
-    from biasattn.ops.triton.flash import hidden_keys
-
-    def spec(bias, Mq, Mk, B=1):
-        return make_inputs(*qkv(B=B, Mq=Mq, Mk=Mk), bias).spec
-
-    seg = ba.BlockDiagonalMask.from_seqlens
-    assert hidden_keys(spec(ba.PaddedKeysMask([45, 45]), 37, 45, B=2))
-    assert not hidden_keys(spec(ba.LowerTriangularMask(), 37, 45))
-    assert not hidden_keys(spec(seg([10, 27], [20, 25]).make_causal_from_bottom_right(), 37, 45))
-    assert hidden_keys(spec(seg([10, 0, 27], [20, 5, 20]), 37, 45))
-    sliced = seg([10, 10, 17], [15, 15, 15]).make_causal_from_bottom_right()[..., 10:37, 15:45]  # the first document cut
-    assert not hidden_keys(spec(sliced, 27, 30))
-    assert hidden_keys(spec(seg([10, 10, 17], [15, 15, 15])[..., 10:37, :], 27, 45))  # the first document's queries cut away
-
-
 @pytest.mark.parametrize("variant", ["plain", "causal", "causal_br", "local"])
 def test_block_diagonal(variant):
     bias = ba.BlockDiagonalMask.from_seqlens([10, 0, 19, 7, 1], [12, 5, 3, 25, 0], device=DEVICE)

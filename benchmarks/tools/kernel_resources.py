@@ -51,6 +51,7 @@ def _biases(M: int) -> dict:
         "causal": ba.LowerTriangularMask(),
         "window": ba.LocalAttentionMask(window_left=64),
         "varlen": ba.BlockDiagonalMask.from_seqlens([M // 2, M // 4, M // 4]),
+        "varlen_causal": ba.BlockDiagonalMask.from_seqlens([M // 2, M // 4, M // 4]).make_causal(),
         "padded": ba.PaddedKeysMask([M, M // 2]),
         "block_sparse": "block_sparse",
         "alibi": "alibi",
@@ -64,7 +65,7 @@ def capture(case: str, D: int, dtype, kernel: str, cfg: configs.TileConfig, drop
     """``[(jit function, args, kwargs)]`` of the launches of one forward or backward call; with
     ``descriptors`` the forward takes K/V tensor descriptors, as on a Hopper GPU (else pointer loads);
     ``kv_heads`` 1 compiles the grouped-query variants (two query heads per KV head)."""
-    B, H, M = (1 if case == "varlen" else 2), 2, 256
+    B, H, M = (1 if case.startswith("varlen") else 2), 2, 256
     q = torch.randn(B, H, M, D, dtype=dtype)
     k, v = (torch.randn(B, kv_heads, M, D, dtype=dtype) for _ in range(2))
     bias = _biases(M)[case]

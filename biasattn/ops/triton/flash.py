@@ -48,8 +48,8 @@ def plan_home(spec: BiasSpec, device, key) -> tuple[dict, object, tuple]:
 
     A spec whose only tensors are lengths (segments, padded keys, a band), already int32 on ``device``,
     shares its plans with every spec of the same structure: the lengths and the tile tables are roles
-    of the plan, and the key holds every decision a launch takes from the spec (features, hidden
-    keys, span buckets, the tensors' shapes). So a mask built fresh every step replays a plan. Other
+    of the plan, and the key holds every decision a launch takes from the spec (features, span
+    buckets, the tensors' shapes). So a mask built fresh every step replays a plan. Other
     specs (an additive bias, ALiBi slopes, a block layout) keep their plans on themselves."""
     if key is None:
         return spec.derived, None, ()
@@ -69,7 +69,7 @@ def _shared_structure(spec: BiasSpec, device) -> tuple[tuple, tuple] | None:
     d32 = _dummy(device)
     roles = tuple(d32 if t is None else t for t in lengths)
     structure = spec.cached_by_structure("plan structure", lambda: (
-        spec.features, _hidden_keys(spec), _span_features(spec, spec.Mq, spec.Mk),
+        spec.features, _span_features(spec, spec.Mq, spec.Mk),
         spec.block_q, spec.block_k, spec.layout_q_off, spec.layout_k_off, spec.alibi_shift))
     return (*structure, plans.tensor_key(*roles)), roles
 
@@ -115,32 +115,6 @@ def _bcast_strides(t: torch.Tensor | None, shape) -> tuple[int, ...]:
     return t.expand(*shape).stride()
 
 
-def hidden_keys(spec: BiasSpec) -> bool:
-    """Whether a cache length or the packed segments can hide a key from every query (assumed for
-    segments the host does not hold). Such keys may
-    hold anything (NaN in an uninitialized cache), so the kernels read them nowhere: masked tiles
-    load only the keys their rows see, never a whole tile through a descriptor."""
-    if spec.kv_seqlens is not None:
-        return True
-    if spec.q_seqstart is None:
-        return False
-    h = spec.host
-    if h.k_seqlen is None:  # segments only the device holds
-        return True
-    lengths = np.asarray(h.k_seqlen, dtype=np.int64)
-    seen = (lengths > 0) & (np.diff(np.asarray(h.q_seqstart, dtype=np.int64)) > 0)
-    starts = np.asarray(h.k_seqstart[: len(lengths)], dtype=np.int64)[seen]
-    order = np.argsort(starts, kind="stable")
-    starts, ends = starts[order], (starts + lengths[seen])[order]
-    covered = np.maximum.accumulate(ends) if ends.size else ends  # keys seen up to each segment
-    gap = bool((starts > np.concatenate([[0], covered[:-1]])).any())
-    return gap or (int(covered[-1]) if covered.size else 0) < spec.Mk
-
-
-def _hidden_keys(spec: BiasSpec) -> bool:
-    return spec.cached_by_structure("hidden keys", lambda: hidden_keys(spec))
-
-
 class _SpecArgs:
     """The spec's device tensors (dummies where absent) and constexpr switches, shared by every kernel."""
 
@@ -156,7 +130,6 @@ class _SpecArgs:
         self.kl = int32_on(spec.k_seqlen, device) if self.has_segments else d32
         self.has_padded = spec.kv_seqlens is not None
         self.kv = int32_on(spec.kv_seqlens, device) if self.has_padded else d32
-        self.hidden_keys = _hidden_keys(spec)
         self.has_band = spec.band_lo is not None
         self.band_lo = int32_on(spec.band_lo, device) if self.has_band else d32
         self.band_hi = int32_on(spec.band_hi, device) if self.has_band else d32
@@ -495,7 +468,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
             BATCH_INNER=batch_inner, HAS_DROPOUT=dropout_p > 0, TAIL_ORDER=chunk > 1,
             LIST_TILES=_list_tiles(index, list_only),
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only, DOT_PRECISION=_dot_precision(q.dtype),
-            INDEX_64=index_64, TMA_KV=descs is not None, TMA_EDGES=descs is not None and not args.hidden_keys,
+            INDEX_64=index_64, TMA_KV=descs is not None, TMA_EDGES=descs is not None and not args.has_padded,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
         )
         if args.has_band or (args.has_layout and not exact and not list_only) or args.has_additive:

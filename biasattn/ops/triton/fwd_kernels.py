@@ -59,8 +59,8 @@ def _fwd_tile(
     With ``TMA_KV``, the tile comes through ``K_base``/``V_base``, tensor descriptors of the whole
     ``[B, Hkv, Mk, D]`` K and V: the copy engine fetches it and fills keys past ``Mk`` and dims past
     ``D`` with zeros. Otherwise it comes through the pointers ``KP_base``/``VP_base``, and a masked
-    tile reads only the keys of the program's span ``[key_lo, key_hi)``: keys no row sees (past a cache
-    length, outside every packed segment) may hold anything, NaN included. Hidden scores are masked
+    tile reads only the keys of the program's span ``[key_lo, key_hi)``. Keys that a row cannot see
+    may hold anything, NaN included. Hidden scores are masked
     with ``where``, so a hidden key's NaN or inf reaches no row through its score. On masked tiles the
     values of keys outside the span are zeros (a masked load, or with ``SPAN_CUT`` a ``where`` after
     a TMA load), so such a value reaches no row of the program; without ``SPAN_CUT`` (launches whose
@@ -242,7 +242,9 @@ def _attn_fwd_kernel(
     With ``HAS_DROPOUT`` the output is the dropped, rescaled one; ``Lse`` stays that of the full softmax.
     With ``TMA_KV``, ``K`` and ``V`` are tensor descriptors (Hopper's copy engine) and ``KP``/``VP``
     the same tensors as pointers; the unmasked tiles come through the descriptors, the masked ones too
-    with ``TMA_EDGES`` (when no key can be hidden from every row, so whole tiles may be read)."""
+    with ``TMA_EDGES`` (without cache lengths: the keys past a cache's length are never read, while a
+    key that packed segments hide from every row may be read whole with its tile, its value cut to
+    zero or its rows computed again by :func:`_attn_fwd_exact_kernel`)."""
     stride_qb, stride_qh, stride_qm, stride_qd = q_strides
     stride_kb, stride_kh, stride_kn, stride_kd = k_strides
     stride_vb, stride_vh, stride_vn, stride_vd = v_strides
