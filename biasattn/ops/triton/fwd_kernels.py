@@ -60,12 +60,12 @@ def _fwd_tile(
     ``[B, Hkv, Mk, D]`` K and V: the copy engine fetches it and fills keys past ``Mk`` and dims past
     ``D`` with zeros. Otherwise it comes through the pointers ``KP_base``/``VP_base``, and a masked
     tile reads only the keys of the program's span ``[key_lo, key_hi)``. Keys that a row cannot see
-    may hold anything, NaN included. Hidden scores are masked
-    with ``where``, so a hidden key's NaN or inf reaches no row through its score. On masked tiles the
-    values of keys outside the span are zeros (a masked load, or with ``SPAN_CUT`` a ``where`` after
-    a TMA load), so such a value reaches no row of the program; without ``SPAN_CUT`` (launches whose
-    marked rows :func:`_attn_fwd_exact_kernel` computes again) it may reach them as ``0 * NaN``, and
-    the exact pass then takes it out. With ``EXACT`` (that kernel) it reaches no row that cannot see it."""
+    may hold anything, NaN included. Hidden scores are masked with ``where``, so a hidden key's NaN
+    or inf reaches no row through its score. On masked tiles the values of keys outside the span are
+    zeros (a masked load, or with ``SPAN_CUT`` a ``where`` after a TMA load), so such a value reaches
+    no row of the program; without ``SPAN_CUT`` (launches whose marked rows
+    :func:`_attn_fwd_exact_kernel` computes again) it may reach them as ``0 * NaN``, and the exact
+    pass then takes it out. With ``EXACT`` (that kernel) it reaches no row that cannot see it."""
     rows, klo, khi, key_lo, key_hi, b, h, hk = qtile
     K_base, V_base, KP_base, VP_base, stride_kn, stride_kd, stride_vn, stride_vd = kv
     Mq, Mk, D, Dv, qk_scale = sizes
