@@ -251,6 +251,29 @@ def test_triton_dq_read_back_from_the_bias_gradient_keeps_a_hidden_key_out():
     assert_close_to_reference(da[rows], ref[torch.float64][1][rows], ref[torch.float32][1][rows], factor=3.0, name="dbias")
 
 
+@pytest.mark.parametrize("name", ["causal", "window", "block_sparse"])
+def test_triton_a_shared_bias_gradient_takes_nothing_from_a_value_hidden_from_its_rows(name):
+    """A bias shared by batch rows and heads gets its gradient from the kernel that sums dS over them: a
+    NaN value leaves every position of the rows that cannot see it, and the hidden positions of the
+    rows that do, as they are without it."""
+    q, k, v, bias, seen = _inputs(name, torch.float32)
+    add = _finite_additive(*seen.shape[2:])
+    b, hkv, j = _partly_hidden_key(seen, k.shape[1])
+    sees = _sees(seen, k.shape[1], b, hkv, j)
+
+    def bias_grad(vv):
+        leaf = add.clone().requires_grad_()
+        out = ba.attention(q, k, vv, bias + ba.AdditiveBias(leaf), op="triton")
+        return torch.autograd.grad(torch.where(torch.isfinite(out), out, 0.0).sum(), leaf)[0]
+
+    clean = bias_grad(v)
+    poisoned = bias_grad(poison_key_(v.clone(), b, hkv, j))
+    # [Mq, Mk]: positions where no (batch row, head) whose row sees the value takes a dS
+    kept = ~(sees[:, :, None] & seen[b]).any(0)
+    assert (~kept).any() and (kept & seen[b].any(0)).any()
+    torch.testing.assert_close(poisoned[kept], clean[kept])
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize("name", ["causal", "padded", "segments_causal", "block_sparse"])
 def test_triton_an_additive_nan_or_inf_at_a_masked_position_is_hidden(name, value):

@@ -125,7 +125,8 @@ def _attn_bwd_dbias_kernel(
                 keep = _dropout_keep_tile(seed, (b64 * H + h64) * Mq * row_blocks, rows, tn * BLOCK_N, row_blocks,
                                           drop_thresh, BLOCK_M, BLOCK_N)
                 dp = tl.where(keep, dp * drop_scale, 0.0)
-            acc += p * (dp - delta[:, None])
+            # a value hidden from a row (p = 0) may hold NaN or inf: 0 · NaN must not reach the shared gradient
+            acc += tl.where(p > 0, p * (dp - delta[:, None]), 0.0)
     g_ptrs = (DBias + bb.to(tl.int64) * stride_gb + hh.to(tl.int64) * stride_gh
               + rows64[:, None] * stride_gm + cols64[None, :] * stride_gn)
     tl.store(g_ptrs, acc.to(DBias.dtype.element_ty), mask=(rows[:, None] < Mq) & (cols[None, :] < Mk))
