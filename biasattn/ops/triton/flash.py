@@ -115,6 +115,13 @@ def _bcast_strides(t: torch.Tensor | None, shape) -> tuple[int, ...]:
     return t.expand(*shape).stride()
 
 
+def marked_rows(args: _SpecArgs, layout_exact: bool, list_only: bool) -> bool:
+    """Whether rows of one forward program see different keys of its span (a band, a block layout finer
+    than the tile, an additive term): then a row whose output a hidden NaN or inf value reached is
+    marked (a NaN lse) and :func:`_exact_pass` computes it again."""
+    return args.has_band or (args.has_layout and not layout_exact and not list_only) or args.has_additive
+
+
 class _SpecArgs:
     """The spec's device tensors (dummies where absent) and constexpr switches, shared by every kernel."""
 
@@ -451,6 +458,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
     def run(cfg: configs.TileConfig) -> None:
         sched = schedule.query_schedule(spec, cfg.block_m, q.device)
         count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_n, True, q.device)
+        marked = marked_rows(args, exact, list_only)
         grid = (sched.n * B, H) if batch_inner else (sched.n, B * H)
         chunk = program_chunk(B * H, sched.n, num_sms(q.device), kv_bytes, args.has_band)
         descs = tma.kv_descriptors(k, v, cfg.block_n, hd, hdv, computed_scores(spec, B, H, Mq, Mk))
@@ -469,11 +477,9 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
             LIST_TILES=_list_tiles(index, list_only),
             SCHEDULED=sched.table is not None, LAYOUT_EXACT=exact, LIST_ONLY=list_only, DOT_PRECISION=_dot_precision(q.dtype),
             INDEX_64=index_64, TMA_KV=descs is not None, TMA_EDGES=descs is not None and not args.has_padded,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
+            MARKED=marked, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
         )
-        if args.has_band or (args.has_layout and not exact and not list_only) or args.has_additive:
-            # rows of one program see different keys of its span: programs that a hidden NaN or inf
-            # value may have reached (a NaN lse) run again exactly; the others return at once
+        if marked:  # programs that a hidden NaN or inf value may have reached (a NaN lse) run again exactly
             _exact_pass(q, k, v, out, lse, spec, args, sched, grid, chunk, batch_inner, drop, qk_scale, cfg.block_m, hd,
                         D == hd and Dv == hdv, dropout_p > 0)
 

@@ -236,6 +236,7 @@ def _attn_fwd_kernel(
     LIST_ONLY: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INDEX_64: tl.constexpr, BATCH_INNER: tl.constexpr, HAS_DROPOUT: tl.constexpr, LIST_TILES: tl.constexpr,
     TAIL_ORDER: tl.constexpr, TMA_KV: tl.constexpr, TMA_EDGES: tl.constexpr, HIDDEN_LINES: tl.constexpr,
+    MARKED: tl.constexpr,
 ):
     """Grid ``(query tiles, B * Hq)`` (``(query tiles * B, Hq)`` with ``BATCH_INNER``). Writes ``Out [B, Hq, Mq, Dv]`` and ``Lse [B, Hq, Mq]`` (natural log).
 
@@ -244,7 +245,10 @@ def _attn_fwd_kernel(
     the same tensors as pointers; the unmasked tiles come through the descriptors, the masked ones too
     with ``TMA_EDGES`` (without cache lengths: the keys past a cache's length are never read, while a
     key that packed segments hide from every row may be read whole with its tile, its value cut to
-    zero or its rows computed again by :func:`_attn_fwd_exact_kernel`)."""
+    zero or its rows computed again by :func:`_attn_fwd_exact_kernel`). ``MARKED`` launches (the
+    launcher's :func:`~biasattn.ops.triton.flash.marked_rows`) give a row whose output holds a NaN or
+    inf a NaN lse, which that kernel computes again; their masked tiles need not cut the values of
+    keys outside the span."""
     stride_qb, stride_qh, stride_qm, stride_qd = q_strides
     stride_kb, stride_kh, stride_kn, stride_kd = k_strides
     stride_vb, stride_vh, stride_vn, stride_vd = v_strides
@@ -264,9 +268,6 @@ def _attn_fwd_kernel(
     )
     lo, hi, full_lo, full_hi = _span(klo, khi, valid)
     key_lo, key_hi = lo, hi  # every key some row sees
-    # rows whose output holds a NaN or inf are computed again by _attn_fwd_exact_kernel: then masked
-    # tiles fetched through descriptors need not cut the values of keys outside the span
-    MARKED: tl.constexpr = HAS_BAND or (HAS_LAYOUT and not LAYOUT_EXACT and not LIST_ONLY) or HAS_ADDITIVE
 
     b64 = b.to(tl.int64)
     if INDEX_64:
