@@ -24,6 +24,7 @@ from .launch import direct
 _SEED = ("seed_lo", "seed_hi")  # a new dropout seed per call must not miss the table of compiled launches
 _fwd = direct(_attn_fwd_kernel, _SEED)
 _fwd_exact = direct(_attn_fwd_exact_kernel, _SEED)
+EXACT_TILES = 16  # query tiles whose marks one program of the exact pass checks
 
 INTERPRETED = configs.interpreted()
 LOG2E = 1.4426950408889634
@@ -329,21 +330,22 @@ def dropout_mask(seed: int, dropout_p: float, B: int, H: int, Mq: int, Mk: int, 
     return out
 
 
-def _exact_pass(q, k, v, out, lse, spec: BiasSpec, args, sched, grid, chunk: int, batch_inner: bool, drop, qk_scale,
-                block_m: int, hd: int, even_d: bool, dropout: bool) -> None:
-    """The forward again, exactly, for the programs of ``grid`` whose rows hold a NaN lse (a hidden NaN or
-    inf value may have reached them); the other programs return at once."""
+def _exact_pass(q, k, v, out, lse, spec: BiasSpec, args, sched, drop, qk_scale, block_m: int, hd: int, even_d: bool,
+                dropout: bool) -> None:
+    """The forward again, exactly, for the query tiles whose rows hold a NaN lse (a hidden NaN or inf
+    value may have reached them); a program checks ``EXACT_TILES`` tiles with one load and returns
+    at once when none is marked."""
     B, H, Mq, D = q.shape
     Hkv, Mk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    _fwd_exact[grid](
+    _fwd_exact[(cdiv(sched.n, EXACT_TILES), B * H)](
         q, k, v, out, lse, args.add, args.slopes, args.layout, args.qs, args.ks, args.kl, args.kv,
         args.band_lo, args.band_hi, sched.table if sched.table is not None else args.d32, qk_scale,
         q.stride(), k.stride(), v.stride(), out.stride(), args.add_strides, args.slope_strides,
-        args.layout_strides, B, H, H // Hkv, Mq, Mk, D, Dv, sched.n, chunk,
+        args.layout_strides, H, H // Hkv, Mq, Mk, D, Dv, sched.n,
         spec.layout_q_off, spec.layout_k_off, args.block_q, args.block_k, spec.alibi_shift, *drop,
         BLOCK_M=block_m, HEAD_DIM=hd, EVEN_D=even_d, SCHEDULED=sched.table is not None,
-        DOT_PRECISION=_dot_precision(q.dtype), BATCH_INNER=batch_inner, HAS_DROPOUT=dropout,
-        TAIL_ORDER=chunk > 1, SUB_M=32, num_warps=2, num_stages=1, **args.switches,
+        DOT_PRECISION=_dot_precision(q.dtype), HAS_DROPOUT=dropout,
+        SUB_M=32, TILES=EXACT_TILES, num_warps=2, num_stages=1, **args.switches,
     )
 
 
@@ -415,8 +417,8 @@ def _gluon_fwd(q, k, v, out, lse, spec: BiasSpec, qk_scale: float, seed: int) ->
         _gluon_fails(e)
         return False
     if masked:
-        _exact_pass(q, k, v, out, lse, spec, args, sched, (sched.n, B * H), 1, False, dropout_args(0.0, seed), qk_scale,
-                    gluon_forward.BLOCK_M, D, True, False)
+        _exact_pass(q, k, v, out, lse, spec, args, sched, dropout_args(0.0, seed), qk_scale, gluon_forward.BLOCK_M, D,
+                    True, False)
     return True
 
 
@@ -480,8 +482,8 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
             MARKED=marked, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args.switches,
         )
         if marked:  # programs that a hidden NaN or inf value may have reached (a NaN lse) run again exactly
-            _exact_pass(q, k, v, out, lse, spec, args, sched, grid, chunk, batch_inner, drop, qk_scale, cfg.block_m, hd,
-                        D == hd and Dv == hdv, dropout_p > 0)
+            _exact_pass(q, k, v, out, lse, spec, args, sched, drop, qk_scale, cfg.block_m, hd, D == hd and Dv == hdv,
+                        dropout_p > 0)
 
     feats = args.features + (("dropout",) if dropout_p > 0 else ()) + _span_features(spec, Mq, Mk)
     with plans.recording() as rec:

@@ -142,19 +142,18 @@ def _store_rows(acc, m_i, l_i, o_ptrs, lse_ptrs, keep, dims, dim_end, drop_scale
     tl.store(lse_ptrs, lse, mask=keep)
 
 
-@triton.jit(do_not_specialize=["B", "n_prog_m", "chunk", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
+@triton.jit(do_not_specialize=["n_prog_m", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
                              "seed_lo", "seed_hi", "drop_thresh"])
 def _attn_fwd_exact_kernel(
     Q, KP, VP, Out, Lse, Add, Slopes, Layout, QSeqStart, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, Sched,
     qk_scale,
     q_strides, k_strides, v_strides, o_strides, add_strides, slope_strides, layout_strides,
-    B, H, G, Mq, Mk, D, Dv, n_prog_m, chunk, layout_q_off, layout_k_off, block_q, block_k, alibi_shift, seed_lo,
+    H, G, Mq, Mk, D, Dv, n_prog_m, layout_q_off, layout_k_off, block_q, block_k, alibi_shift, seed_lo,
     seed_hi, drop_thresh, drop_scale,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, SCHEDULED: tl.constexpr,
     HAS_SEGMENTS: tl.constexpr, HAS_PADDED: tl.constexpr, HAS_BAND: tl.constexpr, BAND_PER_SEGMENT: tl.constexpr,
     HAS_LAYOUT: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BATCH_INNER: tl.constexpr, HAS_DROPOUT: tl.constexpr, TAIL_ORDER: tl.constexpr, HIDDEN_LINES: tl.constexpr,
-    SUB_M: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HIDDEN_LINES: tl.constexpr, SUB_M: tl.constexpr, TILES: tl.constexpr,
 ):
     """The forward again for the programs of :func:`_attn_fwd_kernel` that marked a row (a NaN lse),
     each non-finite value kept from the rows that cannot see it; the other programs return at once.
@@ -163,7 +162,10 @@ def _attn_fwd_exact_kernel(
     tile, an additive -inf), a NaN or inf in a value that some rows cannot see reaches them as
     ``0 * NaN`` in the pipelined kernel. This rare path runs the marked rows' blocks of ``SUB_M``
     rows, 16 keys by 16 value dims at a time, every tile masked: a kernel of its own, so the pipelined
-    one keeps its registers, and a small one, so the programs that return at once cost little."""
+    one keeps its registers, and a small one, so the programs that return at once cost little.
+
+    Grid ``(ceil(query tiles / TILES), B * Hq)``: a program checks the lse of ``TILES`` query tiles
+    of one (batch, head) with one load, then computes the marked tiles again one by one."""
     stride_qb, stride_qh, stride_qm, stride_qd = q_strides
     stride_kb, stride_kh, stride_kn, stride_kd = k_strides
     stride_vb, stride_vh, stride_vn, stride_vd = v_strides
@@ -171,15 +173,23 @@ def _attn_fwd_exact_kernel(
     stride_ab, stride_ah, stride_am, stride_an = add_strides
     stride_sb, stride_sh = slope_strides
     stride_lb, stride_lh, stride_lq, stride_lk = layout_strides
-    pid_m, b, h, pid_bh = _program_ids(B, H, n_prog_m, chunk, BATCH_INNER, TAIL_ORDER)
-    prog, m0, m_end, seg = _query_rows(pid_m, n_prog_m, Mq, Sched, SCHEDULED, BLOCK_M)
-    rows = m0 + tl.arange(0, BLOCK_M)
-    rows_lo, rows_hi, valid = _row_key_bounds(
-        rows, m_end, seg, b, Mk, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT
-    )
-    marked = tl.load(Lse + pid_bh.to(tl.int64) * Mq + rows, mask=valid & (rows < Mq), other=0.0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    slots = tl.arange(0, TILES)
+    tiles = tl.program_id(0) * TILES + slots
+    in_grid = tiles < n_prog_m
+    if SCHEDULED:  # a tile's rows are the table's (first row, end row)
+        firsts = tl.load(Sched + tiles * 3, mask=in_grid, other=0)
+        ends = tl.load(Sched + tiles * 3 + 1, mask=in_grid, other=0)
+    else:
+        firsts = tiles * BLOCK_M
+        ends = tl.minimum(firsts + BLOCK_M, Mq)
+    rows = firsts[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    lse_tiles = tl.load(Lse + pid_bh.to(tl.int64) * Mq + rows, mask=in_grid[:, None] & (rows < ends[:, None]), other=0.0)
+    marked = tl.sum((lse_tiles != lse_tiles).to(tl.int32), 1)  # [TILES]: marked rows per tile
     FEATURES: tl.constexpr = (HAS_ADDITIVE, HAS_ALIBI, HEAD_DIM, DOT_PRECISION, HAS_DROPOUT, HIDDEN_LINES)
-    if tl.sum((marked != marked).to(tl.int32), 0) > 0:
+    if tl.sum(marked, 0) > 0:
         seed, row_blocks, drop_base = _dropout_stream(pid_bh, Mq, Mk, seed_lo, seed_hi)
         drop = (seed, drop_base, row_blocks, drop_thresh)
         bias = (Add, stride_ab, stride_ah, stride_am, stride_an, Slopes, stride_sb, stride_sh, alibi_shift,
@@ -190,35 +200,43 @@ def _attn_fwd_exact_kernel(
         VP_base = VP + b64 * stride_vb + hk.to(tl.int64) * stride_vh
         dq = tl.arange(0, HEAD_DIM)
         dims = tl.arange(0, 16)
-        for r0 in range(0, BLOCK_M, SUB_M):  # the marked rows' blocks of SUB_M rows
-            sub = m0 + r0 + tl.arange(0, SUB_M)
-            klo, khi, sub_valid = _row_key_bounds(
-                sub, m_end, seg, b, Mk, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, HAS_SEGMENTS, HAS_PADDED, HAS_BAND,
-                BAND_PER_SEGMENT,
-            )
-            keep = sub_valid & (sub < Mq)
-            sub64 = sub.to(tl.int64)
-            lse_ptrs = Lse + pid_bh.to(tl.int64) * Mq + sub64
-            again = tl.load(lse_ptrs, mask=keep, other=0.0)
-            if tl.sum((again != again).to(tl.int32), 0) > 0:
-                lo, hi, full_lo, full_hi = _span(klo, khi, sub_valid)
-                q = _load_lines(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + sub64[:, None] * stride_qm
-                                + dq[None, :] * stride_qd, sub, Mq, dq, D, True, EVEN_D)
-                o_rows = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + sub64 * stride_om
-                for c0 in range(0, Dv, 16):
-                    m_i = tl.full([SUB_M], float("-inf"), dtype=tl.float32)
-                    l_i = tl.zeros([SUB_M], dtype=tl.float32)
-                    acc = tl.zeros([SUB_M, 16], dtype=tl.float32)
-                    for n0 in range(lo // 16 * 16, hi, 16):
-                        acc, m_i, l_i = _fwd_tile(
-                            acc, m_i, l_i, q, tl.multiple_of(n0, 16), (sub, klo, khi, lo, hi, b, h, hk),
-                            (KP_base, VP_base + c0 * stride_vd, KP_base, VP_base + c0 * stride_vd, stride_kn, stride_kd,
-                             stride_vn, stride_vd), (Mq, Mk, D, Dv - c0, qk_scale), bias, drop, 0.0, FEATURES,
-                            MASKED=True, LAYOUT_MASK=HAS_LAYOUT, PRELOADED=False, TMA_KV=False, EXACT=True,
-                            BLOCK_N=16, HEAD_DIM_V=16, EVEN_D=False, INDEX_64=True,
-                        )
-                    _store_rows(acc, m_i, l_i, o_rows[:, None] + (c0 + dims)[None, :] * stride_od, lse_ptrs, keep, dims,
-                                Dv - c0, drop_scale, HAS_DROPOUT, False)
+        for t in range(0, TILES):
+            if tl.sum(tl.where(slots == t, marked, 0), 0) > 0:
+                tile = tl.program_id(0) * TILES + t
+                if SCHEDULED:
+                    pid_m = tile
+                else:  # _query_rows runs unscheduled tiles in reverse
+                    pid_m = n_prog_m - 1 - tile
+                prog, m0, m_end, seg = _query_rows(pid_m, n_prog_m, Mq, Sched, SCHEDULED, BLOCK_M)
+                for r0 in range(0, BLOCK_M, SUB_M):  # the marked rows' blocks of SUB_M rows
+                    sub = m0 + r0 + tl.arange(0, SUB_M)
+                    klo, khi, sub_valid = _row_key_bounds(
+                        sub, m_end, seg, b, Mk, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, HAS_SEGMENTS, HAS_PADDED, HAS_BAND,
+                        BAND_PER_SEGMENT,
+                    )
+                    keep = sub_valid & (sub < Mq)
+                    sub64 = sub.to(tl.int64)
+                    lse_ptrs = Lse + pid_bh.to(tl.int64) * Mq + sub64
+                    again = tl.load(lse_ptrs, mask=keep, other=0.0)
+                    if tl.sum((again != again).to(tl.int32), 0) > 0:
+                        lo, hi, full_lo, full_hi = _span(klo, khi, sub_valid)
+                        q = _load_lines(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + sub64[:, None] * stride_qm
+                                        + dq[None, :] * stride_qd, sub, Mq, dq, D, True, EVEN_D)
+                        o_rows = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + sub64 * stride_om
+                        for c0 in range(0, Dv, 16):
+                            m_i = tl.full([SUB_M], float("-inf"), dtype=tl.float32)
+                            l_i = tl.zeros([SUB_M], dtype=tl.float32)
+                            acc = tl.zeros([SUB_M, 16], dtype=tl.float32)
+                            for n0 in range(lo // 16 * 16, hi, 16):
+                                acc, m_i, l_i = _fwd_tile(
+                                    acc, m_i, l_i, q, tl.multiple_of(n0, 16), (sub, klo, khi, lo, hi, b, h, hk),
+                                    (KP_base, VP_base + c0 * stride_vd, KP_base, VP_base + c0 * stride_vd, stride_kn, stride_kd,
+                                     stride_vn, stride_vd), (Mq, Mk, D, Dv - c0, qk_scale), bias, drop, 0.0, FEATURES,
+                                    MASKED=True, LAYOUT_MASK=HAS_LAYOUT, PRELOADED=False, TMA_KV=False, EXACT=True,
+                                    BLOCK_N=16, HEAD_DIM_V=16, EVEN_D=False, INDEX_64=True,
+                                )
+                            _store_rows(acc, m_i, l_i, o_rows[:, None] + (c0 + dims)[None, :] * stride_od, lse_ptrs, keep, dims,
+                                        Dv - c0, drop_scale, HAS_DROPOUT, False)
 
 
 @triton.jit(do_not_specialize=["B", "n_prog_m", "chunk", "layout_q_off", "layout_k_off", "block_q", "block_k", "alibi_shift",
