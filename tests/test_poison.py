@@ -15,6 +15,7 @@ import torch
 import biasattn as ba
 from biasattn.bias import lower
 from biasattn.ops.chunked import ChunkedOperator
+from biasattn.ops.triton.flash import EXACT_TILES
 from biasattn.testing import assert_close_to_reference, reference_attention
 from biasattn.testing.poison import poison_key_, visibility
 
@@ -229,6 +230,47 @@ def test_triton_recomputes_a_poisoned_program_in_every_value_dim_and_under_dropo
         ok[:b], ok[b + 1 :] = True, True
         torch.testing.assert_close(torch.where(ok, out, 0.0), torch.where(ok, clean, 0.0), rtol=1e-5, atol=1e-6)
         assert torch.isnan(out[b][sees]).all(), f"{name}: rows that see the NaN value are not NaN in every dim"
+
+
+def _tile_ends(lens, tile=16):
+    """The last key of every ``tile``-row query tile of causal segments of ``lens`` (one row of the tile sees it)."""
+    ends, start = [], 0
+    for n in lens:
+        ends += [start + min(t + tile, n) - 1 for t in range(0, n, tile)]
+        start += n
+    return ends
+
+
+@pytest.mark.parametrize("name", ["window", "segments_causal", "block_sparse"])
+def test_triton_recomputes_marked_query_tiles_past_the_first_exact_program(name):
+    """The exact pass checks ``EXACT_TILES`` query tiles per program: NaN values seen by rows of the
+    first group of tiles, of a later one and of the partial last one (17 tiles of 16 rows under the
+    interpreter; every tile of packed documents, whatever their scheduled order) reach exactly the rows
+    that see them."""
+    M = 16 * EXACT_TILES + 8
+    lens = [40] * 5 + [32, 32]
+    bias, keys = {
+        "window": (ba.LocalAttentionMask(3, 2), [40, M // 2 + 3, M - 3]),
+        "segments_causal": (ba.BlockDiagonalMask.from_seqlens(lens).make_causal(), _tile_ends(lens)),
+        # 20-key blocks, each row block seeing its own and the one before: the last query tile holds
+        # rows of two blocks, of which one sees key M - 3
+        "block_sparse": (ba.BlockSparseMask(torch.ones(14, 14, dtype=torch.bool).tril().triu(-1), 20),
+                         [45, M - 3]),
+    }[name]
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, M, D, generator=gen) for _ in range(3))
+    seen = visibility(bias, (1, 2, M, M), "cpu")
+    pv = v.clone()
+    for j in keys:
+        poison_key_(pv, 0, 0, j)
+    out = ba.attention(q, k, pv, bias, op="triton")
+    clean = ba.attention(q, k, v, bias, op="triton")
+    sees = seen[0, :, :, keys].any(-1) & (torch.arange(2) == 0)[:, None]  # [Hq, Mq]: head 0 holds the NaN values
+    if name != "segments_causal":  # scheduled tiles hold any rows; there every tile holds both kinds
+        last = sees[0, 16 * EXACT_TILES :]
+        assert last.any() and not last.all(), "the last query tile must hold rows of both kinds"
+    torch.testing.assert_close(out[0][~sees], clean[0][~sees], rtol=1e-5, atol=1e-6)
+    assert torch.isnan(out[0][sees]).all()
 
 
 def test_triton_dq_read_back_from_the_bias_gradient_keeps_a_hidden_key_out():
