@@ -296,8 +296,11 @@ def write_csv(rows: list[dict], path: str) -> None:
 
 def markdown(rows: list[dict]) -> str:
     """One table per mode: TFLOP/s per provider, then triton's speed over each peer (time ratio)."""
+    runs = dict.fromkeys((r["commit"], r["date"]) for r in rows)  # tables joined from runs of several commits
+    dims = {run: ", ".join(dict.fromkeys(str(r["D"]) for r in rows if (r["commit"], r["date"]) == run)) for run in runs}
+    measured = "; ".join(f"commit {c}, {d}" + (f" (D={dims[c, d]})" if len(runs) > 1 else "") for c, d in runs)
     lines = [f"# Attention benchmark ({rows[0]['device']}, torch {rows[0]['torch']}, triton {rows[0]['triton']}, "
-             f"commit {rows[0]['commit']}, {rows[0]['date']}, bf16, H={HEADS}, B·M={TOKENS})", "",
+             f"{measured}, bf16, H={HEADS}, B·M={TOKENS})", "",
              "TFLOP/s over visible pairs (median of do_bench over "
              + ("CUDA-graph replays: GPU work only" if rows[0].get("timing") == "graph" else "eager calls: host work included")
              + "); `x peer` = peer time / triton time; peak MiB of triton.", ""]
