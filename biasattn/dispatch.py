@@ -33,7 +33,7 @@ from .ops.common import interpreted
 # only the keys present (S=8192: 0.121 ms against flash2's 1.306).
 PRIORITY: dict[str, tuple[str, ...]] = {
     "cuda": ("triton_splitk", "cudnn", "triton", "flash2", "cutlass", "chunked", "reference"),
-    "cpu": ("chunked", "reference"),
+    "cpu": ("cpu_flash", "chunked", "reference"),
 }
 DEFAULT_PRIORITY: tuple[str, ...] = ("chunked", "reference")
 SPLITK_MAX_MQ = 16  # triton_splitk is a decode kernel: only tried first for sequences of at most this many queries

@@ -50,12 +50,16 @@ def test_registry():
     assert ba.ops.get(op) is op
 
 
-def test_cpu_chooses_chunked_forward_and_backward():
+def test_cpu_chooses_torchs_fused_kernel_for_causal_and_chunked_for_other_masks():
     inp = make_inputs(*qkv(requires_grad=True), ba.LowerTriangularMask())
     fwd, bwd = dispatch.choose(inp)
-    assert fwd.name == "chunked" and bwd.name == "chunked"
+    assert fwd.name == "cpu_flash" and bwd.name == "cpu_flash"
     fwd, bwd = dispatch.choose(make_inputs(*qkv(), ba.LowerTriangularMask()))
-    assert fwd.name == "chunked" and bwd is None
+    assert fwd.name == "cpu_flash" and bwd is None
+    fwd, bwd = dispatch.choose(make_inputs(*qkv(requires_grad=True), ba.LocalAttentionMask(2)))
+    assert fwd.name == "chunked" and bwd.name == "chunked"
+    fwd, bwd = dispatch.choose(make_inputs(*qkv(requires_grad=True), ba.LowerTriangularMask()), need_lse=True)
+    assert bwd.name == "chunked"  # no gradient through the lse in the fused kernel
 
 
 def test_a_repeated_call_reuses_its_choice(monkeypatch):
@@ -114,7 +118,7 @@ def test_use_ops_restricts_and_restores():
     with ba.use_ops("reference"):
         assert dispatch.choose(inp)[0].name == "reference"
         assert [op.name for op in dispatch.candidates("cpu")] == ["reference"]
-    assert dispatch.choose(inp)[0].name == "chunked"
+    assert dispatch.choose(inp)[0].name == "cpu_flash"
 
 
 def test_use_ops_unknown_name():
@@ -440,22 +444,22 @@ def test_forward_only_calls_prepared_before_take_the_operators_direct_function(m
     def direct_out(inp):
         def out(q, k, v, scale, dropout_p):
             direct_calls.append((scale, dropout_p))
-            return op.fwd_out(make_inputs(q, k, v, ba.LowerTriangularMask(), scale=scale, dropout_p=dropout_p))
+            return op.fwd_out(make_inputs(q, k, v, ba.LocalAttentionMask(2), scale=scale, dropout_p=dropout_p))
         return out
 
     monkeypatch.setattr(op, "direct_out", direct_out, raising=False)
     q, k, v = qkv(M=7)
-    first = ba.attention(q, k, v, ba.LowerTriangularMask(), scale=0.5)
+    first = ba.attention(q, k, v, ba.LocalAttentionMask(2), scale=0.5)
     assert direct_calls == []
     q2, k2, v2 = (t + 1 for t in (q, k, v))
-    again = ba.attention(q2, k2, v2, ba.LowerTriangularMask(), scale=0.25)
+    again = ba.attention(q2, k2, v2, ba.LocalAttentionMask(2), scale=0.25)
     assert direct_calls == [(0.25, 0.0)]
     ref = ReferenceOperator()
-    assert torch.allclose(first, ref.fwd(make_inputs(q, k, v, ba.LowerTriangularMask(), scale=0.5))[0], atol=1e-5)
-    assert torch.allclose(again, ref.fwd(make_inputs(q2, k2, v2, ba.LowerTriangularMask(), scale=0.25))[0], atol=1e-5)
+    assert torch.allclose(first, ref.fwd(make_inputs(q, k, v, ba.LocalAttentionMask(2), scale=0.5))[0], atol=1e-5)
+    assert torch.allclose(again, ref.fwd(make_inputs(q2, k2, v2, ba.LocalAttentionMask(2), scale=0.25))[0], atol=1e-5)
     for _ in range(2):
-        ba.attention(*qkv(M=7, requires_grad=True), ba.LowerTriangularMask())
-        ba.attention_with_lse(q, k, v, ba.LowerTriangularMask())
+        ba.attention(*qkv(M=7, requires_grad=True), ba.LocalAttentionMask(2))
+        ba.attention_with_lse(q, k, v, ba.LocalAttentionMask(2))
         ba.attention(q, k, v, ba.PaddedKeysMask([3]))
     assert len(direct_calls) == 1
 

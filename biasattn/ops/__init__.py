@@ -51,6 +51,7 @@ def _register_builtin() -> None:
         ("vendor.cutlass", "CutlassOperator"),
         ("vendor.flash2", "Flash2Operator"),
         ("vendor.cudnn", "CudnnOperator"),
+        ("vendor.cpu_flash", "CpuFlashOperator"),
     ):
         try:
             mod = __import__(f"{__name__}.{module}", fromlist=[cls])

@@ -19,11 +19,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..bias.atoms import readable
 from ..bias.spec import FEATURES
 from ..inputs import AttentionInputs
 from .base import Operator
-from .common import compute_dtype, dropout_keep, group_heads, new_seed, reduce_to
+from .common import compute_dtype, dropout_keep, group_heads, may_hold_nonfinite, new_seed, reduce_to
 from .tiles import key_range, layout_allows, tile_bias, tile_fully_visible, visible_matmul
 
 TILE_ELEMENTS = 2**19  # 2 MiB of float32 scores per [B, H, rows, block_k] tile
@@ -237,7 +236,7 @@ class ChunkedOperator(Operator):
         # Low-precision outputs: keep the unrounded output for the backward's rowsum(dout * out).
         exact = inp.requires_grad and dtype != inp.dtype
         out_acc = torch.zeros((B, Hkv, G, inp.Mq, Dv), dtype=dtype, device=inp.device) if exact else None
-        nonfinite = _nonfinite(inp.k) or _nonfinite(inp.v)
+        nonfinite = may_hold_nonfinite(inp.k) or may_hold_nonfinite(inp.v)
         for i0, i1, keys in self._tiles(inp):
             if not keys:
                 continue
@@ -313,7 +312,7 @@ class ChunkedOperator(Operator):
         dv = torch.zeros(inp.v.shape, dtype=dtype, device=inp.device)
         add = inp.additive
         dadd = torch.zeros(add.shape, dtype=dtype, device=inp.device) if need_dadd else None
-        nonfinite = _nonfinite(inp.k) or _nonfinite(inp.v)
+        nonfinite = may_hold_nonfinite(inp.k) or may_hold_nonfinite(inp.v)
         for i0, i1, keys in self._tiles(inp):
             if not keys:
                 continue
@@ -347,17 +346,6 @@ class ChunkedOperator(Operator):
                     dadd[:, :, rows, cols] += reduce_to(ds_h, add.shape)
             dq[:, :, :, i0:i1] = (dq_t * inp.scale).view(B, Hkv, G, bq, inp.D)
         return dq.reshape(inp.q.shape), dk, dv, dadd
-
-
-def _nonfinite(t: torch.Tensor) -> bool:
-    """Whether ``t`` holds NaN or inf: one reduction per call, so finite inputs skip the hidden-value masking.
-
-    True while a CUDA graph is being captured or a trace holds ``t`` (neither may branch on a value;
-    masking is then always on).
-    """
-    if not readable(t) or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return True
-    return t.numel() > 0 and not bool(torch.isfinite(t).all())
 
 
 def _add_to_keys(dst: torch.Tensor, kt: KeyTile, grad: torch.Tensor) -> None:
