@@ -266,6 +266,15 @@ def test_band_that_hides_nothing_lowers_to_no_mask(bias, Mq, Mk, hides):
         assert_close_to_reference(ba.attention(q, k, v, op=CHUNKED_SMALL), ref)
 
 
+def test_a_mask_that_hides_nothing_gets_the_plain_spec_after_the_plain_specs_were_evicted():
+    """Causal masks share their specs by structure; once the kept plain specs of other sizes have pushed
+    out this size's, a new mask that hides nothing still gets the spec that ``lower(None)`` gives."""
+    lower(ba.LowerTriangularMask(), 3, 2, 1, 1)  # kept by structure and tokens: the plain spec of that size
+    for m in range(2, 2 + 80):  # more sizes than the plain specs kept
+        lower(None, 3, 2, m, m)
+    assert lower(ba.LowerTriangularMask(), 3, 2, 1, 1) is lower(None, 3, 2, 1, 1)
+
+
 @example(seed=0)
 @given(seed=st.integers(0, 2**16))
 def test_two_alibi_terms_add(seed):

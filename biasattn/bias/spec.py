@@ -466,6 +466,8 @@ def lower(bias, B: int, H: int, Mq: int, Mk: int, device=None, *, found: tuple |
     spec = cache.get(key)
     if spec is None:
         spec = cache[key] = _lower_new(bias, tensors, B, H, Mq, Mk, device, found)
+    if not spec.features:  # hides nothing in this call: the plain spec lower(None) gives now (the one kept
+        return _plain_spec(B, H, Mq, Mk)  # here, by tokens or by structure may have left _PLAIN_SPECS since)
     return spec
 
 
