@@ -42,7 +42,7 @@ class CpuFlashOperator(Operator):
     FEATURES = frozenset({"band"})
     SUPPORTS_BACKWARD = True
     SUPPORTS_GQA = True
-    DETERMINISTIC = False  # the kernel's threads share dK/dV of grouped heads; not verified to be repeatable
+    DETERMINISTIC = False  # its backward has not been shown to repeat bit for bit
     POSITIVE_SCALE_ONLY = True
 
     def environment_reasons(self, device=None) -> list[str]:
@@ -64,11 +64,11 @@ class CpuFlashOperator(Operator):
     def _causal(self, inp: AttentionInputs) -> bool:
         return inp.spec.band_lo is not None
 
-    def _hidden_values_may_bemay_hold_nonfinite(self, inp: AttentionInputs) -> bool:
+    def _hidden_values_may_be_nonfinite(self, inp: AttentionInputs) -> bool:
         return self._causal(inp) and (may_hold_nonfinite(inp.k) or may_hold_nonfinite(inp.v))
 
     def fwd(self, inp: AttentionInputs):
-        if self._hidden_values_may_bemay_hold_nonfinite(inp):
+        if self._hidden_values_may_be_nonfinite(inp):
             return _EXACT.fwd(inp)
         out, lse = aten_entry(FORWARD)(inp.q, inp.k, inp.v, 0.0, self._causal(inp), scale=inp.scale)
         return out, lse, 0
@@ -84,12 +84,12 @@ class CpuFlashOperator(Operator):
         return out
 
     def graph_out(self, inp: AttentionInputs) -> torch.Tensor | None:
-        if self._hidden_values_may_bemay_hold_nonfinite(inp):
+        if self._hidden_values_may_be_nonfinite(inp):
             return None
         return aten_entry(FORWARD)(inp.q, inp.k, inp.v, 0.0, self._causal(inp), scale=inp.scale)[0]
 
     def bwd(self, inp, out, lse, ctx, dout, dlse):
-        if dlse is not None or self._hidden_values_may_bemay_hold_nonfinite(inp):
+        if dlse is not None or self._hidden_values_may_be_nonfinite(inp):
             return _EXACT.bwd(inp, out, lse, ctx, dout, dlse)
         dq, dk, dv = aten_entry(BACKWARD)(
             dout, inp.q, inp.k, inp.v, out, lse, 0.0, self._causal(inp), scale=inp.scale
