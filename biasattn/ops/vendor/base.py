@@ -31,6 +31,17 @@ def aten_entry(name: str):
     return getattr(torch._C._VariableFunctions, name, None) or getattr(torch.ops.aten, name)
 
 
+LSE_GRADIENT = "its backward kernel cannot take a gradient through the log-sum-exp"
+
+
+def missing_entries(names) -> list[str]:
+    """A reason naming the entry points among ``names`` that the installed torch lacks, or none."""
+    missing = [n for n in names if aten_entry(n) is None]
+    if missing:
+        return [f"needs {', '.join(f'torch.ops.aten.{n}' for n in missing)}, which torch {torch.__version__} lacks"]
+    return []
+
+
 @dataclass
 class VendorCtx:
     """What a vendor forward keeps for its backward: the kernel's own lse and dropout state."""
@@ -65,16 +76,12 @@ class VendorOperator(Operator):
 
     def probe_environment(self) -> list[str]:
         """Reasons from the installed torch and CUDA build (entry points, kernel availability)."""
-        missing = [n for n in self.ENTRY_POINTS if aten_entry(n) is None]
-        if missing:
-            names = ", ".join(f"torch.ops.aten.{n}" for n in missing)
-            return [f"needs {names}, which torch {torch.__version__} lacks"]
-        return []
+        return missing_entries(self.ENTRY_POINTS)
 
     def _reasons(self, inp: AttentionInputs, need_lse: bool, backward: bool) -> Iterator[str]:
         yield from super()._reasons(inp, need_lse, backward)
         if need_lse and backward:
-            yield "its backward kernel cannot take a gradient through the log-sum-exp"
+            yield LSE_GRADIENT
         add = inp.additive
         if add is not None and not inp.spec.additive_is_mask and not exact_cast(add.dtype, inp.dtype):
             yield (f"takes the additive bias in q's dtype and would round the {_dtype_name(add.dtype)} bias given to "

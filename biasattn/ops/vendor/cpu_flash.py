@@ -25,7 +25,7 @@ from ...inputs import AttentionInputs
 from ..base import Operator
 from ..chunked import ChunkedOperator
 from ..common import may_hold_nonfinite
-from .base import aten_entry
+from .base import LSE_GRADIENT, aten_entry, missing_entries
 
 FORWARD, BACKWARD = "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"
 _EXACT = ChunkedOperator()
@@ -46,15 +46,12 @@ class CpuFlashOperator(Operator):
     POSITIVE_SCALE_ONLY = True
 
     def environment_reasons(self, device=None) -> list[str]:
-        missing = [n for n in (FORWARD, BACKWARD) if aten_entry(n) is None]
-        if missing:
-            return [f"needs {', '.join(f'torch.ops.aten.{n}' for n in missing)}, which torch {torch.__version__} lacks"]
-        return []
+        return missing_entries((FORWARD, BACKWARD))
 
     def _reasons(self, inp: AttentionInputs, need_lse: bool, backward: bool) -> Iterator[str]:
         yield from super()._reasons(inp, need_lse, backward)
         if need_lse and backward:
-            yield "its backward kernel cannot take a gradient through the log-sum-exp"
+            yield LSE_GRADIENT
 
     def extra_reasons(self, inp: AttentionInputs, *, backward: bool) -> list[str]:
         if inp.spec.band_lo is not None and inp.spec.causal_kind() != "top_left":
