@@ -110,9 +110,24 @@ def test_masks_match_the_reference(gluon_calls, gluon_bwd_calls, case, heads):
     assert bool(gluon_bwd_calls) == (not case.startswith("packed"))  # packed documents: triton.language backward
 
 
+@pytest.mark.parametrize("case", ["none", "causal", "window", "unaligned", "padded_causal", "packed_causal",
+                                  "bottom_right_rect"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_forward_at_head_dim_256_matches_the_reference(gluon_calls, gluon_bwd_calls, case, dtype):
+    """At head dim 256 the forward runs in Gluon with 64-key tiles, two in flight; the backward keeps the
+    ``triton.language`` kernels."""
+    if case in ("none", "causal"):
+        bias, B, Mq, Mk = (ba.LowerTriangularMask() if case == "causal" else None), 2, 512, 512
+    else:
+        bias, B, Mq, Mk = _mask(case, "cuda")
+    check(*qkv(B=B, Hq=4, Hkv=2, Mq=Mq, Mk=Mk, D=256, dtype=dtype), const(bias))
+    assert gluon_calls and all(c[0][-1] == 256 and c[2] == (case != "none") for c in gluon_calls)
+    assert not gluon_bwd_calls
+
+
 @pytest.mark.parametrize("case", ["D64", "fp32", "strided", "dropout", "additive", "block_sparse"])
 def test_other_calls_keep_the_triton_kernels(gluon_calls, gluon_bwd_calls, case):
-    """Calls outside the kernel's tensors and biases run the ``triton.language`` kernels, with the same results."""
+    """Calls outside the kernels' tensors and biases run the ``triton.language`` kernels, with the same results."""
     D, M, dtype, bias = 128, 256, torch.bfloat16, None
     if case == "D64":
         D = 64
@@ -146,6 +161,28 @@ def test_backward_at_head_dim_64_matches_the_reference(gluon_calls, gluon_bwd_ca
         bias = ba.PaddedKeysMask([100, 384], device="cuda")
     check(*qkv(B=B, Hq=4, Hkv=2, Mq=M, Mk=M, D=64, dtype=torch.bfloat16), const(bias))
     assert gluon_calls == [] and gluon_bwd_calls
+
+
+@pytest.mark.parametrize("waves", [0, 1, 8], ids=["plain_order", "last_pairs_by_rank", "all_pairs_by_rank"])
+def test_programs_started_rank_by_rank_keep_results(gluon_calls, gluon_bwd_calls, triton_options, monkeypatch, waves):
+    """Under a causal mask the Gluon forward (D=128) and backward (D=64) start their last pairs' tiles rank by
+    rank (``order_tail_waves``); every order writes the same results. A window keeps the plain order."""
+    from biasattn.ops.triton import gluon_backward, gluon_forward
+
+    triton_options(order_tail_waves=waves)
+    chunks = set()
+    for module, name in ((gluon_forward, "attn_fwd"), (gluon_backward, "attn_bwd")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda q, *args, real=real, name=name: chunks.add(
+            (name, q.shape[-1], args[-1])) or real(q, *args))
+    for D in (128, 64):
+        check(*qkv(B=3, Hq=4, Hkv=2, Mq=640, Mk=640, D=D, dtype=torch.bfloat16), const(ba.LowerTriangularMask()))
+    by_rank = waves > 0  # 5 tiles a pair: 12 query-head pairs in the forward, 6 KV-head pairs in the backward
+    assert chunks == {("attn_fwd", 128, 12 if by_rank else 1), ("attn_bwd", 128, 1), ("attn_bwd", 64, 6 if by_rank else 1)}
+    chunks.clear()
+    check(*qkv(B=3, Hq=4, Hkv=2, Mq=640, Mk=640, D=128, dtype=torch.bfloat16),
+          const(ba.LocalAttentionMask(window_left=100, window_right=0)))
+    assert chunks == {("attn_fwd", 128, 1), ("attn_bwd", 128, 1)}
 
 
 @pytest.mark.parametrize("case", ["none", "causal"])

@@ -1086,6 +1086,21 @@ def test_program_order_keeps_results(triton_options, monkeypatch, waves):
     check(*qkv(B=2, Hq=4, Hkv=2, Mq=40, Mk=29), const(ba.LocalAttentionMask(7, 3)))
 
 
+def test_only_causal_bands_grow_the_spans_along_the_rows():
+    """The Gluon kernels order their tails under a band bounded on the right only: causal masks of either
+    alignment, per packed document too; not a window (its tiles are alike), nor without a band."""
+    from biasattn.bias.spec import lower
+    from biasattn.ops.triton.flash import growing_spans
+
+    def grows(bias, Mq=64, Mk=64):
+        return growing_spans(lower(bias, 1, 1, Mq, Mk, DEVICE))
+
+    assert grows(ba.LowerTriangularMask()) and grows(ba.LowerTriangularFromBottomRightMask(), 32, 64)
+    assert grows(ba.BlockDiagonalMask.from_seqlens([20, 44], device=DEVICE).make_causal())
+    assert not grows(ba.LocalAttentionMask(window_left=8, window_right=0)) and not grows(None)
+    assert not grows(ba.PaddedKeysMask([30], device=DEVICE))
+
+
 def test_the_gluon_kernels_are_imported_on_sm90_gpus_only():
     """A call the Gluon forward and backward would take on an sm_90 GPU (D=128, a causal mask) runs the
     ``triton.language`` kernels elsewhere, without importing the Gluon modules (their language needs the GPU's

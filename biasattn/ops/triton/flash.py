@@ -13,7 +13,7 @@ import functools
 import numpy as np
 import torch
 
-from ...bias.spec import BiasSpec
+from ...bias.spec import BAND_UNBOUNDED, BiasSpec
 from ...memo import BoundedCache
 from ..common import cdiv, cuda_capability, head_tiles, int32_on, new_like_rows, next_power_of_2, num_sms, slice_span
 from . import configs, options, plans, schedule, tma
@@ -205,21 +205,30 @@ L2_CHUNK_BYTES = 16 << 20  # the pairs started rank by rank share this many byte
 
 
 def program_chunk(pairs: int, tiles: int, sms: int, bytes_per_pair: int, banded: bool = True) -> int:
-    """How many (batch, head) pairs at the end of the forward's grid start their programs rank by rank.
+    """How many (batch, head) pairs at the end of a grid start their programs rank by rank.
 
     Only ``banded`` work needs it (1 otherwise): each pair's tiles are ordered heaviest first, and
     a causal or banded span shrinks along them, so when the last pairs start rank by rank the
     lightest tiles of several pairs end the kernel instead of one pair's heaviest tile
     (``_chunked_ids`` in the kernels). Enough pairs to fill
-    ``options.current().order_tail_waves`` waves of one program per multiprocessor, at most as many as keep the K/V
-    their programs share within ``L2_CHUNK_BYTES``. The backward kernels keep the plain order: the
-    mapping cost them more than the shorter tail gave (causal forward+backward 2.4-2.6% slower on an H200).
+    ``options.current().order_tail_waves`` waves of one program per multiprocessor, at most as many as keep the
+    operand their programs share (K/V in a forward, Q, dO and dQ in a backward) within ``L2_CHUNK_BYTES``.
+    The forwards take it, and the Gluon backward at head dim 64 (``flash_bwd._gluon_chunk``); the
+    ``triton.language`` backward kernels keep the plain order: the mapping cost them more than the shorter tail
+    gave (causal forward+backward 2.4-2.6% slower on an H200).
     """
     waves = options.current().order_tail_waves
     if not banded or waves <= 0 or pairs <= 1 or tiles <= 1:
         return 1
     fill = cdiv(waves * sms, tiles)
     return max(1, min(pairs, fill, L2_CHUNK_BYTES // max(1, bytes_per_pair)))
+
+
+def growing_spans(spec: BiasSpec) -> bool:
+    """Whether the spec's band is bounded on the right only (causal), so that the keys a row sees grow with the
+    row and tiles differ in work; the Gluon kernels order their tails only then (a window's tiles are alike)."""
+    los = spec.host.band_lo
+    return spec.band_lo is not None and (los is None or all(lo <= -BAND_UNBOUNDED for lo in los))
 
 
 SHORT_SPAN_KEYS = 1000  # mean visible keys per query row at or under which the forward takes short tiles
@@ -350,6 +359,7 @@ def _exact_pass(q, k, v, out, lse, spec: BiasSpec, args, sched, drop, qk_scale, 
 
 
 GLUON_FEATURES = frozenset({"segments", "padded_keys", "band"})  # the masks the Gluon forward takes
+GLUON_HEAD_DIMS = frozenset({128, 256})  # ... and its head dims (gluon_forward.TILES)
 
 
 _gluon_failure: list[str] = []  # why the Gluon forward cannot run with the installed Triton, once known
@@ -411,8 +421,10 @@ def _gluon_fwd(q, k, v, out, lse, spec: BiasSpec, qk_scale: float, seed: int) ->
     switches = dict(SCHEDULED=sched.table is not None, HAS_SEGMENTS=args.has_segments, HAS_PADDED=args.has_padded,
                     HAS_BAND=args.has_band, BAND_PER_SEGMENT=args.band_per_segment)
     try:
+        kv_bytes = k.shape[2] * 2 * D * k.element_size() // (H // k.shape[1])  # K/V per query head
+        chunk = program_chunk(B * H, sched.n, num_sms(q.device), kv_bytes, growing_spans(spec))
         masked = gluon_forward.attn_fwd(q, k, v, out, lse, qk_scale, sched.n, table,
-                                        (args.ks, args.kl, args.kv, args.band_lo, args.band_hi), switches)
+                                        (args.ks, args.kl, args.kv, args.band_lo, args.band_hi), switches, chunk)
     except (CompilationError, OutOfResources) as e:
         _gluon_fails(e)
         return False
@@ -438,7 +450,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
         return out.zero_(), lse.fill_(float("-inf"))
     hd, hdv = head_tiles(D, Dv)
     qk_scale = scale * LOG2E  # a role of the plan: one object in the launch and in the roles
-    if D == 128 and Dv == 128 and _gluon_runs(q, k, v, out, spec, dropout_p):
+    if D == Dv and D in GLUON_HEAD_DIMS and _gluon_runs(q, k, v, out, spec, dropout_p):
         if _gluon_fwd(q, k, v, out, lse, spec, qk_scale, seed):
             return out, lse
     store, key, roles = plan_home(spec, q.device, _plan_key("fwd", (q, k, v), spec) if dropout_p == 0 else None)

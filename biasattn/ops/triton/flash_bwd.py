@@ -135,6 +135,16 @@ def _delta(out, dout, dlse: torch.Tensor | None, delta: torch.Tensor, f32: torch
     )
 
 
+def _gluon_chunk(q, k, spec: BiasSpec) -> int:
+    """The :func:`.flash.program_chunk` of the Gluon backward: at head dim 64 under a causal band its last pairs
+    start their key tiles rank by rank (heaviest first); at 128 the plain order was faster."""
+    B, H, Mq, D = q.shape
+    if D != 64 or not flash.growing_spans(spec):
+        return 1
+    Hkv = k.shape[1]
+    return flash.program_chunk(B * Hkv, cdiv(k.shape[2], 128), flash.num_sms(q.device), Mq * D * 8 * (H // Hkv))
+
+
 def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, dq, dk, dv) -> bool:
     """Write ``dq``, ``dk`` and ``dv`` with the Gluon backward; False (nothing written) when the installed
     Triton cannot build the kernel."""
@@ -153,7 +163,7 @@ def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, dq, 
     try:
         gluon_backward.attn_bwd(q, k, v, dout, guarded, delta, dq32, dk, dv, scale,
                                 (args.kv, args.band_lo, args.band_hi),
-                                dict(HAS_PADDED=args.has_padded, HAS_BAND=args.has_band))
+                                dict(HAS_PADDED=args.has_padded, HAS_BAND=args.has_band), _gluon_chunk(q, k, spec))
     except (CompilationError, OutOfResources) as e:
         flash._gluon_fails(e, _gluon_failure, "backward")
         return False

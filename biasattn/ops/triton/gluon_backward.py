@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .common_kernels import LOG2E
+from .common_kernels import LOG2E, _chunked_ids
 from .gluon_forward import _key_bounds, shared_layout
 from .launch import direct
 
@@ -276,16 +276,18 @@ def _row_span(n0, Mq, bounds, MASKED: gl.constexpr):
 
 @gluon.jit
 def _attn_bwd_ws_kernel(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, DK, DV, KvLens, BandLo, BandHi, Hkv,
-                        G, Mq, Mk, qk_scale, sm_scale, REGS: gl.constexpr, MASKED: gl.constexpr,
-                        HAS_PADDED: gl.constexpr, HAS_BAND: gl.constexpr):
-    """Grid ``(key tiles of 128, B * Hkv)``. Q, dO and dQ (float32, zeroed) are ``[B·H, Mq, D]`` descriptors,
+                        G, Mq, Mk, chunk, qk_scale, sm_scale, REGS: gl.constexpr, MASKED: gl.constexpr,
+                        HAS_PADDED: gl.constexpr, HAS_BAND: gl.constexpr, TAIL_ORDER: gl.constexpr):
+    """Grid ``(key tiles of 128, B * Hkv)``, the last ``chunk`` pairs started rank by rank with ``TAIL_ORDER``
+    (``common_kernels._chunked_ids``). Q, dO and dQ (float32, zeroed) are ``[B·H, Mq, D]`` descriptors,
     lse (natural log; +inf for a row that saw no key, NaN for one that saw an infinite score) and delta
     ``[B·H, Mq]``, K and V ``[B·Hkv, Mk, D]`` (``G`` query heads per KV head); writes dK and dV
     (``[B, Hkv, Mk, D]``, contiguous) and adds into dQ. Without ``MASKED``, Mq is a multiple of 64, Mk of 128,
     and every row sees every key."""
     dtype: gl.constexpr = k_desc.dtype
-    n0 = gl.program_id(0) * _BLOCK_N
-    bh_k = gl.program_id(1)  # (batch row, KV head)
+    pid, bh_k = _chunked_ids(gl.program_id(0), gl.program_id(1), gl.num_programs(0), gl.num_programs(1), chunk,
+                             TAIL_ORDER)  # bh_k: (batch row, KV head)
+    n0 = pid * _BLOCK_N  # under a causal mask the first key tiles are the heaviest
     b = bh_k // Hkv
     bounds = _key_bounds(0, b, Mk, KvLens, KvLens, KvLens, BandLo, BandHi, False, HAS_PADDED, HAS_BAND, False)
     lo, n_head, a, e = _row_span(n0, Mq, bounds, MASKED)
@@ -344,12 +346,13 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(view, shape, list(view.stride()), block, layout)
 
 
-def attn_bwd(q, k, v, dout, lse, delta, dq32, dk, dv, scale: float, bounds: tuple, switches: dict) -> None:
+def attn_bwd(q, k, v, dout, lse, delta, dq32, dk, dv, scale: float, bounds: tuple, switches: dict,
+             chunk: int = 1) -> None:
     """Write ``dk`` and ``dv`` and add ``dq`` into ``dq32`` (float32, zeroed) of an :func:`eligible` call;
     ``lse`` the forward's, guarded (+inf where it is -inf, NaN where +inf), and
     ``delta = rowsum(dout * out) - dlse`` (float32 ``[B, H, Mq]``, both from the backward's preprocessing);
     ``bounds`` the int32 tensors ``(kv_seqlens, band_lo, band_hi)`` and ``switches`` the ``HAS_PADDED`` and
-    ``HAS_BAND`` flags."""
+    ``HAS_BAND`` flags; the last ``chunk`` (batch, KV head) pairs start their key tiles rank by rank."""
     B, H, Mq, D = q.shape
     Hkv, Mk = k.shape[1], k.shape[2]
     masked = any(switches.values()) or Mq % ROWS != 0 or Mk % BLOCK_N != 0
@@ -357,6 +360,6 @@ def attn_bwd(q, k, v, dout, lse, delta, dq32, dk, dv, scale: float, bounds: tupl
              _descriptor(dout, [1, ROWS, D]), _descriptor(lse, [1, ROWS]), _descriptor(delta, [1, ROWS]),
              _descriptor(dq32, [1, ROWS, DQ_COLS]))
     _launch_bwd[(-(-Mk // BLOCK_N), B * Hkv)](
-        *descs, dk, dv, *bounds, Hkv, H // Hkv, Mq, Mk, scale * LOG2E.value, scale, CONSUMER_REGS[masked], masked,
-        **switches, num_warps=4,
+        *descs, dk, dv, *bounds, Hkv, H // Hkv, Mq, Mk, chunk, scale * LOG2E.value, scale, CONSUMER_REGS[masked],
+        masked, **switches, TAIL_ORDER=chunk > 1, num_warps=4,
     )

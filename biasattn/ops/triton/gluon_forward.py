@@ -1,9 +1,11 @@
-"""The forward at head dim 128 on Hopper, warp-specialized in Gluon: no bias, causal masks, windows,
+"""The forward at head dims 128 and 256 on Hopper, warp-specialized in Gluon: no bias, causal masks, windows,
 padded keys and packed documents.
 
 ``triton.language`` cannot split a kernel into producer and consumer warps; Gluon
 (``triton.experimental.gluon``, shipped with Triton) can. In this kernel one loader warp feeds Q and
-a ring of three 128-key K/V stages through TMA copies and mbarriers. Two consumer warpgroups each
+a ring of K/V stages through TMA copies and mbarriers: three of 128 keys at D=128, two of 64 keys at
+D=256 (:data:`TILES`), where a stage's K is refilled as soon as its score products ran, before its V
+(``docs/design.md``, "D=256 forward on Hopper"). Two consumer warpgroups each
 take a 64-row half of a 128-row query tile and take turns issuing their warpgroup MMAs. Each issues
 the scores of key tile j before the value product of tile j-1, and runs the softmax of tile j while
 that product runs (``docs/design.md``, "Forwards at D=128 on Hopper: warp-specialized in Gluon").
@@ -14,7 +16,7 @@ scores of the span's edge tiles. Rows whose output is not finite (a NaN or inf i
 row cannot see, read with the tile) get a NaN lse, and the ``triton`` forward's exact pass computes
 them again.
 
-:func:`eligible` says which tensors it takes: fp16/bf16, D = Dv = 128, contiguous ``[B, H, M, D]``
+:func:`eligible` says which tensors it takes: fp16/bf16, D = Dv = 128 or 256, contiguous ``[B, H, M, D]``
 tensors; the caller checks the device (sm_90), the bias (no bias, or only segments, key lengths and a
 band), dropout (none) and size (the ``gluon_min_scores`` option: its launch goes through Triton's own
 binding, tens of microseconds of host time). This module is imported on the first such call only.
@@ -36,20 +38,22 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .common_kernels import _chunked_ids
 from .launch import direct
 
 ROWS = 64  # query rows of each consumer warpgroup
 BLOCK_M = 2 * ROWS  # query rows of a program
-BLOCK_N = 128  # keys per tile
-STAGES = 3  # K/V tiles in flight
+TILES = {128: (128, 3), 256: (64, 2)}  # head dim: (keys per tile, K/V tiles in flight), the most that fit in shared memory
 CONSUMER_REGS = 240  # registers per consumer thread (the loader warp takes 24)
 BIG = gl.constexpr(2**30)  # "unbounded" in band terms
 
 
 @gluon.jit
-def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_ready, v_ready, kv_empty, row_q, row_k, n_tiles):
+def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_free, v_free, row_q, row_k,
+          n_tiles):
     """The loader partition: both halves of the query tile, then the span's K/V tiles (from key row
-    ``row_k``) into the ring, each stage refilled once both consumers released it."""
+    ``row_k``) into the ring, a stage's K refilled once both consumers' scores read it and its V once both
+    value products did."""
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     TILE: gl.constexpr = k_desc.block_type.shape[0]
     RING: gl.constexpr = k_bufs.type.shape[0]
@@ -59,10 +63,11 @@ def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_ready, v_rea
         tma.async_copy_global_to_shared(q_desc, [row_q + h * HALF, 0], qb, q_smem.index(h))
     for j in range(n_tiles):
         s = j % RING
-        mbarrier.wait(kv_empty.index(s), ((j // RING) & 1) ^ 1)
+        mbarrier.wait(k_free.index(s), ((j // RING) & 1) ^ 1)
         kr = k_ready.index(s)
         mbarrier.expect(kr, k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [row_k + j * TILE, 0], kr, k_bufs.index(s))
+        mbarrier.wait(v_free.index(s), ((j // RING) & 1) ^ 1)
         vr = v_ready.index(s)
         mbarrier.expect(vr, v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [row_k + j * TILE, 0], vr, v_bufs.index(s))
@@ -101,7 +106,7 @@ def _masked_tile(j, a, e, MASKED: gl.constexpr):
 
 
 @gluon.jit
-def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, qk_scale, my_turn, their_turn, span, klo, khi,
+def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, qk_scale, my_turn, their_turn, span, klo, khi,
             MASKED: gl.constexpr):
     """One consumer's rows against the key tiles of the span ``(first key, tiles, a, e)``: ``(out, row max,
     row sum)``, out normalized (0 where a row saw no key). With ``MASKED``, tiles outside ``[a, e)`` hide
@@ -110,6 +115,7 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, qk_scale, my_tur
     TILE: gl.constexpr = k_bufs.type.shape[1]
     HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
     RING: gl.constexpr = k_bufs.type.shape[0]
+    EARLY_K: gl.constexpr = RING < 3  # K's stage freed after its score product (the value product frees V's)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
@@ -127,6 +133,8 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, qk_scale, my_tur
     s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     mbarrier.arrive(their_turn, count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    if EARLY_K:
+        mbarrier.arrive(k_free.index(0), count=1)
     if _masked_tile(0, a, e, MASKED):
         s = _mask(s, lo, klo, khi, s_layout)
     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, row_o, MASKED)
@@ -140,12 +148,16 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, qk_scale, my_tur
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_bufs.index(prev), acc, is_async=True)
         mbarrier.arrive(their_turn, count=1)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        if EARLY_K:
+            mbarrier.arrive(k_free.index(st), count=1)
         if _masked_tile(j, a, e, MASKED):
             s = _mask(s, lo + j * TILE, klo, khi, s_layout)
         p, m_new, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, row_o, MASKED)
         m_i = m_new
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(kv_empty.index(prev), count=1)
+        mbarrier.arrive(v_free.index(prev), count=1)
+        if not EARLY_K:
+            mbarrier.arrive(k_free.index(prev), count=1)
         acc = acc * alpha[:, None]
     last = (n_tiles - 1) % RING
     mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // RING) & 1)
@@ -188,7 +200,7 @@ def _consume(q_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_sc
              PART: gl.constexpr):
     """Consumer ``PART`` (0 or 1): its half of the query tile, written out through its query buffer, free
     once its last score product has run."""
-    q_bars, k_ready, v_ready, kv_empty, turns = bars
+    q_bars, k_ready, v_ready, k_free, v_free, turns = bars
     row_q, row_k, m0, m_end, lo, n_tiles, a, e, seg_lo, seg_hi, band_lo, band_hi = prog
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     TILE: gl.constexpr = k_bufs.type.shape[1]
@@ -197,7 +209,7 @@ def _consume(q_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_sc
     klo = gl.maximum(rows + band_lo, seg_lo)
     khi = gl.minimum(rows + band_hi + 1, seg_hi)
     mbarrier.wait(q_bars.index(PART), 0)
-    out, m_o, l_o = _attend(q_smem.index(PART), k_bufs, v_bufs, k_ready, v_ready, kv_empty, qk_scale,
+    out, m_o, l_o = _attend(q_smem.index(PART), k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, qk_scale,
                             turns.index(PART), turns.index(1 - PART), (lo, n_tiles, a, e), klo, khi, MASKED)
     n_rows = gl.minimum(gl.maximum(m_end - m0 - PART * HALF, 0), HALF)
     _write(out, m_o, l_o, o_desc, q_smem.index(PART), Out, Lse, row_q + PART * HALF, n_rows)
@@ -226,17 +238,16 @@ def _second_masked(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, bars,
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_scale):
-    q_bars, k_ready, v_ready, kv_empty, turns = bars
+    q_bars, k_ready, v_ready, k_free, v_free, turns = bars
     row_q, row_k, m0, m_end, lo, n_tiles, a, e, seg_lo, seg_hi, band_lo, band_hi = prog
-    _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_ready, v_ready, kv_empty, row_q, row_k + lo,
-          n_tiles)
+    _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_free, v_free, row_q,
+          row_k + lo, n_tiles)
 
 
 @gluon.jit
-def _query_tile(Sched, n_prog, Mq, SCHEDULED: gl.constexpr, BLOCK: gl.constexpr):
-    """``(first row, end row, segment)`` of this program: the packed segments' table, or the regular
+def _query_tile(pid, Sched, n_prog, Mq, SCHEDULED: gl.constexpr, BLOCK: gl.constexpr):
+    """``(first row, end row, segment)`` of tile program ``pid``: the packed segments' table, or the regular
     tiles from the last (the heaviest under a causal mask) to the first."""
-    pid = gl.program_id(0)
     if SCHEDULED:
         m0 = gl.load(Sched + pid * 3)
         m_end = gl.load(Sched + pid * 3 + 1)
@@ -306,17 +317,19 @@ def _span(m0, m_end, bounds, Mk, MASKED: gl.constexpr, TILE: gl.constexpr):
 
 @gluon.jit
 def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sched, KSeqStart, KSeqLen, KvLens, BandLo, BandHi,
-                        H, G, Mq, Mk, n_prog, qk_scale, RING: gl.constexpr, REGS: gl.constexpr, MASKED: gl.constexpr,
-                        SCHEDULED: gl.constexpr, HAS_SEGMENTS: gl.constexpr, HAS_PADDED: gl.constexpr,
-                        HAS_BAND: gl.constexpr, BAND_PER_SEGMENT: gl.constexpr):
-    """Grid ``(query tiles, B * H)``. Q/out are ``[B·H·Mq, D]`` views and K/V ``[B·Hkv·Mk, D]`` (``G`` query
+                        H, G, Mq, Mk, n_prog, chunk, qk_scale, RING: gl.constexpr, REGS: gl.constexpr,
+                        MASKED: gl.constexpr, SCHEDULED: gl.constexpr, HAS_SEGMENTS: gl.constexpr,
+                        HAS_PADDED: gl.constexpr, HAS_BAND: gl.constexpr, BAND_PER_SEGMENT: gl.constexpr,
+                        TAIL_ORDER: gl.constexpr):
+    """Grid ``(query tiles, B * H)``, the last ``chunk`` pairs started rank by rank with ``TAIL_ORDER``
+    (``common_kernels._chunked_ids``). Q/out are ``[B·H·Mq, D]`` views and K/V ``[B·Hkv·Mk, D]`` (``G`` query
     heads per KV head); writes out (``Out`` the same memory as ``o_desc``) and ``Lse [B·H·Mq]``. Without
-    ``MASKED``, Mq and Mk are multiples of 128 and every row sees every key."""
+    ``MASKED``, Mq is a multiple of 128, Mk of the key tile, and every row sees every key."""
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     TILE: gl.constexpr = k_desc.block_type.shape[0]
-    bh = gl.program_id(1)
+    pid, bh = _chunked_ids(gl.program_id(0), gl.program_id(1), n_prog, gl.num_programs(1), chunk, TAIL_ORDER)
     b = bh // H
-    m0, m_end, seg = _query_tile(Sched, n_prog, Mq, SCHEDULED, 2 * HALF)
+    m0, m_end, seg = _query_tile(pid, Sched, n_prog, Mq, SCHEDULED, 2 * HALF)
     bounds = _key_bounds(seg, b, Mk, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, HAS_SEGMENTS, HAS_PADDED, HAS_BAND,
                          BAND_PER_SEGMENT)
     lo, n_tiles, a, e = _span(m0, m_end, bounds, Mk, MASKED, TILE)
@@ -330,7 +343,8 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sched, KSeqSta
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    k_free = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bars.index(i), count=1)
         mbarrier.init(turns.index(i), count=1)
@@ -338,8 +352,9 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sched, KSeqSta
     for i in gl.static_range(RING):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)
-    bars = (q_bars, k_ready, v_ready, kv_empty, turns)
+        mbarrier.init(k_free.index(i), count=2)
+        mbarrier.init(v_free.index(i), count=2)
+    bars = (q_bars, k_ready, v_ready, k_free, v_free, turns)
     seg_lo, seg_hi, band_lo, band_hi = bounds
     prog = (row_q, row_k, m0, m_end, lo, n_tiles, a, e, seg_lo, seg_hi, band_lo, band_hi)
     args = (q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_scale)
@@ -367,7 +382,7 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     device, the bias, dropout and the size)."""
     B, H, Mq, D = q.shape
     Mk = k.shape[2]
-    if D != 128 or k.shape[3] != 128 or v.shape[3] != 128 or min(Mq, Mk) == 0:
+    if D not in TILES or k.shape[3] != D or v.shape[3] != D or min(Mq, Mk) == 0:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
@@ -377,23 +392,25 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
 
 
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, qk_scale: float,
-             n_prog: int, table: torch.Tensor, bounds: tuple, switches: dict) -> bool:
-    """Write ``out [B, H, Mq, 128]`` (contiguous) and ``lse [B, H, Mq]`` (float32, natural log; NaN where a
+             n_prog: int, table: torch.Tensor, bounds: tuple, switches: dict, chunk: int = 1) -> bool:
+    """Write ``out [B, H, Mq, D]`` (contiguous) and ``lse [B, H, Mq]`` (float32, natural log; NaN where a
     row's output is not finite) of an :func:`eligible` call; ``qk_scale`` is the softmax scale times
-    log2(e). ``n_prog`` query tiles of 128 rows, ``table`` their rows when packed (the launch switch
+    log2(e). ``n_prog`` query tiles of :data:`BLOCK_M` rows, ``table`` their rows when packed (the launch switch
     ``SCHEDULED``); ``bounds`` the int32 tensors ``(k_seqstart, k_seqlen, kv_seqlens, band_lo, band_hi)``
-    and ``switches`` the ``SCHEDULED``, ``HAS_*`` and ``BAND_PER_SEGMENT`` flags of the bias. Returns whether
+    and ``switches`` the ``SCHEDULED``, ``HAS_*`` and ``BAND_PER_SEGMENT`` flags of the bias; the last ``chunk``
+    (batch, head) pairs start their tiles rank by rank (``flash.program_chunk``). Returns whether
     the launch masked scores (then rows may carry a NaN lse for the exact pass)."""
     B, H, Mq, D = q.shape
     Mk = k.shape[2]
-    half, tile = shared_layout((ROWS, D), q.dtype), shared_layout((BLOCK_N, D), q.dtype)
+    block_n, stages = TILES[D]
+    half, tile = shared_layout((ROWS, D), q.dtype), shared_layout((block_n, D), q.dtype)
     descs = []
-    for t, block, layout in ((q, ROWS, half), (k, BLOCK_N, tile), (v, BLOCK_N, tile), (out, ROWS, half)):
+    for t, block, layout in ((q, ROWS, half), (k, block_n, tile), (v, block_n, tile), (out, ROWS, half)):
         rows = t.view(-1, D)
         descs.append(TensorDescriptor(rows, list(rows.shape), [D, 1], [block, D], layout))
-    masked = any(switches.values()) or Mq % BLOCK_M != 0 or Mk % BLOCK_N != 0
+    masked = any(switches.values()) or Mq % BLOCK_M != 0 or Mk % block_n != 0
     _launch_fwd[(n_prog, B * H)](
-        *descs, out, lse, table, *bounds, H, H // k.shape[1], Mq, Mk, n_prog, qk_scale, STAGES, CONSUMER_REGS, masked,
-        **switches, num_warps=4,
+        *descs, out, lse, table, *bounds, H, H // k.shape[1], Mq, Mk, n_prog, chunk, qk_scale, stages, CONSUMER_REGS,
+        masked, **switches, TAIL_ORDER=chunk > 1, num_warps=4,
     )
     return masked

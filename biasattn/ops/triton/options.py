@@ -33,7 +33,7 @@ class Options:
     gluon_backward: bool = True  # backwards at head dims 64 and 128 on sm_90 (no bias, interval masks): gluon_backward.py
     gluon_min_scores: int = 2**26  # ... when they compute at least this many scores (their launch costs more host time)
     list_in_registers: bool = True  # branch-free tile-list loops keep the program's list in registers
-    order_tail_waves: int = 4  # forward: waves at the end of a grid started rank by rank across pairs (0: plain order)
+    order_tail_waves: int = 4  # forwards, Gluon backward at D=64: waves at a grid's end started rank by rank (0: plain)
     concurrent_bwd: bool = True  # long backwards run dQ on a side stream beside dK/dV
     fused_delta: bool = True  # without the side stream, dQ runs first and computes delta itself
     dq_from_ds: bool = True  # a per-(batch, head) bias gradient is dS: dQ reads it back after dK/dV
