@@ -252,10 +252,11 @@ def _reference(q, k, v, mask):
     return ref, low
 
 
-def test_causal_hidden_nan_values_reach_no_row_that_cannot_see_them(gluon_calls):
+@pytest.mark.parametrize("D", [128, 256])
+def test_causal_hidden_nan_values_reach_no_row_that_cannot_see_them(gluon_calls, D):
     """A NaN in the last key's value is hidden from every row but the last: the Gluon forward marks the
     rows it reached and the exact pass computes them again, as the ``triton.language`` path does."""
-    q, k, v = qkv(B=1, Hq=2, Hkv=2, Mq=512, Mk=512, D=128, dtype=torch.bfloat16)
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Mq=512, Mk=512, D=D, dtype=torch.bfloat16)
     v[:, :, -1] = float("nan")
     out = ba.attention(q, k, v, ba.LowerTriangularMask(), op="triton")
     assert gluon_calls
@@ -266,8 +267,9 @@ def test_causal_hidden_nan_values_reach_no_row_that_cannot_see_them(gluon_calls)
     assert_close("out", out[:, :, :-1], ref[:, :, :-1], low[:, :, :-1])
 
 
+@pytest.mark.parametrize("D", [128, 256])
 @pytest.mark.parametrize("case", ["padded", "packed"])
-def test_keys_no_row_sees_may_hold_nan(gluon_calls, case):
+def test_keys_no_row_sees_may_hold_nan(gluon_calls, case, D):
     """Keys past a length or of a document without queries (an uninitialized cache) may hold NaN in K and
     V: no output takes it, though the kernel reads such keys with the tiles around them."""
     M = 384
@@ -284,7 +286,7 @@ def test_keys_no_row_sees_may_hold_nan(gluon_calls, case):
         doc_k = (keys >= 150).long() + (keys >= 250).long()
         mask = (doc_q[:, None] == doc_k[None, :])[None, None]
         hidden = (doc_k == 1)[None]
-    q, k, v = qkv(B=B, Hq=2, Hkv=2, Mq=M, Mk=M, D=128, dtype=torch.bfloat16)
+    q, k, v = qkv(B=B, Hq=2, Hkv=2, Mq=M, Mk=M, D=D, dtype=torch.bfloat16)
     k[hidden[:, None].expand_as(k[..., 0])] = float("nan")
     v[hidden[:, None].expand_as(v[..., 0])] = float("nan")
     out = ba.attention(q, k, v, bias, op="triton")
