@@ -224,6 +224,11 @@ def program_chunk(pairs: int, tiles: int, sms: int, bytes_per_pair: int, banded:
     return max(1, min(pairs, fill, L2_CHUNK_BYTES // max(1, bytes_per_pair)))
 
 
+def kv_bytes_per_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """Bytes of K and V one query head's programs read: what :func:`program_chunk` keeps within the L2 cache."""
+    return cdiv(k.shape[2] * (k.shape[3] + v.shape[3]) * k.element_size(), q.shape[1] // k.shape[1])
+
+
 def growing_spans(spec: BiasSpec) -> bool:
     """Whether the spec's band is bounded on the right only (causal), so that the keys a row sees grow with the
     row and tiles differ in work; the Gluon kernels order their tails only then (a window's tiles are alike)."""
@@ -421,8 +426,7 @@ def _gluon_fwd(q, k, v, out, lse, spec: BiasSpec, qk_scale: float, seed: int) ->
     switches = dict(SCHEDULED=sched.table is not None, HAS_SEGMENTS=args.has_segments, HAS_PADDED=args.has_padded,
                     HAS_BAND=args.has_band, BAND_PER_SEGMENT=args.band_per_segment)
     try:
-        kv_bytes = k.shape[2] * 2 * D * k.element_size() // (H // k.shape[1])  # K/V per query head
-        chunk = program_chunk(B * H, sched.n, num_sms(q.device), kv_bytes, growing_spans(spec))
+        chunk = program_chunk(B * H, sched.n, num_sms(q.device), kv_bytes_per_head(q, k, v), growing_spans(spec))
         masked = gluon_forward.attn_fwd(q, k, v, out, lse, qk_scale, sched.n, table,
                                         (args.ks, args.kl, args.kv, args.band_lo, args.band_hi), switches, chunk)
     except (CompilationError, OutOfResources) as e:
@@ -466,7 +470,6 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
     batch_inner = args.batch_shared_bias and B > 1
     index_64 = _index_64(slice_span(q), slice_span(k), slice_span(v), slice_span(out), args.add_span)
     drop = dropout_args(dropout_p, seed)
-    kv_bytes = cdiv(Mk * (D + Dv) * k.element_size(), H // Hkv)  # K/V per query head
     made = []  # the descriptors of the launch that ran, with their tile length
 
     def run(cfg: configs.TileConfig) -> None:
@@ -474,7 +477,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
         count, index, cs, ts, exact, list_only = args.tile_lists(spec, sched, cfg.block_n, True, q.device)
         marked = marked_rows(args, exact, list_only)
         grid = (sched.n * B, H) if batch_inner else (sched.n, B * H)
-        chunk = program_chunk(B * H, sched.n, num_sms(q.device), kv_bytes, args.has_band)
+        chunk = program_chunk(B * H, sched.n, num_sms(q.device), kv_bytes_per_head(q, k, v), args.has_band)
         descs = tma.kv_descriptors(k, v, cfg.block_n, hd, hdv, computed_scores(spec, B, H, Mq, Mk))
         made[:] = [descs or (), (cfg.block_n if descs else 0, cfg.block_m if sched.table is not None else 0), sched.table]
         _fwd[grid](
