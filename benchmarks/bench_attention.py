@@ -434,7 +434,7 @@ AB_SWITCHES = {  # name: (launch option, state A, state B, value A, value B)
                    True, False),
     "gluon": ("gluon_forward", "forwards at D=128 (no bias, interval masks) in Gluon", "in the triton.language kernel",
               True, False),
-    "gluon_bwd": ("gluon_backward", "backwards at D=64 and 128 (no bias, causal, windows, padded keys) in Gluon",
+    "gluon_bwd": ("gluon_backward", "backwards at D=64, 128 and 256 (no bias, causal, windows, padded keys) in Gluon",
                   "in the triton.language kernels", True, False),
 }
 

@@ -91,6 +91,7 @@ def _tables(spec: BiasSpec, blocks: tuple[int, int], device, roles: tuple) -> tu
 
 
 GLUON_FEATURES = frozenset({"padded_keys", "band"})  # the masks the Gluon backward takes
+GLUON_HEAD_DIMS = frozenset({64, 128, 256})  # ... and its head dims (256: gluon_backward's wide kernel)
 GLUON_D64_MASKED_MIN_KEYS = 4096  # at head dim 64, masked calls with fewer keys keep the triton.language backward
 _gluon_failure: list[str] = []  # why the Gluon backward cannot run with the installed Triton, once known
 
@@ -188,7 +189,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         dq.zero_(), dk.zero_(), dv.zero_()
         return dq, dk, dv, (torch.zeros_like(add) if need_dbias else None)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    if D == Dv and D in (64, 128) and _gluon_runs(q, k, v, lse, spec, need_dbias, dropout_p):
+    if D == Dv and D in GLUON_HEAD_DIMS and _gluon_runs(q, k, v, lse, spec, need_dbias, dropout_p):
         if _gluon_bwd(q, k, v, out, lse, dout, dlse, spec, scale, dq, dk, dv):
             return dq, dk, dv, None
     delta = q.new_empty((B, H, Mq), dtype=torch.float32)

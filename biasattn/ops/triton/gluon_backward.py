@@ -1,5 +1,6 @@
-"""The backward at head dims 64 and 128 on Hopper, warp-specialized in Gluon: no bias, causal masks, windows and
-padded keys, MHA and GQA.
+"""The backward at head dims 64, 128 and 256 on Hopper, warp-specialized in Gluon: no bias, causal masks, windows
+and padded keys, MHA and GQA. Head dim 256 has its own kernel (``_attn_bwd_wide_kernel``, described where it is
+defined); the rest of this text describes the one at 64 and 128.
 
 A program owns 128 keys of one KV head and walks the 64-row query tiles that see them, for every
 query head of the group. A loader warp brings the program's K and V once, then Q, dO, lse and
@@ -22,7 +23,7 @@ its non-finite elements are zeroed in shared memory once, so that ``dS K`` takes
 Tiles past the end of a head read zeros and write nothing: the descriptors are per head
 (``[B·H, M, D]``).
 
-:func:`eligible` says which tensors it takes: fp16/bf16, D = Dv = 64 or 128, contiguous ``[B, H, M, D]``
+:func:`eligible` says which tensors it takes: fp16/bf16, D = Dv = 64, 128 or 256, contiguous ``[B, H, M, D]``
 tensors. This module is imported on the first call that may use it.
 """
 
@@ -70,10 +71,11 @@ else:
 def _load(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, kv_bar,
           ready, empty, prog):
     bh_k, bh_q, n0, lo, n_tiles, n_head, a, e, key_lo, key_hi, band_lo, band_hi = prog
+    KEYS: gl.constexpr = k_desc.block_type.shape[1]  # keys of one half
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
     for h in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [bh_k, n0 + h * _HALF, 0], kv_bar, k_smem.index(h))
-        tma.async_copy_global_to_shared(v_desc, [bh_k, n0 + h * _HALF, 0], kv_bar, v_smem.index(h))
+        tma.async_copy_global_to_shared(k_desc, [bh_k, n0 + h * KEYS, 0], kv_bar, k_smem.index(h))
+        tma.async_copy_global_to_shared(v_desc, [bh_k, n0 + h * KEYS, 0], kv_bar, v_smem.index(h))
     for t in range(n_tiles):
         s = t % _RING
         mbarrier.wait(empty.index(s), ((t // _RING) & 1) ^ 1)
@@ -249,19 +251,19 @@ def _loader(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, bars
 
 
 @gluon.jit
-def _row_span(n0, Mq, bounds, MASKED: gl.constexpr):
-    """``(first row, query tiles, a, e)`` of keys ``[n0, n0 + 128)``: the tiles of 64 rows from ``first row``
+def _row_span(n0, Mq, bounds, MASKED: gl.constexpr, KEYS: gl.constexpr):
+    """``(first row, query tiles, a, e)`` of keys ``[n0, n0 + KEYS)``: the tiles of 64 rows from ``first row``
     that see some of them, of which tiles ``[a, e)`` see them all. ``bounds`` as in :func:`_key_bounds`:
     row ``i`` sees key ``j`` when ``key_lo <= j < key_hi`` and ``band_lo <= j - i <= band_hi``."""
     if MASKED:
         key_lo, key_hi, band_lo, band_hi = bounds
         first = gl.maximum(n0, key_lo)  # the keys some row may see: [first, last]
-        last = gl.minimum(n0 + _BLOCK_N, key_hi) - 1
+        last = gl.minimum(n0 + KEYS, key_hi) - 1
         lo = gl.maximum(first - band_hi, 0) // _ROWS * _ROWS
         hi = gl.minimum(last - band_lo + 1, Mq)
         n = gl.where((first <= last) & (lo < hi), gl.cdiv(gl.maximum(hi - lo, 0), _ROWS), 0)
-        inside = (n0 >= key_lo) & (n0 + _BLOCK_N <= key_hi)
-        full_lo = gl.maximum(n0 + _BLOCK_N - 1 - band_hi, 0)  # rows that see every key: [full_lo, full_hi)
+        inside = (n0 >= key_lo) & (n0 + KEYS <= key_hi)
+        full_lo = gl.maximum(n0 + KEYS - 1 - band_hi, 0)  # rows that see every key: [full_lo, full_hi)
         full_hi = gl.minimum(n0 - band_lo + 1, Mq)
         a = gl.where(inside, gl.minimum(gl.cdiv(gl.maximum(full_lo - lo, 0), _ROWS), n), n)
         e = gl.minimum(gl.maximum(gl.maximum(full_hi - lo, 0) // _ROWS, a), n)
@@ -290,7 +292,7 @@ def _attn_bwd_ws_kernel(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc
     n0 = pid * _BLOCK_N  # under a causal mask the first key tiles are the heaviest
     b = bh_k // Hkv
     bounds = _key_bounds(0, b, Mk, KvLens, KvLens, KvLens, BandLo, BandHi, False, HAS_PADDED, HAS_BAND, False)
-    lo, n_head, a, e = _row_span(n0, Mq, bounds, MASKED)
+    lo, n_head, a, e = _row_span(n0, Mq, bounds, MASKED, _BLOCK_N)
     k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [_RING] + q_desc.block_type.shape, q_desc.layout)
@@ -324,12 +326,200 @@ def _attn_bwd_ws_kernel(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc
 _launch_bwd = direct(_attn_bwd_ws_kernel)  # repeated launches skip Triton's binding
 
 
+# Head dim 256: dK and dV of 64 keys by 256 dims do not fit in one warpgroup's registers. A program owns 64 keys;
+# each warpgroup computes the scores and dP of 32 of them for the tile's 64 rows, stores its halves of P^T and
+# dS^T in shared memory, and, once both halves are there, accumulates dV and dK for 128 of the 256 dims and adds
+# the same 128 columns of dS K into dQ. No product is computed twice.
+WIDE_KEYS = 32  # keys of each warpgroup's scores at head dim 256 (the program owns 64)
+WIDE_REGS = 240
+
+
+@gluon.jit
+def _dq_wide(ds_smem, k_smem, dq_smem, dq_desc, bh, m0, zero_q, sm_scale, PART: gl.constexpr, C: gl.constexpr):
+    """Add columns ``[128 PART + 32 C, +32)`` of ``dS K`` (``dS^T`` of the tile's 64 keys in ``ds_smem``, the two
+    32-key halves of K in ``k_smem``) into dQ, staged in this warpgroup's buffer."""
+    D: gl.constexpr = k_smem.type.shape[3]
+    KEYS: gl.constexpr = k_smem.type.shape[2]
+    col: gl.constexpr = PART * (D // 2) + C * _DQ_COLS
+    dq = warpgroup_mma(ds_smem.slice(0, KEYS, dim=0).permute((1, 0)),
+                       _flat(k_smem.index(0)).slice(col, _DQ_COLS, dim=1), zero_q, use_acc=False, is_async=True)
+    dq = warpgroup_mma(ds_smem.slice(KEYS, KEYS, dim=0).permute((1, 0)),
+                       _flat(k_smem.index(1)).slice(col, _DQ_COLS, dim=1), dq, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+    tma.store_wait(0)  # the reduction that last read this buffer is done
+    gl.thread_barrier()
+    out = dq_smem.index(PART)
+    _flat(out).store(dq * sm_scale)
+    fence_async_shared()
+    gl.thread_barrier()
+    _tma_add(dq_desc, [bh, m0, col], out)
+
+
+@gluon.jit
+def _consume_wide(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, p_smem, ds_smem, dq_smem, bars, dq_desc, DK, DV,
+                  prog, qk_scale, sm_scale, Mq, Mk, MASKED: gl.constexpr, PART: gl.constexpr):
+    """Warpgroup ``PART`` of the head-dim-256 backward (see above): scores of keys ``[32 PART, +32)``, then dV,
+    dK and dQ for dims ``[128 PART, +128)``."""
+    kv_bar, ready, empty, full, free = bars
+    bh_k, bh_q, n0, lo, n_tiles, n_head, a, e, key_lo, key_hi, band_lo, band_hi = prog
+    D: gl.constexpr = k_smem.type.shape[3]
+    DH: gl.constexpr = D // 2
+    KEYS: gl.constexpr = k_smem.type.shape[2]
+    dtype: gl.constexpr = k_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KEYS, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
+    q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, _DQ_COLS, 16])
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    k0 = n0 + PART * KEYS
+    zero_s = gl.zeros([_ROWS, KEYS], gl.float32, layout=s_layout)
+    zero_q = gl.zeros([_ROWS, _DQ_COLS], gl.float32, layout=q_layout)
+    dv = gl.zeros([2 * KEYS, DH], gl.float32, layout=o_layout)
+    dk = gl.zeros([2 * KEYS, DH], gl.float32, layout=o_layout)
+    mbarrier.wait(kv_bar, 0)
+    if MASKED:  # a key some rows cannot see may hold anything, NaN included (an uninitialized cache)
+        _clean_keys(k_smem.index(PART), k0, key_lo, key_hi)
+        fence_async_shared()
+        gl.thread_barrier()
+    k_w = _flat(k_smem.index(PART))
+    v_w = _flat(v_smem.index(PART))
+    for t in range(n_tiles):
+        s = t % _RING
+        mbarrier.wait(ready.index(s), (t // _RING) & 1)
+        q = _flat(q_bufs.index(s))
+        do = _flat(do_bufs.index(s))
+        i = t % n_head
+        bh, m0 = bh_q + t // n_head, lo + i * _ROWS
+        sc = warpgroup_mma(q, k_w.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do, v_w.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
+        lse = l_bufs.index(s).reshape([_ROWS]).load(row_s) * LOG2E
+        p = gl.exp2(sc * qk_scale - lse[:, None])
+        if MASKED:
+            if (i < a) | (i >= e):
+                keys = k0 + gl.arange(0, KEYS, layout=col_s)
+                rows = m0 + gl.arange(0, _ROWS, layout=row_s)
+                d = keys[None, :] - rows[:, None]
+                vis = (d >= band_lo) & (d <= band_hi) & (keys >= key_lo)[None, :] & (keys < key_hi)[None, :]
+                p = gl.where(vis & (rows < Mq)[:, None], p, 0.0)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+        delta = d_bufs.index(s).reshape([_ROWS]).load(row_s)
+        ds = p * (dp - delta[:, None])
+        if MASKED:  # where P is 0 (a key the row cannot see), dP may be NaN from a hidden value: dS is 0
+            ds = gl.where(p != 0.0, ds, 0.0)
+        if t > 0:  # both warpgroups are done with the previous tile's P^T and dS^T
+            mbarrier.wait(free, (t - 1) & 1)
+        p_smem.slice(PART * KEYS, KEYS, dim=0).store(gl.permute(p.to(dtype), (1, 0)))
+        ds_smem.slice(PART * KEYS, KEYS, dim=0).store(gl.permute(ds.to(dtype), (1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(full, count=1)
+        mbarrier.wait(full, t & 1)
+        dv = warpgroup_mma(p_smem, do.slice(PART * DH, DH, dim=1), dv, is_async=True)
+        dk = warpgroup_mma(ds_smem, q.slice(PART * DH, DH, dim=1), dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        mbarrier.arrive(empty.index(s), count=1)
+        for c in gl.static_range(DH // _DQ_COLS):
+            _dq_wide(ds_smem, k_smem, dq_smem, dq_desc, bh, m0, zero_q, sm_scale, PART, c)
+        mbarrier.arrive(free, count=1)
+    tma.store_wait(0)
+    dims = PART * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
+    keys_o = n0 + gl.arange(0, 2 * KEYS, layout=gl.SliceLayout(1, o_layout))
+    offs = (bh_k.to(gl.int64) * Mk + keys_o)[:, None] * D + dims[None, :]
+    keep = (keys_o < Mk)[:, None]
+    gl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
+    gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=keep)
+
+
+@gluon.jit
+def _first_wide(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, bars, DK, DV, prog, qk_scale,
+                sm_scale, Mq, Mk):
+    _consume_wide(*smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, False, 0)
+
+
+@gluon.jit
+def _second_wide(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, bars, DK, DV, prog, qk_scale,
+                 sm_scale, Mq, Mk):
+    _consume_wide(*smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, False, 1)
+
+
+@gluon.jit
+def _first_wide_masked(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, bars, DK, DV, prog, qk_scale,
+                       sm_scale, Mq, Mk):
+    _consume_wide(*smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, True, 0)
+
+
+@gluon.jit
+def _second_wide_masked(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, bars, DK, DV, prog,
+                        qk_scale, sm_scale, Mq, Mk):
+    _consume_wide(*smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, True, 1)
+
+
+@gluon.jit
+def _loader_wide(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, bars, DK, DV, prog, qk_scale,
+                 sm_scale, Mq, Mk):
+    k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, p_smem, ds_smem, dq_smem = smem
+    _load(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, bars[0],
+          bars[1], bars[2], prog)
+
+
+@gluon.jit
+def _attn_bwd_wide_kernel(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, DK, DV, KvLens, BandLo, BandHi,
+                          Hkv, G, Mq, Mk, chunk, qk_scale, sm_scale, REGS: gl.constexpr, MASKED: gl.constexpr,
+                          HAS_PADDED: gl.constexpr, HAS_BAND: gl.constexpr, TAIL_ORDER: gl.constexpr):
+    """As :func:`_attn_bwd_ws_kernel` at head dim 256: grid ``(key tiles of 64, B * Hkv)``; K and V come in boxes
+    of 32 keys."""
+    dtype: gl.constexpr = k_desc.dtype
+    KEYS: gl.constexpr = k_desc.block_type.shape[1]
+    pid, bh_k = _chunked_ids(gl.program_id(0), gl.program_id(1), gl.num_programs(0), gl.num_programs(1), chunk,
+                             TAIL_ORDER)  # bh_k: (batch row, KV head)
+    n0 = pid * (2 * KEYS)
+    b = bh_k // Hkv
+    bounds = _key_bounds(0, b, Mk, KvLens, KvLens, KvLens, BandLo, BandHi, False, HAS_PADDED, HAS_BAND, False)
+    lo, n_head, a, e = _row_span(n0, Mq, bounds, MASKED, 2 * KEYS)
+    k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [_RING] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [_RING] + q_desc.block_type.shape, q_desc.layout)
+    l_bufs = gl.allocate_shared_memory(gl.float32, [_RING] + l_desc.block_type.shape, l_desc.layout)
+    d_bufs = gl.allocate_shared_memory(gl.float32, [_RING] + l_desc.block_type.shape, l_desc.layout)
+    t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * KEYS, _ROWS], dtype)
+    p_smem = gl.allocate_shared_memory(dtype, [2 * KEYS, _ROWS], t_layout)  # P^T, 32 keys from each warpgroup
+    ds_smem = gl.allocate_shared_memory(dtype, [2 * KEYS, _ROWS], t_layout)  # dS^T
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [_RING, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [_RING, 1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(_RING):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    mbarrier.init(full, count=2)
+    mbarrier.init(free, count=2)
+    bh_q = b * Hkv * G + (bh_k % Hkv) * G  # the group's first query head
+    prog = (bh_k, bh_q, n0, lo, n_head * G, n_head, a, e) + bounds
+    smem = (k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, p_smem, ds_smem, dq_smem)
+    args = (k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, (kv_bar, ready, empty, full, free), DK,
+            DV, prog, qk_scale, sm_scale, Mq, Mk)
+    if MASKED:
+        gl.warp_specialize([(_first_wide_masked, args), (_second_wide_masked, args), (_loader_wide, args)], [4, 1],
+                           [REGS, 24])
+    else:
+        gl.warp_specialize([(_first_wide, args), (_second_wide, args), (_loader_wide, args)], [4, 1], [REGS, 24])
+
+
+_launch_bwd_wide = direct(_attn_bwd_wide_kernel)
+
+
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor) -> bool:
     """Whether this kernel can run a backward on these tensors (see the module doc; the caller checks the
     device, the bias, dropout, determinism and the size, and passes dO contiguous)."""
     B, H, Mq, D = q.shape
     Mk = k.shape[2]
-    if D not in (64, 128) or k.shape[3] != D or v.shape[3] != D or min(Mq, Mk) == 0:
+    if D not in (64, 128, 256) or k.shape[3] != D or v.shape[3] != D or min(Mq, Mk) == 0:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
@@ -355,11 +545,13 @@ def attn_bwd(q, k, v, dout, lse, delta, dq32, dk, dv, scale: float, bounds: tupl
     ``HAS_BAND`` flags; the last ``chunk`` (batch, KV head) pairs start their key tiles rank by rank."""
     B, H, Mq, D = q.shape
     Hkv, Mk = k.shape[1], k.shape[2]
-    masked = any(switches.values()) or Mq % ROWS != 0 or Mk % BLOCK_N != 0
-    descs = (_descriptor(k, [1, HALF, D]), _descriptor(v, [1, HALF, D]), _descriptor(q, [1, ROWS, D]),
+    wide = D == 256
+    half, launch = (WIDE_KEYS, _launch_bwd_wide) if wide else (HALF, _launch_bwd)
+    masked = any(switches.values()) or Mq % ROWS != 0 or Mk % (2 * half) != 0
+    descs = (_descriptor(k, [1, half, D]), _descriptor(v, [1, half, D]), _descriptor(q, [1, ROWS, D]),
              _descriptor(dout, [1, ROWS, D]), _descriptor(lse, [1, ROWS]), _descriptor(delta, [1, ROWS]),
              _descriptor(dq32, [1, ROWS, DQ_COLS]))
-    _launch_bwd[(-(-Mk // BLOCK_N), B * Hkv)](
-        *descs, dk, dv, *bounds, Hkv, H // Hkv, Mq, Mk, chunk, scale * LOG2E.value, scale, CONSUMER_REGS[masked],
-        masked, **switches, TAIL_ORDER=chunk > 1, num_warps=4,
+    launch[(-(-Mk // (2 * half)), B * Hkv)](
+        *descs, dk, dv, *bounds, Hkv, H // Hkv, Mq, Mk, chunk, scale * LOG2E.value, scale,
+        WIDE_REGS if wide else CONSUMER_REGS[masked], masked, **switches, TAIL_ORDER=chunk > 1, num_warps=4,
     )
