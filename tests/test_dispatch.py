@@ -385,20 +385,20 @@ def test_kept_choices_equal_a_fresh_walk(case):
             assert _choice_or_refusal(inp, need_lse, op) == _walk_or_refusal(inp, need_lse, op)
 
 
-@pytest.mark.parametrize(("D", "Dv", "forward_flash2_first"), [(256, 256, False), (192, 192, False), (128, 256, False),
-                                                           (129, 64, False)])
-def test_cuda_large_head_dims_try_flash2_before_triton_per_pass(D, Dv, forward_flash2_first):
-    """HEAD_DIM_ORDER: flash2 goes first for the backward above D = 128, not for the forward, and explain()
-    names the rule; the rest of the order is unchanged."""
+@pytest.mark.parametrize(("D", "Dv", "backward_flash2_first"), [(256, 256, False), (192, 192, True), (128, 256, False),
+                                                            (129, 64, True), (255, 255, True)])
+def test_cuda_large_head_dims_try_flash2_before_triton_per_pass(D, Dv, backward_flash2_first):
+    """HEAD_DIM_ORDER: flash2 goes first for the backward at head dims 129..255, never for the forward, and
+    explain() names the rule; the rest of the order is unchanged."""
     q, k, v = torch.randn(1, 2, 64, D), torch.randn(1, 2, 64, D), torch.randn(1, 2, 64, Dv)
     inp = make_inputs(q.requires_grad_(), k, v, ba.LocalAttentionMask(16, 0))
     forward, backward = dispatch.priority("cuda", inp), dispatch.priority("cuda", inp, backward=True)
-    assert (forward.index("flash2") < forward.index("triton")) == forward_flash2_first
-    assert backward.index("flash2") < backward.index("triton")
+    assert forward.index("flash2") > forward.index("triton")
+    assert (backward.index("flash2") < backward.index("triton")) == backward_flash2_first
     assert [n for n in backward if n not in ("flash2", "triton")] == [n for n in forward if n not in ("flash2", "triton")]
     notes = dispatch.priority_notes("cuda", inp)
-    assert any(f"for the backward: head dim {max(D, Dv)} is in 129..256" in note for note in notes)
-    assert any("for the forward: head dim" in note for note in notes) == forward_flash2_first
+    assert any(f"for the backward: head dim {max(D, Dv)} is in 129..255" in note for note in notes) == backward_flash2_first
+    assert not any("for the forward: head dim" in note for note in notes)
     small = make_inputs(q[..., :128].detach().requires_grad_(), k[..., :128], v[..., :128], ba.LocalAttentionMask(16, 0))
     assert dispatch.priority("cuda", small, backward=True) == dispatch.priority("cuda", small)
     assert not any("head dim" in note for note in dispatch.priority_notes("cuda", small))
