@@ -479,7 +479,8 @@ def main(argv=None) -> int:
     p.add_argument("--precompile", type=int, default=8, help="processes that compile the triton kernels first (0: none)")
     p.add_argument("--seqlens-64", nargs="+", type=int, default=[2048, 8192], help="sequence lengths for D=64")
     p.add_argument("--base", help="a stored attention.csv to compare triton rows against")
-    p.add_argument("--render", help="only write attention.md and the PNGs from this attention.csv")
+    p.add_argument("--render", help="only write attention.md and the PNGs from this attention.csv (into its folder "
+                                     "unless --out names another)")
     p.add_argument("--quick", action="store_true", help="causal and no bias at M=2048, D=128")
     p.add_argument("--tune", action="store_true", help="time each kernel's candidate tile configs")
     p.add_argument("--dropout", type=float, default=0.0, help="with --tune: the dropout probability of every call")
@@ -495,7 +496,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.cases, args.seqlens, args.head_dims = ["none", "causal"], [2048], [128]
-    args.out = args.out or results_dir()
+    args.out = args.out or (os.path.dirname(os.path.abspath(args.render)) if args.render else results_dir())
     os.makedirs(args.out, exist_ok=True)
     args.csv_path = os.path.join(args.out, "attention.csv")
     if args.render:

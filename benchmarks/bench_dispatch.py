@@ -205,9 +205,14 @@ def summarize(rows) -> str:
         key = (r.get("dtype", "bf16"), int(r.get("D", 128)), int(r["S"]), r["case"], r["mode"])
         groups.setdefault(key, []).append(r)
     meta = rows[0] if rows else {}
+    runs: dict = {}  # (commit, date): head dims measured there, for tables merged from several runs
+    for r in rows:
+        runs.setdefault((r.get("commit"), r.get("date")), set()).add(int(r.get("D", 128)))
+    when = f"commit {meta.get('commit')}, {meta.get('date')}" if len(runs) <= 1 else "; ".join(
+        f"D={', '.join(map(str, sorted(dims)))} at commit {c}, {d}" for (c, d), dims in runs.items())
     lines = [
-        f"Device {meta.get('device')}, torch {meta.get('torch')}, triton {meta.get('triton')}, commit {meta.get('commit')}, "
-        f"{meta.get('date')}. H={meta.get('H')}, B·S = 16384 tokens (gqa_causal: 16 query "
+        f"Device {meta.get('device')}, torch {meta.get('torch')}, triton {meta.get('triton')}, {when}. "
+        f"H={meta.get('H')}, B·S = 16384 tokens (gqa_causal: 16 query "
         "heads on 2 KV heads; decode: B=16, Mq=1, 32 query heads on 8 KV heads, a cache of S keys; decode_padded: "
         "cache lengths S/8..S). Median ms of "
         "triton.testing.do_bench; TFLOP/s count only visible pairs. auto/ours = fastest of our operators' time / auto's time "
