@@ -106,6 +106,18 @@ def _flat(buf):
 
 
 @gluon.jit
+def _ring_tile(t, ready, q_bufs, do_bufs, bh_q, lo, n_head):
+    """A consumer's tile ``t`` once the loader has brought it: ``(ring stage, Q, dO, query tile of its head,
+    query head, first row)``."""
+    s = t % _RING
+    mbarrier.wait(ready.index(s), (t // _RING) & 1)
+    q = _flat(q_bufs.index(s))
+    do = _flat(do_bufs.index(s))
+    i = t % n_head
+    return s, q, do, i, bh_q + t // n_head, lo + i * _ROWS
+
+
+@gluon.jit
 def _dq_part(ds_smem, k_smem, dq_smem, dq_desc, buf, bh, m0, zero_q, sm_scale, PART: gl.constexpr, C: gl.constexpr):
     """Add columns ``[D/2 PART + 32 C, +32)`` of ``dS K`` of the tile whose ``dS^T`` halves are in ``buf``: at
     D=128 two pieces a tile, each in its staging buffer; at D=64 one, whose two buffers alternate by tile
@@ -160,12 +172,7 @@ def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, 
     bh_prev = bh_q
     m_prev = lo
     for t in range(n_tiles):
-        s = t % _RING
-        mbarrier.wait(ready.index(s), (t // _RING) & 1)
-        q = _flat(q_bufs.index(s))
-        do = _flat(do_bufs.index(s))
-        i = t % n_head
-        bh, m0 = bh_q + t // n_head, lo + i * _ROWS
+        s, q, do, i, bh, m0 = _ring_tile(t, ready, q_bufs, do_bufs, bh_q, lo, n_head)
         st = warpgroup_mma(k_w, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_w, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
@@ -276,12 +283,7 @@ def _consume_wide(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, p_smem, ds_sm
     k_w = _flat(k_smem.index(PART))
     v_w = _flat(v_smem.index(PART))
     for t in range(n_tiles):
-        s = t % _RING
-        mbarrier.wait(ready.index(s), (t // _RING) & 1)
-        q = _flat(q_bufs.index(s))
-        do = _flat(do_bufs.index(s))
-        i = t % n_head
-        bh, m0 = bh_q + t // n_head, lo + i * _ROWS
+        s, q, do, i, bh, m0 = _ring_tile(t, ready, q_bufs, do_bufs, bh_q, lo, n_head)
         sc = warpgroup_mma(q, k_w.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dp = warpgroup_mma(do, v_w.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
