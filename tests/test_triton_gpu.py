@@ -346,9 +346,9 @@ def test_forward_backward_in_a_cuda_graph(size, name):
     from biasattn.bias.spec import lower
     from biasattn.ops.triton import flash_bwd, options
 
-    B, H, M, D = (2, 4, 300, 64) if size == "short" else (8, 16, 2048, 128)
+    B, H, M, D = (2, 4, 300, 64) if size == "short" else (16, 16, 2048, 128)
     bias = {"causal": ba.LowerTriangularMask(),
-            "window_padded": ba.LocalAttentionMask(100, 0) & ba.PaddedKeysMask([M] * (B - 1) + [M // 3])}[name].to("cuda")
+            "window_padded": ba.LocalAttentionMask(1000, 0) & ba.PaddedKeysMask([M] * (B - 1) + [M // 3])}[name].to("cuda")
     assert flash_bwd._long_backward(lower(bias, B, H, M, M), B, H, M, M, D) == (size != "short")
     q, k, v = (torch.randn(B, H, M, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn(B, H, M, D, device="cuda", dtype=torch.bfloat16)

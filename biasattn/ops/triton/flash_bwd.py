@@ -50,10 +50,14 @@ def _long_backward(spec: BiasSpec, B: int, H: int, Mq: int, Mk: int, D: int) -> 
     """Whether a backward runs long enough on the GPU for the side stream to pay: the fork and join
     cost host time, which calls of about a millisecond cannot spare (measured on an H200: dQ beside
     dK/dV gains 1.4-2.9% from B·H·Mq·Mk·D = 2**36 without segments, and loses on packed varlen and
-    on block-sparse at that size)."""
+    on block-sparse at that size). The work counts twice the keys a row sees on average
+    (:func:`~.flash.mean_visible_keys`), at most Mk: dense and causal calls keep their nominal size, and
+    a 1k window over 8k keys counts a quarter of it (at head dim 64 a call of about a millisecond,
+    which the side stream made 1.33x slower)."""
     if spec.q_seqstart is not None:  # packed documents: the nominal size overstates the work
         return False
-    work = B * H * Mq * Mk * D
+    keys = spec.cached_by_structure(("mean_keys", Mq, Mk), lambda: flash.mean_visible_keys(spec, Mq, Mk))
+    work = B * H * Mq * min(Mk, 2 * keys) * D
     return work >= (2**38 if spec.layout is not None else 2**36)
 
 
