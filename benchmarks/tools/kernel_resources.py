@@ -17,9 +17,13 @@ tensor descriptors, on every call above ``descriptors_min_scores``: ``--descript
     python benchmarks/tools/kernel_resources.py --case causal --D 256 --kernel fwd --descriptors   # as a Hopper GPU runs it
     python benchmarks/tools/kernel_resources.py --case block_sparse --kernel fwd --option list_in_registers=0   # other choices
     python benchmarks/tools/kernel_resources.py --case causal --kernel dkdv --kv-heads 1   # grouped-query variants
+    python benchmarks/tools/kernel_resources.py --case none causal window padded --D 64 128 256 --kernel gluon_bwd --sass-hash
 
 ``--sass-hash`` adds a hash of each kernel's machine code: a change of the kernel sources that
-leaves every hash as it was compiles to the same code, so it needs no new timing.
+leaves every hash as it was compiles to the same code, so it needs no new timing. ``gluon_fwd`` and
+``gluon_bwd`` compile the Hopper kernels of ``gluon_forward.py`` and ``gluon_backward.py`` as their
+launchers would launch them (tile configs do not apply; ``--arch 90`` only): their register counts are
+those of the launch, which the consumer warps raise at run time, so read their spills (LDL/STL).
 """
 
 from __future__ import annotations
@@ -89,6 +93,10 @@ def capture(case: str, D: int, dtype, kernel: str, cfg: configs.TileConfig, drop
     if descriptors:
         tma.available = lambda device: True
     try:
+        if kernel.startswith("gluon"):
+            with options.use(**(choices or {})):
+                _gluon_call(kernel, q, k, v, spec)
+            return launches
         with configs.override(**{kernel: cfg}), options.use(**({"descriptors_min_scores": 0} if descriptors else {}),
                                                               **(choices or {})):
             if kernel == "fwd":
@@ -102,6 +110,18 @@ def capture(case: str, D: int, dtype, kernel: str, cfg: configs.TileConfig, drop
         JITFunction.run = real_run
         tma.available = available
     return launches
+
+
+def _gluon_call(kernel: str, q, k, v, spec) -> None:
+    """Run the launcher of a Gluon kernel (``gluon_fwd`` or ``gluon_bwd``) on CPU tensors, past the checks of
+    device and size that keep CPU calls off it."""
+    B, H, M, D = q.shape
+    lse = torch.zeros(B, H, M)
+    if kernel == "gluon_fwd":
+        flash._gluon_fwd(q, k, v, torch.empty_like(q), lse, spec, D ** -0.5 * flash.LOG2E, 2**40 + 1)
+    else:
+        new = [torch.empty_like(t) for t in (q, k, v)]
+        flash_bwd._gluon_bwd(q, k, v, torch.zeros_like(q), lse, torch.zeros_like(q), None, spec, D ** -0.5, *new)
 
 
 def _signature(fn: JITFunction, args, kwargs) -> tuple[dict, dict, dict, dict]:
@@ -143,7 +163,11 @@ def _specialize(value, path: tuple, param, constexprs: dict, attrs: dict):
 def resources(fn: JITFunction, args, kwargs, arch: int) -> dict:
     """``{"regs", "stack", "shared"}`` of one launch compiled for ``sm_<arch>``."""
     sig, constexprs, attrs, options = _signature(fn, args, kwargs)
-    compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", arch, 32), options=options)
+    if fn.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    else:
+        source = ASTSource
+    compiled = triton.compile(source(fn, sig, constexprs, attrs), target=GPUTarget("cuda", arch, 32), options=options)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -160,10 +184,10 @@ def resources(fn: JITFunction, args, kwargs, arch: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--case", nargs="+", default=["none"], choices=list(_biases(8)))
-    p.add_argument("--D", type=int, default=128)
+    p.add_argument("--D", type=int, nargs="+", default=[128])
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kernel", nargs="+", default=["fwd", "dkdv", "dq"],
-                   choices=["fwd", "fwd_exact", "dkdv", "dq", "dbias", "dq_ds"])
+                   choices=["fwd", "fwd_exact", "dkdv", "dq", "dbias", "dq_ds", "gluon_fwd", "gluon_bwd"])
     p.add_argument("--config", action="append", help="block_m,block_n,num_warps,num_stages (default: the candidates)")
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--dropout", type=float, default=0.0, help="compile the dropout variants (this drop probability)")
@@ -178,27 +202,45 @@ def main(argv=None) -> int:
     choices = {name: int(value) for name, value in (o.split("=", 1) for o in args.option)}
     dtype = getattr(torch, args.dtype)
     names = {"fwd": "_attn_fwd_kernel", "fwd_exact": "_attn_fwd_exact_kernel", "dkdv": "_attn_bwd_dkdv_kernel",
-             "dq": "_attn_bwd_dq_kernel", "dbias": "_attn_bwd_dbias_kernel", "dq_ds": "_attn_bwd_dq_from_ds_kernel"}
+             "dq": "_attn_bwd_dq_kernel", "dbias": "_attn_bwd_dbias_kernel", "dq_ds": "_attn_bwd_dq_from_ds_kernel",
+             "gluon_fwd": "_attn_fwd_ws_kernel", "gluon_bwd": "_attn_bwd_ws_kernel"}
     for case in args.case:
-        for kernel in args.kernel:
-            launcher = "fwd" if kernel == "fwd_exact" else kernel  # the exact pass follows the forward's launch
-            cfgs = ([configs.TileConfig(*map(int, c.split(","))) for c in args.config] if args.config
-                    else configs.candidates(launcher, args.D))
-            for cfg in cfgs:
-                launches = capture(case, args.D, dtype, launcher, cfg, args.dropout, args.descriptors, choices, args.kv_heads)
-                for fn, fargs, fkwargs in launches:
-                    if fn.__name__ != names[kernel]:
-                        continue
-                    try:
-                        r = resources(fn, fargs, fkwargs, args.arch)
-                        tile = f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}" + (
-                            " descriptors" if args.descriptors and kernel == "fwd" else "")
-                        print(f"{case:9s} D={args.D} {kernel:5s} {tile}: {r['regs']} regs, {r['stack']} B stack, "
-                              f"{r['spill_ops']} LDL/STL, {r['shared'] // 1024} KiB shared"
-                              + (f", SASS {r['sass_hash']}" if args.sass_hash else ""), flush=True)
-                    except Exception as e:  # a config that does not fit is reported, not fatal
-                        print(f"{case:9s} D={args.D} {kernel:5s} {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+        for D in args.D:
+            for kernel in args.kernel:
+                _report(case, D, kernel, names[kernel], dtype, args, choices)
     return 0
+
+
+def _report(case: str, D: int, kernel: str, name: str, dtype, args, choices: dict) -> None:
+    """Print the resources of each config's launches of ``kernel`` (one line per config; one for a Gluon kernel)."""
+    launcher = "fwd" if kernel == "fwd_exact" else kernel  # the exact pass follows the forward's launch
+    if kernel.startswith("gluon"):
+        dims = flash.GLUON_HEAD_DIMS if kernel == "gluon_fwd" else flash_bwd.GLUON_HEAD_DIMS
+        if D not in dims:
+            print(f"{case:9s} D={D} {kernel:5s}: no such kernel at this head dim (only {sorted(dims)})")
+            return
+        cfgs = [None]
+    elif args.config:
+        cfgs = [configs.TileConfig(*map(int, c.split(","))) for c in args.config]
+    else:
+        cfgs = configs.candidates(launcher, D)
+    for cfg in cfgs:
+        launches = capture(case, D, dtype, launcher, cfg, args.dropout, args.descriptors, choices, args.kv_heads)
+        for fn, fargs, fkwargs in launches:
+            if fn.__name__ != name:
+                continue
+            if cfg is None:
+                tile = "as launched"
+            else:
+                tile = f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}" + (
+                    " descriptors" if args.descriptors and kernel == "fwd" else "")
+            try:
+                r = resources(fn, fargs, fkwargs, args.arch)
+                print(f"{case:9s} D={D} {kernel:5s} {tile}: {r['regs']} regs, {r['stack']} B stack, "
+                      f"{r['spill_ops']} LDL/STL, {r['shared'] // 1024} KiB shared"
+                      + (f", SASS {r['sass_hash']}" if args.sass_hash else ""), flush=True)
+            except Exception as e:  # a config that does not fit is reported, not fatal
+                print(f"{case:9s} D={D} {kernel:5s} {tile}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
 
 
 if __name__ == "__main__":
