@@ -248,7 +248,7 @@ def mean_visible_keys(spec: BiasSpec, Mq: int, Mk: int) -> float:
     random points, is twice as long as the mean one), and a band per segment as causal; so a new set
     of lengths never changes the estimate. Padded lengths count where the host holds them. 64 rows
     are sampled per sequence; the block layout and an additive bias are not counted. An estimate for
-    choosing tiles, never used for results."""
+    choosing tiles and launches, never used for results."""
     h = spec.host
     band_lo, band_hi = h.band_lo, h.band_hi
     if spec.q_seqstart is not None:
