@@ -16,6 +16,8 @@ fastest SDPA backend (>= 1.0 within 3% noise).
     PYTHONPATH=. python benchmarks/bench_dispatch.py --sizes 2048   # into benchmarks/results/<device>/dispatch
     PYTHONPATH=. python benchmarks/bench_dispatch.py --sizes 2048,8192 --cases none,causal \
         --head-dims 64,80,96,128,192,256 --dtypes bf16,fp16             # the head-dim sweep: .../head_dims
+    python benchmarks/bench_dispatch.py --render a.csv b.csv --out benchmarks/results/h200/head_dims
+        # one table from the CSVs of several calls (a sweep longer than one call's time limit)
 """
 
 from __future__ import annotations
@@ -250,6 +252,12 @@ def _commit() -> str:
     return _git_commit()
 
 
+def _read_csv(path: str) -> list[dict]:
+    """The rows of a CSV this script wrote."""
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
 def main(argv=None) -> None:
     """Command line: ``--sizes``, ``--modes``, ``--cases``, ``--head-dim``, ``--out`` (path prefix for .csv and .md)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -262,13 +270,20 @@ def main(argv=None) -> None:
                    help="comma-separated head dims (results go to dispatch_d<D> for one D other than 128, "
                         "head_dims for several)")
     p.add_argument("--dtypes", default="bf16", help="comma-separated, of " + ", ".join(DTYPES))
+    p.add_argument("--render", nargs="+", metavar="CSV",
+                   help="time nothing: write one CSV and table (--out, required) from these CSVs of earlier runs")
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore")
-    dims = [int(d) for d in a.head_dims.split(",")]
-    name = "dispatch" if dims == [128] else f"dispatch_d{dims[0]}" if len(dims) == 1 else "head_dims"
-    a.out = a.out or results_dir(name)
-    rows = run([int(s) for s in a.sizes.split(",")], a.modes.split(","), a.cases.split(","), head_dims=dims,
-               dtypes=[DTYPES[d] for d in a.dtypes.split(",")], budget_s=a.budget)
+    if a.render:
+        if not a.out:
+            p.error("--render needs --out (the path prefix of the merged .csv and .md)")
+        rows = [r for path in a.render for r in _read_csv(path)]
+    else:
+        dims = [int(d) for d in a.head_dims.split(",")]
+        name = "dispatch" if dims == [128] else f"dispatch_d{dims[0]}" if len(dims) == 1 else "head_dims"
+        a.out = a.out or results_dir(name)
+        rows = run([int(s) for s in a.sizes.split(",")], a.modes.split(","), a.cases.split(","), head_dims=dims,
+                   dtypes=[DTYPES[d] for d in a.dtypes.split(",")], budget_s=a.budget)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

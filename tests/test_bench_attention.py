@@ -25,3 +25,34 @@ def test_a_table_joined_from_two_runs_names_each_commit_with_its_head_dims():
 def test_a_table_of_one_run_names_its_commit_alone():
     title = markdown([_row("aaaaaaa", "2026-11-27", 64), _row("aaaaaaa", "2026-11-27", 128)]).splitlines()[0]
     assert "commit aaaaaaa, 2026-11-27, bf16" in title
+
+
+def _dispatch_row(provider, ms, S=2048, chosen=""):
+    return dict(device="NVIDIA H200", torch="2.11", triton="3.6", commit="ccccccc", date="2026-11-30", S=S, B=8, H=16,
+                D=256, dtype="bf16", case="none", mode="fwd", provider=provider, chosen=chosen, ms=ms, tflops=1.0)
+
+
+def test_the_dispatch_table_renders_from_the_csvs_of_several_calls(tmp_path):
+    """A sweep longer than one call's time limit runs in pieces; ``--render`` joins their CSVs into one table."""
+    import csv
+
+    from bench_dispatch import main
+
+    parts = {"a": [_dispatch_row("op:triton", 0.9), _dispatch_row("auto", 0.9, chosen="triton"),
+                   _dispatch_row("sdpa:cudnn", 0.95)],
+             "b": [_dispatch_row("op:triton", 3.0, 8192), _dispatch_row("auto", 3.3, 8192, "cudnn"),
+                   _dispatch_row("sdpa:cudnn", 3.3, 8192)]}
+    paths = []
+    for name, rows in parts.items():
+        paths.append(str(tmp_path / f"{name}.csv"))
+        with open(paths[-1], "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    main(["--render", *paths, "--out", str(tmp_path / "merged")])
+    table = (tmp_path / "merged.md").read_text()
+    assert "commit ccccccc, 2026-11-30." in table
+    assert "| bf16 | 256 | 2048 | none | fwd | triton 0.900 | triton | 0.900 | cudnn 0.950 | 1.00 | 1.06 | yes |" in table
+    assert "| bf16 | 256 | 8192 | none | fwd | triton 3.000 | cudnn | 3.300 | cudnn 3.300 | 0.91 | 1.00 | NO |" in table
+    with open(tmp_path / "merged.csv", newline="") as f:
+        assert len(list(csv.DictReader(f))) == 6
