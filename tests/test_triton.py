@@ -834,6 +834,25 @@ def test_launch_arguments_keep_no_cycle_through_the_spec():
         gc.enable()
 
 
+def test_a_long_backward_counts_the_keys_rows_see():
+    """dQ runs beside dK/dV on a side stream only for backwards of at least 2**36 of work; the work counts
+    twice the keys a row sees on average, at most Mk, so dense and causal calls keep their nominal size while
+    a 1k window over 8k keys, a call of about a millisecond, counts a quarter of it."""
+    from biasattn.bias.spec import lower
+    from biasattn.ops.triton.flash_bwd import _long_backward
+
+    def long(bias, B, M, D, H=16):
+        return _long_backward(lower(bias, B, H, M, M), B, H, M, M, D)
+
+    window = ba.LocalAttentionMask(window_left=1024)
+    assert long(None, 8, 2048, 128) and long(ba.LowerTriangularMask(), 8, 2048, 128)  # 2**36
+    assert not long(None, 8, 2048, 64) and not long(ba.LowerTriangularMask(), 4, 2048, 128)  # 2**35
+    assert not long(window, 2, 8192, 64)  # nominal 2**37, about 2**34.9 counted
+    assert not long(window, 2, 8192, 128) and long(window, 2, 8192, 256)
+    assert long(ba.PaddedKeysMask([2048, 1024] * 4), 8, 2048, 128)  # rows see 1,536 keys: 2x is more than Mk
+    assert not long(ba.BlockDiagonalMask.from_seqlens([8192] * 4), 1, 32768, 128)  # packed documents: never
+
+
 def test_short_spans_pick_short_forward_tiles():
     """The forward's tile choice sees how many keys a row visits on average (a bucket, not a length)."""
     from biasattn.ops.triton import configs, flash
