@@ -89,8 +89,8 @@ def test_grouped_query_dkdv_spills_no_more_than_without_groups(case):
 def test_the_hopper_kernels_compile_without_spills_as_launched(kernel):
     """The Gluon kernels, compiled for sm_90 with the arguments their launchers pass: without a mask neither
     spills at head dims 128 and 256 (the consumer warps' register budget holds the accumulators). Gluon's API
-    moves between Triton versions; where the installed Triton cannot build them, the operator keeps the
-    ``triton.language`` kernels and so does this test."""
+    moves between Triton versions: where the installed Triton cannot build them, the operator runs the
+    ``triton.language`` kernels instead, and this test skips."""
     out = _tool("--case", "none", "--D", "128", "256", "--kernel", kernel)
     if "CompilationError" in out:
         pytest.skip("the installed Triton's Gluon does not build these kernels")

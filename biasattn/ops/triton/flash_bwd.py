@@ -53,7 +53,7 @@ def _long_backward(spec: BiasSpec, B: int, H: int, Mq: int, Mk: int, D: int) -> 
     on block-sparse at that size). The work counts twice the keys a row sees on average
     (:func:`~.flash.mean_visible_keys`), at most Mk: dense and causal calls keep their nominal size, and
     a 1k window over 8k keys counts a quarter of it (at head dim 64 a call of about a millisecond,
-    which the side stream made 1.33x slower)."""
+    which the side stream's host time made up to 1.33x slower, depending on the host)."""
     if spec.q_seqstart is not None:  # packed documents: the nominal size overstates the work
         return False
     keys = spec.cached_by_structure(("mean_keys", Mq, Mk), lambda: flash.mean_visible_keys(spec, Mq, Mk))
