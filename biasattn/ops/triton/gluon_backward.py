@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common_kernels import LOG2E, _chunked_ids
-from .gluon_forward import _key_bounds, shared_layout
+from .gluon_forward import _key_bounds, _mma_layout, shared_layout
 from .launch import direct
 
 ROWS = 64  # query rows per tile
@@ -148,10 +148,9 @@ def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, 
     bh_k, bh_q, n0, lo, n_tiles, n_head, a, e, key_lo, key_hi, band_lo, band_hi = prog
     D: gl.constexpr = k_smem.type.shape[3]
     dtype: gl.constexpr = k_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _ROWS, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-    q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, _DQ_COLS, 16])
+    s_layout: gl.constexpr = _mma_layout(_ROWS)
+    o_layout: gl.constexpr = _mma_layout(D)
+    q_layout: gl.constexpr = _mma_layout(_DQ_COLS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -264,10 +263,9 @@ def _consume_wide(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, p_smem, ds_sm
     DH: gl.constexpr = D // 2
     KEYS: gl.constexpr = k_smem.type.shape[2]
     dtype: gl.constexpr = k_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KEYS, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
-    q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, _DQ_COLS, 16])
+    s_layout: gl.constexpr = _mma_layout(KEYS)
+    o_layout: gl.constexpr = _mma_layout(DH)
+    q_layout: gl.constexpr = _mma_layout(_DQ_COLS)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     k0 = n0 + PART * KEYS

@@ -48,6 +48,12 @@ CONSUMER_REGS = 240  # registers per consumer thread (the loader warp takes 24)
 BIG = gl.constexpr(2**30)  # "unbounded" in band terms
 
 
+@gluon.constexpr_function
+def _mma_layout(cols):
+    """The layout of a warpgroup MMA's result of ``cols`` columns (four warps, 16-row steps)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
+
+
 @gluon.jit
 def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_free, v_free, row_q, row_k,
           n_tiles):
@@ -116,9 +122,8 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, qk_scale, 
     HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
     RING: gl.constexpr = k_bufs.type.shape[0]
     EARLY_K: gl.constexpr = RING < 3  # K's stage freed after its score product (the value product frees V's)
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _mma_layout(TILE)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -204,7 +209,7 @@ def _consume(q_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_sc
     row_q, row_k, m0, m_end, lo, n_tiles, a, e, seg_lo, seg_hi, band_lo, band_hi = prog
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     TILE: gl.constexpr = k_bufs.type.shape[1]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE, 16])
+    s_layout: gl.constexpr = _mma_layout(TILE)
     rows = m0 + PART * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
     klo = gl.maximum(rows + band_lo, seg_lo)
     khi = gl.minimum(rows + band_hi + 1, seg_hi)
