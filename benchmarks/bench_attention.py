@@ -1,6 +1,6 @@
 """Attention benchmark: the ``triton`` operator against SDPA (flash, cudnn, efficient, math) and FlexAttention.
 
-For each case of :mod:`benchmarks.cases` (no bias, causal, window 1024, padded keys, packed varlen,
+For each case of :mod:`benchmarks.cases` (no bias, causal, a window of 1024 keys (--window), padded keys, packed varlen,
 block-sparse 25%, additive ``[1, H, M, M]``, ALiBi), each sequence length (B·M = 16384 tokens), head
 dim and mode (``fwd``, ``fwd+bwd``, or ``bwd``: the backward alone), every provider that can express the case runs in the same
 process on the same inputs: ``triton_median_ms`` from ``triton.testing.do_bench``, TFLOP/s over the
@@ -47,6 +47,7 @@ import biasattn as ba  # noqa: E402
 
 TOKENS = 16384
 HEADS = 16
+CASE_ARGS: dict = {}  # make_case options set from the command line (--window)
 SDPA = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
         "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa_math": SDPBackend.MATH}
 PROVIDERS = ("triton", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "flex")
@@ -239,7 +240,7 @@ def run_sweep(args) -> list[dict]:
     for case_name, M, D, mode in bar:
         B = max(1, TOKENS // M)
         grad = mode != "fwd"
-        case = make_case(case_name, B=B, H=HEADS, M=M, D=D, requires_grad=grad)
+        case = make_case(case_name, B=B, H=HEADS, M=M, D=D, requires_grad=grad, **CASE_ARGS)
         inputs = [case.q, case.k, case.v]
         if case.name == "additive" and grad:
             inputs.append(case.dense_mask())  # the additive tensor itself: its gradient is part of the work
@@ -393,7 +394,7 @@ def tune(args) -> None:
     for case_name in args.cases:
         for D in args.head_dims:
             M = args.seqlens[0]
-            case = make_case(case_name, B=max(1, TOKENS // M), H=HEADS, M=M, D=D, requires_grad=True)
+            case = make_case(case_name, B=max(1, TOKENS // M), H=HEADS, M=M, D=D, requires_grad=True, **CASE_ARGS)
             if case.bias is not None:
                 case.bias = case.bias.to(case.q.device)
             q, k, v = case.q, case.k, case.v
@@ -449,7 +450,8 @@ def ab_switch(args) -> None:
         for M in args.seqlens:
             for case_name in args.cases:
                 for mode in args.modes:
-                    case = make_case(case_name, B=max(1, TOKENS // M), H=HEADS, M=M, D=D, requires_grad=mode != "fwd")
+                    case = make_case(case_name, B=max(1, TOKENS // M), H=HEADS, M=M, D=D, requires_grad=mode != "fwd",
+                                     **CASE_ARGS)
                     inputs = [case.q, case.k, case.v]
                     if case.name == "additive" and mode != "fwd":
                         inputs.append(case.dense_mask())
@@ -484,6 +486,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="causal and no bias at M=2048, D=128")
     p.add_argument("--tune", action="store_true", help="time each kernel's candidate tile configs")
     p.add_argument("--dropout", type=float, default=0.0, help="with --tune: the dropout probability of every call")
+    p.add_argument("--window", type=int, default=1024, help="keys left of the diagonal that the window case sees")
     p.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq", "dbias", "dq_ds"],
                    help="kernels whose configs --tune times")
     p.add_argument("--ab", choices=list(AB_SWITCHES), help="A/B of a launcher switch (triton only): " + "; ".join(
@@ -494,6 +497,7 @@ def main(argv=None) -> int:
     p.add_argument("--timing", default="do_bench", choices=["do_bench", "graph"],
                    help="sweep: time eager calls (host work included) or CUDA-graph replays (GPU work only)")
     args = p.parse_args(argv)
+    CASE_ARGS["window"] = args.window
     if args.quick:
         args.cases, args.seqlens, args.head_dims = ["none", "causal"], [2048], [128]
     args.out = args.out or (os.path.dirname(os.path.abspath(args.render)) if args.render else results_dir())

@@ -881,7 +881,8 @@ def test_short_spans_pick_short_forward_tiles():
         assert flash.mean_visible_keys(spec(bias, 128, 128), 128, 128) == pytest.approx(causal)
     causal = ba.LowerTriangularMask()
     both = ("short_span", "short_span_dkdv")
-    assert flash._span_features(spec(causal, 1024, 1024), 1024, 1024) == both
+    assert flash._span_features(spec(causal, 1024, 1024), 1024, 1024) == (*both, "narrow_span")  # 512.5 keys
+    assert flash._span_features(spec(causal, 1536, 1536), 1536, 1536) == both  # 768.5
     assert flash._span_features(spec(causal, 2048, 2048), 2048, 2048) == ()
     assert flash._span_features(spec(ba.LocalAttentionMask(1024), 16384, 16384), 16384, 16384) == ("short_span",)
     assert flash._span_features(spec(ba.LocalAttentionMask(1024), 2048, 2048), 2048, 2048) == both
@@ -1139,21 +1140,26 @@ def test_the_gluon_kernels_are_imported_on_sm90_gpus_only():
     assert "biasattn.ops.triton.gluon_backward" not in sys.modules
 
 
-def test_rows_seeing_few_keys_keep_the_short_tiles_off_the_gluon_forward():
-    """Rows that see few keys (a narrow window, short documents) keep the ``triton.language`` forward's 64x64
-    tiles; a wide window and a causal mask take the Gluon forward's 128x128 tiles where it runs."""
+def test_rows_seeing_few_keys_keep_the_short_tiles_off_the_gluon_kernels():
+    """Rows that see few keys (a narrow window, short documents) keep the ``triton.language`` kernels' short
+    tiles: at head dim 64 under 1,000 keys per row, at 128 under :data:`~.flash.NARROW_SPAN_KEYS`; at 256 the
+    Gluon kernels take every span. A wide window, a causal mask and padded keys take them at every head dim."""
     from biasattn.inputs import make_inputs
     from biasattn.ops.triton import flash
 
     def takes(bias, M, B=1):
         q = torch.empty(B, 1, M, 128)
-        return flash._gluon_span(make_inputs(q, q, q, bias).spec, M, M)
+        spec = make_inputs(q, q, q, bias).spec
+        return tuple(flash._gluon_span(spec, D, M, M) for D in (64, 128, 256))
 
-    assert not takes(ba.LocalAttentionMask(window_left=256), 2048)
-    assert not takes(ba.BlockDiagonalMask.from_seqlens([512] * 16).make_causal(), 8192)
-    assert takes(ba.LocalAttentionMask(window_left=2048), 4096)
-    assert takes(ba.LowerTriangularMask(), 4096)
-    assert takes(ba.PaddedKeysMask([3000, 4096]), 4096, B=2)
+    assert takes(ba.LocalAttentionMask(window_left=256), 2048) == (False, False, True)
+    assert takes(ba.LocalAttentionMask(window_left=512), 8192) == (False, False, True)  # 497 keys per row
+    assert takes(ba.LocalAttentionMask(window_left=1024), 8192) == (False, True, True)  # 961
+    assert takes(ba.BlockDiagonalMask.from_seqlens([512] * 16).make_causal(), 8192) == (False, False, True)
+    assert takes(ba.BlockDiagonalMask.from_seqlens([800] * 10 + [192]).make_causal(), 8192) == (False, True, True)
+    assert takes(ba.LocalAttentionMask(window_left=2048), 4096) == (True, True, True)
+    assert takes(ba.LowerTriangularMask(), 4096) == (True, True, True)
+    assert takes(ba.PaddedKeysMask([3000, 4096]), 4096, B=2) == (True, True, True)
 
 
 def _gluon_that_cannot_build(monkeypatch, module: str, entry: str, **attrs):

@@ -38,7 +38,7 @@ def _plan_key(kind: str, tensors: tuple, spec: BiasSpec):
     and the tuning constants a launch reads. The scale is a role of the plan, not part of its key."""
     layout = spec.layout._version if spec.layout is not None else -1
     return ("launch plan", kind, plans.tensor_key(*tensors), layout, options.current(),
-            SHORT_SPAN_KEYS, SHORT_SPAN_KEYS_DKDV, INTERPRETED, bool(configs._overrides))
+            SHORT_SPAN_KEYS, SHORT_SPAN_KEYS_DKDV, NARROW_SPAN_KEYS, INTERPRETED, bool(configs._overrides))
 
 
 _SHARED_PLANS = BoundedCache(256)  # launch plans that every spec of one structure shares
@@ -238,6 +238,7 @@ def growing_spans(spec: BiasSpec) -> bool:
 
 SHORT_SPAN_KEYS = 1000  # mean visible keys per query row at or under which the forward takes short tiles
 SHORT_SPAN_KEYS_DKDV = 800  # ... and at or under which dK/dV does too
+NARROW_SPAN_KEYS = 640  # ... and under which the Gluon kernels at head dim 128 leave the call to triton.language's
 
 
 def mean_visible_keys(spec: BiasSpec, Mq: int, Mk: int) -> float:
@@ -284,7 +285,8 @@ def _mean_visible_keys(q_seqstart, k_seqlen, kv_seqlens, band_lo, band_hi, Mq: i
 
 def _span_features(spec: BiasSpec, Mq: int, Mk: int) -> tuple[str, ...]:
     """``("short_span",)`` when query rows see few keys on average (packed documents, a 1k window, short caches),
-    plus ``"short_span_dkdv"`` when they see fewer still.
+    plus ``"short_span_dkdv"`` when they see fewer still, and ``"narrow_span"`` when fewer still
+    (:func:`_gluon_span`).
 
     A tile then meets few tiles of the other side, and shorter tiles (more programs, each shorter)
     finish sooner: on an H200 the forward's 64x64 tiles gain 25% on packed documents and 4-10% on a 1k
@@ -298,7 +300,8 @@ def _span_features(spec: BiasSpec, Mq: int, Mk: int) -> tuple[str, ...]:
     def buckets() -> tuple[str, ...]:
         mean = mean_visible_keys(spec, Mq, Mk)
         return (("short_span",) if mean <= SHORT_SPAN_KEYS else ()) + (
-            ("short_span_dkdv",) if mean <= SHORT_SPAN_KEYS_DKDV else ())
+            ("short_span_dkdv",) if mean <= SHORT_SPAN_KEYS_DKDV else ()) + (
+            ("narrow_span",) if mean < NARROW_SPAN_KEYS else ())
 
     return spec.cached_by_structure(("short_span", Mq, Mk), buckets)
 
@@ -373,14 +376,15 @@ _gluon_failure: list[str] = []  # why the Gluon forward cannot run with the inst
 def _gluon_runs(q, k, v, out, spec: BiasSpec, dropout_p: float) -> bool:
     """Whether the Gluon forward takes the call: the ``gluon_forward`` option, an sm_90 GPU, a Triton whose
     Gluon builds the kernel, a bias of :data:`GLUON_FEATURES` only, no dropout, at least
-    ``gluon_min_scores`` scores, rows that see many keys (:func:`_gluon_span`) and the kernel's tensors
-    (:func:`.gluon_forward.eligible`). The module is imported on the first call that gets this far."""
+    ``gluon_min_scores`` scores, rows that see enough keys for the head dim (:func:`_gluon_span`) and the
+    kernel's tensors (:func:`.gluon_forward.eligible`). The module is imported on the first call that gets this far."""
     opts = options.current()
     if (not opts.gluon_forward or _gluon_failure or INTERPRETED or q.device.type != "cuda" or dropout_p > 0
             or not spec.features <= GLUON_FEATURES or cuda_capability(q.device)[0] != 9):
         return False
     B, H, Mq, _ = q.shape
-    if computed_scores(spec, B, H, Mq, k.shape[2]) < opts.gluon_min_scores or not _gluon_span(spec, Mq, k.shape[2]):
+    if (computed_scores(spec, B, H, Mq, k.shape[2]) < opts.gluon_min_scores
+            or not _gluon_span(spec, q.shape[3], Mq, k.shape[2])):
         return False
     try:
         from . import gluon_forward
@@ -390,10 +394,14 @@ def _gluon_runs(q, k, v, out, spec: BiasSpec, dropout_p: float) -> bool:
     return gluon_forward.eligible(q, k, v, out)
 
 
-def _gluon_span(spec: BiasSpec, Mq: int, Mk: int) -> bool:
-    """Whether rows see enough keys for the Gluon forward's 128x128 tiles: calls whose rows see few keys
-    (:func:`_span_features`) keep the ``triton.language`` forward's 64x64 tiles."""
-    return "short_span" not in _span_features(spec, Mq, Mk)
+def _gluon_span(spec: BiasSpec, D: int, Mq: int, Mk: int) -> bool:
+    """Whether rows see enough keys (:func:`_span_features`) for the Gluon kernels at head dim ``D``, forward
+    and backward: at 64 (the backward only) more than :data:`SHORT_SPAN_KEYS`, at 128
+    :data:`NARROW_SPAN_KEYS` or more, at 256 any number. Below that the ``triton.language`` kernels' short
+    tiles finish sooner (``docs/design.md``, "Gluon kernels on rows that see few keys")."""
+    if D >= 256:
+        return True
+    return ("narrow_span" if D == 128 else "short_span") not in _span_features(spec, Mq, Mk)
 
 
 def _gluon_fails(error: Exception, failures: list[str] | None = None, what: str = "forward") -> None:

@@ -104,7 +104,7 @@ def _gluon_runs(q, k, v, lse, spec: BiasSpec, need_dbias: bool, dropout_p: float
     """Whether the Gluon backward takes the call: the ``gluon_backward`` option, an sm_90 GPU, a Triton whose
     Gluon builds the kernel, a bias of :data:`GLUON_FEATURES` only, no dropout and no bias gradient, runs
     that need not be deterministic (its dQ adds tiles in any order), at least ``gluon_min_scores`` scores,
-    rows that see many keys (:func:`~.flash._gluon_span`), at head dim 64 either no bias or at least
+    rows that see enough keys for the head dim (:func:`~.flash._gluon_span`), at head dim 64 either no bias or at least
     :data:`GLUON_D64_MASKED_MIN_KEYS` keys, and the kernel's tensors (:func:`.gluon_backward.eligible`). The
     module is imported on the first call that gets this far."""
     opts = options.current()
@@ -114,7 +114,7 @@ def _gluon_runs(q, k, v, lse, spec: BiasSpec, need_dbias: bool, dropout_p: float
         return False
     B, H, Mq, _ = q.shape
     Mk = k.shape[2]
-    if computed_scores(spec, B, H, Mq, Mk) < opts.gluon_min_scores or not flash._gluon_span(spec, Mq, Mk):
+    if computed_scores(spec, B, H, Mq, Mk) < opts.gluon_min_scores or not flash._gluon_span(spec, q.shape[3], Mq, Mk):
         return False
     if q.shape[3] == 64 and spec.features and Mk < GLUON_D64_MASKED_MIN_KEYS:
         return False
