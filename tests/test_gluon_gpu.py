@@ -23,10 +23,11 @@ pytestmark = [
 @pytest.fixture
 def gluon_calls(triton_options, monkeypatch):
     """Every call large enough for the Gluon forward; returns the list its launches are logged in, as
-    ``(q shape, k shape, masked)``."""
+    ``(q shape, k shape, masked)``. Launch plans are off, so that every call reaches the launcher (a replay
+    does not)."""
     from biasattn.ops.triton import flash, flash_bwd, gluon_forward
 
-    triton_options(gluon_min_scores=0)
+    triton_options(gluon_min_scores=0, plans=False)
     monkeypatch.setattr(flash, "_gluon_span", lambda *args: True)  # rows seeing few keys take it too
     monkeypatch.setattr(flash_bwd, "GLUON_D64_MASKED_MIN_KEYS", 0)  # and masked calls at D=64 of any length
     calls = []
@@ -242,6 +243,22 @@ def test_repeated_calls_launch_the_compiled_kernels_directly(gluon_calls, gluon_
     assert torch.equal(runs[2][0], out) and torch.equal(runs[2][2], dk) and torch.equal(runs[2][3], dv)
     a, b = runs[2][1].float(), dq.float()
     assert bool(((a - b).abs() <= 2**-7 * torch.maximum(a.abs(), b.abs()) + 1e-5 * b.abs().max()).all())
+
+
+@pytest.mark.parametrize("D", [128, 256])
+def test_calls_of_one_signature_replay_a_launch_plan(gluon_calls, gluon_bwd_calls, triton_options, D):
+    """From the fourth call of a signature both Gluon kernels replay a launch plan (their launchers run for the
+    first three calls only), and every replay, with a fresh mask of new lengths and window and a new scale,
+    matches the reference."""
+    triton_options(plans=True)
+    B, H, M = 2, 4, 384
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = qkv(B=B, Hq=H, Hkv=H, Mq=M, Mk=M, D=D, dtype=torch.bfloat16)
+    for step in range(5):
+        lens = torch.randint(M // 2, M + 1, (B,), generator=gen).to(device="cuda", dtype=torch.int32)
+        bias = ba.LocalAttentionMask(window_left=100 + 40 * step, window_right=0) & ba.PaddedKeysMask(lens)
+        check(q, k, v, const(bias), scale=0.05 + 0.01 * step, use_dlse=False)
+    assert len(gluon_calls) == 3 and len(gluon_bwd_calls) == 3
 
 
 def _reference(q, k, v, mask):

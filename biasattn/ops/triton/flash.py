@@ -421,28 +421,40 @@ def _gluon_fails(error: Exception, failures: list[str] | None = None, what: str 
 def _gluon_fwd(q, k, v, out, lse, spec: BiasSpec, qk_scale: float, seed: int) -> bool:
     """Write ``out`` and ``lse`` with the Gluon forward, masked rows that a hidden NaN or inf value may have
     reached (a NaN lse) computed again by the exact pass; False (nothing launched) when the installed
-    Triton cannot build the kernel."""
+    Triton cannot build the kernel. Calls of one signature replay a launch plan, as the
+    ``triton.language`` forward's do; the descriptors, built per call, and the segments' table are roles."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
     from . import gluon_forward
 
     B, H, Mq, D = q.shape
-    args = _spec_args(spec, q.device)
+    store, key, roles = plan_home(spec, q.device, _plan_key("gluon fwd", (q, k, v), spec))
     sched = schedule.query_schedule(spec, gluon_forward.BLOCK_M, q.device)
+    descs = gluon_forward.descriptors(q, k, v, out)
+    plan_roles = (q, k, v, out, lse, *descs, *roles, *((sched.table,) if roles and sched.table is not None else ()),
+                  qk_scale)
+    plan = plans.lookup(store, key)
+    if plan is not None:
+        plan.run(plan_roles)
+        return True
+    args = _spec_args(spec, q.device)
     table = sched.table if sched.table is not None else args.d32
     switches = dict(SCHEDULED=sched.table is not None, HAS_SEGMENTS=args.has_segments, HAS_PADDED=args.has_padded,
                     HAS_BAND=args.has_band, BAND_PER_SEGMENT=args.band_per_segment)
-    try:
-        chunk = program_chunk(B * H, sched.n, num_sms(q.device), kv_bytes_per_head(q, k, v), growing_spans(spec))
-        masked = gluon_forward.attn_fwd(q, k, v, out, lse, qk_scale, sched.n, table,
-                                        (args.ks, args.kl, args.kv, args.band_lo, args.band_hi), switches, chunk)
-    except (CompilationError, OutOfResources) as e:
-        _gluon_fails(e)
-        return False
-    if masked:
-        _exact_pass(q, k, v, out, lse, spec, args, sched, dropout_args(0.0, seed), qk_scale, gluon_forward.BLOCK_M, D,
-                    True, False)
+    chunk = program_chunk(B * H, sched.n, num_sms(q.device), kv_bytes_per_head(q, k, v), growing_spans(spec))
+    with plans.recording() as rec:
+        try:
+            masked = gluon_forward.attn_fwd(q, k, v, out, lse, qk_scale, sched.n, table,
+                                            (args.ks, args.kl, args.kv, args.band_lo, args.band_hi), switches, descs,
+                                            chunk)
+        except (CompilationError, OutOfResources) as e:
+            _gluon_fails(e)
+            return False
+        if masked:
+            _exact_pass(q, k, v, out, lse, spec, args, sched, dropout_args(0.0, seed), qk_scale,
+                        gluon_forward.BLOCK_M, D, True, False)
+    plans.settle(store, key, rec, plan_roles)
     return True
 
 

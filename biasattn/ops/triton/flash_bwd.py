@@ -152,26 +152,40 @@ def _gluon_chunk(q, k, spec: BiasSpec) -> int:
 
 def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, dq, dk, dv) -> bool:
     """Write ``dq``, ``dk`` and ``dv`` with the Gluon backward; False (nothing written) when the installed
-    Triton cannot build the kernel."""
+    Triton cannot build the kernel. Calls without an lse gradient replay a launch plan, as the
+    ``triton.language`` backward's do: the descriptors, built per call, are roles, and the zeroed dQ buffer
+    and the copy out of it stay outside the plan."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
     from . import gluon_backward
 
-    args = _spec_args(spec, q.device)
     if not dout.is_contiguous() or dout.data_ptr() % 16:  # the kernel reads it through a per-head descriptor
         dout = dout.clone(memory_format=torch.contiguous_format)
     delta, guarded = torch.empty((2, *lse.shape), dtype=torch.float32, device=q.device)
-    _delta(out, dout, dlse.to(torch.float32).contiguous() if dlse is not None else None, delta, args.f32, q.shape[3],
-           lse, guarded)
     dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    try:
-        gluon_backward.attn_bwd(q, k, v, dout, guarded, delta, dq32, dk, dv, scale,
-                                (args.kv, args.band_lo, args.band_hi),
-                                dict(HAS_PADDED=args.has_padded, HAS_BAND=args.has_band), _gluon_chunk(q, k, spec))
-    except (CompilationError, OutOfResources) as e:
-        flash._gluon_fails(e, _gluon_failure, "backward")
-        return False
+    key = _plan_key("gluon bwd", (q, k, v, out, lse, dout), spec) if dlse is None else None
+    store, key, roles = flash.plan_home(spec, q.device, key)
+    scale = float(scale)  # the scales are roles of the plan: these objects go into every launch
+    qk_scale = scale * LOG2E
+    descs = gluon_backward.descriptors(q, k, v, dout, guarded, delta, dq32)
+    plan_roles = (q, k, v, out, lse, dout, delta, guarded, dq32, dk, dv, *descs, *roles, qk_scale, scale)
+    plan = plans.lookup(store, key)
+    if plan is not None:
+        plan.run(plan_roles)
+        dq.copy_(dq32)
+        return True
+    args = _spec_args(spec, q.device)
+    with plans.recording() as rec:
+        _delta(out, dout, dlse.to(torch.float32).contiguous() if dlse is not None else None, delta, args.f32,
+               q.shape[3], lse, guarded)
+        try:
+            gluon_backward.attn_bwd(q, k, dk, dv, descs, qk_scale, scale, (args.kv, args.band_lo, args.band_hi),
+                                    dict(HAS_PADDED=args.has_padded, HAS_BAND=args.has_band), _gluon_chunk(q, k, spec))
+        except (CompilationError, OutOfResources) as e:
+            flash._gluon_fails(e, _gluon_failure, "backward")
+            return False
+    plans.settle(store, key, rec, plan_roles)
     dq.copy_(dq32)
     return True
 

@@ -481,22 +481,31 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(view, shape, list(view.stride()), block, layout)
 
 
-def attn_bwd(q, k, v, dout, lse, delta, dq32, dk, dv, scale: float, bounds: tuple, switches: dict,
+def descriptors(q, k, v, dout, lse, delta, dq32) -> tuple:
+    """The TMA descriptors :func:`attn_bwd` launches with (per head: ``[B·H, M(, D)]``): built per call, they
+    are roles of a launch plan."""
+    D = q.shape[3]
+    half = WIDE_KEYS if D == 256 else HALF
+    return (_descriptor(k, [1, half, D]), _descriptor(v, [1, half, D]), _descriptor(q, [1, ROWS, D]),
+            _descriptor(dout, [1, ROWS, D]), _descriptor(lse, [1, ROWS]), _descriptor(delta, [1, ROWS]),
+            _descriptor(dq32, [1, ROWS, DQ_COLS]))
+
+
+def attn_bwd(q, k, dk, dv, descs: tuple, qk_scale: float, scale: float, bounds: tuple, switches: dict,
              chunk: int = 1) -> None:
-    """Write ``dk`` and ``dv`` and add ``dq`` into ``dq32`` (float32, zeroed) of an :func:`eligible` call;
-    ``lse`` the forward's, guarded (+inf where it is -inf, NaN where +inf), and
-    ``delta = rowsum(dout * out) - dlse`` (float32 ``[B, H, Mq]``, both from the backward's preprocessing);
-    ``bounds`` the int32 tensors ``(kv_seqlens, band_lo, band_hi)`` and ``switches`` the ``HAS_PADDED`` and
-    ``HAS_BAND`` flags; the last ``chunk`` (batch, KV head) pairs start their key tiles rank by rank."""
+    """Write ``dk`` and ``dv`` and add dQ into the float32 (zeroed) buffer of an :func:`eligible` call, every
+    operand but those two in ``descs`` (:func:`descriptors` of ``q, k, v, dout, lse, delta, dq32``): ``lse``
+    the forward's, guarded (+inf where it is -inf, NaN where +inf), and ``delta = rowsum(dout * out) - dlse``
+    (float32 ``[B, H, Mq]``, both from the backward's preprocessing); ``qk_scale`` the softmax ``scale`` times
+    log2(e); ``bounds`` the int32 tensors ``(kv_seqlens, band_lo, band_hi)`` and ``switches`` the
+    ``HAS_PADDED`` and ``HAS_BAND`` flags; the last ``chunk`` (batch, KV head) pairs start their key tiles
+    rank by rank."""
     B, H, Mq, D = q.shape
     Hkv, Mk = k.shape[1], k.shape[2]
     wide = D == 256
     half = WIDE_KEYS if wide else HALF
     masked = any(switches.values()) or Mq % ROWS != 0 or Mk % (2 * half) != 0
-    descs = (_descriptor(k, [1, half, D]), _descriptor(v, [1, half, D]), _descriptor(q, [1, ROWS, D]),
-             _descriptor(dout, [1, ROWS, D]), _descriptor(lse, [1, ROWS]), _descriptor(delta, [1, ROWS]),
-             _descriptor(dq32, [1, ROWS, DQ_COLS]))
     _launch_bwd[(-(-Mk // (2 * half)), B * Hkv)](
-        *descs, dk, dv, *bounds, Hkv, H // Hkv, Mq, Mk, chunk, scale * LOG2E.value, scale,
+        *descs, dk, dv, *bounds, Hkv, H // Hkv, Mq, Mk, chunk, qk_scale, scale,
         WIDE_REGS if wide else CONSUMER_REGS[masked], masked, **switches, TAIL_ORDER=chunk > 1, num_warps=4,
     )

@@ -396,23 +396,32 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     return all(t.data_ptr() % 16 == 0 for t in (q, k, v, out))
 
 
-def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, qk_scale: float,
-             n_prog: int, table: torch.Tensor, bounds: tuple, switches: dict, chunk: int = 1) -> bool:
-    """Write ``out [B, H, Mq, D]`` (contiguous) and ``lse [B, H, Mq]`` (float32, natural log; NaN where a
-    row's output is not finite) of an :func:`eligible` call; ``qk_scale`` is the softmax scale times
-    log2(e). ``n_prog`` query tiles of :data:`BLOCK_M` rows, ``table`` their rows when packed (the launch switch
-    ``SCHEDULED``); ``bounds`` the int32 tensors ``(k_seqstart, k_seqlen, kv_seqlens, band_lo, band_hi)``
-    and ``switches`` the ``SCHEDULED``, ``HAS_*`` and ``BAND_PER_SEGMENT`` flags of the bias; the last ``chunk``
-    (batch, head) pairs start their tiles rank by rank (``flash.program_chunk``). Returns whether
-    the launch masked scores (then rows may carry a NaN lse for the exact pass)."""
-    B, H, Mq, D = q.shape
-    Mk = k.shape[2]
-    block_n, stages = TILES[D]
+def descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> tuple:
+    """The TMA descriptors of Q, K, V and the output that :func:`attn_fwd` launches with, rows of all heads in one
+    ``[B·H·M, D]`` view: built per call, they are roles of a launch plan."""
+    D = q.shape[3]
+    block_n, _ = TILES[D]
     half, tile = shared_layout((ROWS, D), q.dtype), shared_layout((block_n, D), q.dtype)
     descs = []
     for t, block, layout in ((q, ROWS, half), (k, block_n, tile), (v, block_n, tile), (out, ROWS, half)):
         rows = t.view(-1, D)
         descs.append(TensorDescriptor(rows, list(rows.shape), [D, 1], [block, D], layout))
+    return tuple(descs)
+
+
+def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, qk_scale: float,
+             n_prog: int, table: torch.Tensor, bounds: tuple, switches: dict, descs: tuple, chunk: int = 1) -> bool:
+    """Write ``out [B, H, Mq, D]`` (contiguous) and ``lse [B, H, Mq]`` (float32, natural log; NaN where a
+    row's output is not finite) of an :func:`eligible` call; ``qk_scale`` is the softmax scale times
+    log2(e). ``n_prog`` query tiles of :data:`BLOCK_M` rows, ``table`` their rows when packed (the launch switch
+    ``SCHEDULED``); ``bounds`` the int32 tensors ``(k_seqstart, k_seqlen, kv_seqlens, band_lo, band_hi)``
+    and ``switches`` the ``SCHEDULED``, ``HAS_*`` and ``BAND_PER_SEGMENT`` flags of the bias; ``descs`` those of
+    :func:`descriptors`; the last ``chunk`` (batch, head) pairs start their tiles rank by rank
+    (``flash.program_chunk``). Returns whether the launch masked scores (then rows may carry a NaN lse for the
+    exact pass)."""
+    B, H, Mq, D = q.shape
+    Mk = k.shape[2]
+    block_n, stages = TILES[D]
     masked = any(switches.values()) or Mq % BLOCK_M != 0 or Mk % block_n != 0
     _launch_fwd[(n_prog, B * H)](
         *descs, out, lse, table, *bounds, H, H // k.shape[1], Mq, Mk, n_prog, chunk, qk_scale, stages, CONSUMER_REGS,
