@@ -124,29 +124,33 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--host-profile", action="store_true", help="also print cProfile's top host functions per call")
     p.add_argument("--sync-check", action="store_true", help="also report operations that synchronize with the GPU")
+    p.add_argument("--no-plans", action="store_true", help="run the triton operator without launch plans")
     args = p.parse_args(argv)
-    flex = Flex() if "flex" in args.providers else None
-    for case_name, mode in itertools.product(args.cases, args.modes):
-        case = make_case(case_name, B=max(1, TOKENS // args.M), H=HEADS, M=args.M, D=args.D, requires_grad=mode != "fwd")
-        inputs = [case.q, case.k, case.v]
-        if case.name == "additive" and mode != "fwd":
-            inputs.append(case.dense_mask())
-        for name in args.providers:
-            fn = provider_fn(name, case, flex)
-            if fn is None:
-                continue
-            call = _call(fn, inputs, mode)
-            rows, wall = profile_call(call, args.iters)
-            total = sum(r[1] for r in rows)
-            host = host_time(call)
-            print(f"\n== {case_name} M={args.M} D={args.D} {mode} {name}: GPU {total:.0f} µs, "
-                  f"wall {wall:.0f} µs, host {host:.0f} µs per call")
-            if args.host_profile:
-                host_profile(call)
-            if args.sync_check:
-                print(f"   synchronizing operations in two calls: {sync_check(call)}")
-            for key, us, count in rows[:12]:
-                print(f"  {us:9.1f} µs  x{count:<3d} {key[:110]}")
+    from biasattn.ops.triton import options
+
+    with options.use(plans=not args.no_plans):
+        flex = Flex() if "flex" in args.providers else None
+        for case_name, mode in itertools.product(args.cases, args.modes):
+            case = make_case(case_name, B=max(1, TOKENS // args.M), H=HEADS, M=args.M, D=args.D, requires_grad=mode != "fwd")
+            inputs = [case.q, case.k, case.v]
+            if case.name == "additive" and mode != "fwd":
+                inputs.append(case.dense_mask())
+            for name in args.providers:
+                fn = provider_fn(name, case, flex)
+                if fn is None:
+                    continue
+                call = _call(fn, inputs, mode)
+                rows, wall = profile_call(call, args.iters)
+                total = sum(r[1] for r in rows)
+                host = host_time(call)
+                print(f"\n== {case_name} M={args.M} D={args.D} {mode} {name}: GPU {total:.0f} µs, "
+                      f"wall {wall:.0f} µs, host {host:.0f} µs per call")
+                if args.host_profile:
+                    host_profile(call)
+                if args.sync_check:
+                    print(f"   synchronizing operations in two calls: {sync_check(call)}")
+                for key, us, count in rows[:12]:
+                    print(f"  {us:9.1f} µs  x{count:<3d} {key[:110]}")
     return 0
 
 
