@@ -1189,7 +1189,7 @@ def test_a_triton_whose_gluon_cannot_build_the_forward_falls_back(monkeypatch):
     ``triton.language`` kernels with the same results, and says why once a process."""
     from biasattn.ops.triton import flash
 
-    _gluon_that_cannot_build(monkeypatch, "gluon_forward", "attn_fwd", BLOCK_M=128)
+    _gluon_that_cannot_build(monkeypatch, "gluon_forward", "attn_fwd", BLOCK_M=128, descriptors=lambda *args: ())
     monkeypatch.setattr(flash, "_gluon_runs", lambda *args: True)  # as on an sm_90 GPU
     monkeypatch.setattr(flash, "_gluon_failure", [])
     q, k, v = qkv(B=1, Hq=1, Hkv=1, Mq=128, Mk=128, D=128, dtype=torch.float16)
@@ -1203,7 +1203,7 @@ def test_a_triton_whose_gluon_cannot_build_the_backward_falls_back(monkeypatch):
     says why once a process; the forward is not affected."""
     from biasattn.ops.triton import flash, flash_bwd
 
-    _gluon_that_cannot_build(monkeypatch, "gluon_backward", "attn_bwd")
+    _gluon_that_cannot_build(monkeypatch, "gluon_backward", "attn_bwd", descriptors=lambda *args: ())
     monkeypatch.setattr(flash_bwd, "_gluon_runs", lambda *args: True)  # as on an sm_90 GPU
     monkeypatch.setattr(flash_bwd, "_gluon_failure", [])
     q, k, v = qkv(B=1, Hq=1, Hkv=1, Mq=64, Mk=64, D=128, dtype=torch.float16)
