@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common_kernels import LOG2E, _chunked_ids
-from .gluon_forward import _key_bounds, _mma_layout, shared_layout
+from .gluon_forward import _key_bounds, _mma_layout, _whole_tiles, shared_layout
 from .launch import direct
 
 ROWS = 64  # query rows per tile
@@ -379,8 +379,7 @@ def _row_span(n0, Mq, bounds, MASKED: gl.constexpr, KEYS: gl.constexpr):
         inside = (n0 >= key_lo) & (n0 + KEYS <= key_hi)
         full_lo = gl.maximum(n0 + KEYS - 1 - band_hi, 0)  # rows that see every key: [full_lo, full_hi)
         full_hi = gl.minimum(n0 - band_lo + 1, Mq)
-        a = gl.where(inside, gl.minimum(gl.cdiv(gl.maximum(full_lo - lo, 0), _ROWS), n), n)
-        e = gl.minimum(gl.maximum(gl.maximum(full_hi - lo, 0) // _ROWS, a), n)
+        a, e = _whole_tiles(lo, n, full_lo, full_hi, inside, _ROWS)  # keys past a key bound: every tile masks
         lo = gl.where(n > 0, lo, 0)
     else:
         lo = gl.to_tensor(0)

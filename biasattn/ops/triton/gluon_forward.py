@@ -291,6 +291,15 @@ def _key_bounds(seg, b, Mk, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, HAS_SEGM
 
 
 @gluon.jit
+def _whole_tiles(lo, n, full_lo, full_hi, inside, TILE: gl.constexpr):
+    """``(a, e)``: of ``n`` tiles of ``TILE`` lines from line ``lo``, tiles ``[a, e)`` lie within lines
+    ``[full_lo, full_hi)`` (``a = e`` where none does, and ``a = e = n`` unless ``inside``)."""
+    a = gl.where(inside, gl.minimum(gl.cdiv(gl.maximum(full_lo - lo, 0), TILE), n), n)
+    e = gl.minimum(gl.maximum(gl.maximum(full_hi - lo, 0) // TILE, a), n)
+    return a, e
+
+
+@gluon.jit
 def _span(m0, m_end, bounds, Mk, MASKED: gl.constexpr, TILE: gl.constexpr):
     """``(first key, tiles, a, e)`` of the key span of rows ``[m0, m_end)``: tiles ``[a, e)`` are seen whole
     by every row, the others need element masks. A program whose rows see no key gets one masked tile
@@ -308,8 +317,7 @@ def _span(m0, m_end, bounds, Mk, MASKED: gl.constexpr, TILE: gl.constexpr):
         n = gl.where(seen, gl.cdiv(gl.maximum(hi - lo, 0), TILE), 0)
         full_lo = gl.maximum(m_end - 1 + band_lo, seg_lo)  # keys every row sees: [full_lo, full_hi)
         full_hi = gl.minimum(m0 + band_hi + 1, seg_hi)
-        a = gl.minimum(gl.cdiv(gl.maximum(full_lo - lo, 0), TILE), n)
-        e = gl.minimum(gl.maximum(gl.maximum(full_hi - lo, 0) // TILE, a), n)
+        a, e = _whole_tiles(lo, n, full_lo, full_hi, True, TILE)
         lo = gl.where(n > 0, lo, 0)
         n = gl.maximum(n, 1)
     else:
