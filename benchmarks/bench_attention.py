@@ -435,6 +435,7 @@ AB_SWITCHES = {  # name: (launch option, state A, state B, value A, value B)
                    True, False),
     "gluon": ("gluon_forward", "forwards at D=128 (no bias, interval masks) in Gluon", "in the triton.language kernel",
               True, False),
+    "gluon_min": ("gluon_min_scores", "Gluon kernels on calls of any size", "from 2^26 scores", 0, 2**26),
     "gluon_bwd": ("gluon_backward", "backwards at D=64, 128 and 256 (no bias, causal, windows, padded keys) in Gluon",
                   "in the triton.language kernels", True, False),
 }
@@ -450,7 +451,7 @@ def ab_switch(args) -> None:
         for M in args.seqlens:
             for case_name in args.cases:
                 for mode in args.modes:
-                    case = make_case(case_name, B=max(1, TOKENS // M), H=HEADS, M=M, D=D, requires_grad=mode != "fwd",
+                    case = make_case(case_name, B=max(1, args.tokens // M), H=HEADS, M=M, D=D, requires_grad=mode != "fwd",
                                      **CASE_ARGS)
                     inputs = [case.q, case.k, case.v]
                     if case.name == "additive" and mode != "fwd":
@@ -486,6 +487,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="causal and no bias at M=2048, D=128")
     p.add_argument("--tune", action="store_true", help="time each kernel's candidate tile configs")
     p.add_argument("--dropout", type=float, default=0.0, help="with --tune: the dropout probability of every call")
+    p.add_argument("--tokens", type=int, default=TOKENS, help="with --ab: B·M of every case")
     p.add_argument("--window", type=int, default=1024, help="keys left of the diagonal that the window case sees")
     p.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq", "dbias", "dq_ds"],
                    help="kernels whose configs --tune times")

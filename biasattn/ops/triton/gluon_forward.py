@@ -18,8 +18,8 @@ them again.
 
 :func:`eligible` says which tensors it takes: fp16/bf16, D = Dv = 128 or 256, contiguous ``[B, H, M, D]``
 tensors; the caller checks the device (sm_90), the bias (no bias, or only segments, key lengths and a
-band), dropout (none) and size (the ``gluon_min_scores`` option: its launch goes through Triton's own
-binding, tens of microseconds of host time). This module is imported on the first such call only.
+band), dropout (none) and size (the ``gluon_min_scores`` option: smaller calls run faster on the
+``triton.language`` kernels). This module is imported on the first such call only.
 """
 
 from __future__ import annotations
