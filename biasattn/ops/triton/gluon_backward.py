@@ -224,24 +224,26 @@ def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, 
 
 
 # Head dim 256: dK and dV of 64 keys by 256 dims do not fit in one warpgroup's registers. A program owns 64 keys;
-# each warpgroup computes the scores and dP of 32 of them for the tile's 64 rows, stores its halves of P^T and
-# dS^T in shared memory, and, once both halves are there, accumulates dV and dK for 128 of the 256 dims and adds
+# each warpgroup computes the scores and dP of 32 of them for the tile's 64 rows, stores its halves of P and dS
+# in shared memory, and, once both halves are there, accumulates dV and dK for 128 of the 256 dims and adds
 # the same 128 columns of dS K into dQ. No product is computed twice.
 WIDE_KEYS = 32  # keys of each warpgroup's scores at head dim 256 (the program owns 64)
 WIDE_REGS = 240
 
 
 @gluon.jit
-def _dq_wide(ds_smem, k_smem, dq_smem, dq_desc, bh, m0, zero_q, sm_scale, PART: gl.constexpr, C: gl.constexpr):
-    """Add columns ``[128 PART + 32 C, +32)`` of ``dS K`` (``dS^T`` of the tile's 64 keys in ``ds_smem``, the two
-    32-key halves of K in ``k_smem``) into dQ, staged in this warpgroup's buffer."""
+def _dq_wide(ds_own, ds_smem, k_smem, dq_smem, dq_desc, bh, m0, zero_q, sm_scale, PART: gl.constexpr,
+             C: gl.constexpr):
+    """Add columns ``[128 PART + 32 C, +32)`` of ``dS K`` into dQ, staged in this warpgroup's buffer: dS of the
+    warpgroup's own 32 keys from its registers (``ds_own``), of the other 32 from ``ds_smem`` (the tile's
+    ``[rows, 64 keys]``); the two 32-key halves of K in ``k_smem``."""
     D: gl.constexpr = k_smem.type.shape[3]
     KEYS: gl.constexpr = k_smem.type.shape[2]
     col: gl.constexpr = PART * (D // 2) + C * _DQ_COLS
-    dq = warpgroup_mma(ds_smem.slice(0, KEYS, dim=0).permute((1, 0)),
-                       _flat(k_smem.index(0)).slice(col, _DQ_COLS, dim=1), zero_q, use_acc=False, is_async=True)
-    dq = warpgroup_mma(ds_smem.slice(KEYS, KEYS, dim=0).permute((1, 0)),
-                       _flat(k_smem.index(1)).slice(col, _DQ_COLS, dim=1), dq, is_async=True)
+    dq = warpgroup_mma(ds_own, _flat(k_smem.index(PART)).slice(col, _DQ_COLS, dim=1), zero_q, use_acc=False,
+                       is_async=True)
+    dq = warpgroup_mma(ds_smem.slice((1 - PART) * KEYS, KEYS, dim=1),
+                       _flat(k_smem.index(1 - PART)).slice(col, _DQ_COLS, dim=1), dq, is_async=True)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
     tma.store_wait(0)  # the reduction that last read this buffer is done
     gl.thread_barrier()
@@ -266,6 +268,7 @@ def _consume_wide(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, p_smem, ds_sm
     s_layout: gl.constexpr = _mma_layout(KEYS)
     o_layout: gl.constexpr = _mma_layout(DH)
     q_layout: gl.constexpr = _mma_layout(_DQ_COLS)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=q_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     k0 = n0 + PART * KEYS
@@ -299,20 +302,22 @@ def _consume_wide(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, p_smem, ds_sm
         ds = p * (dp - delta[:, None])
         if MASKED:  # where P is 0 (a key the row cannot see), dP may be NaN from a hidden value: dS is 0
             ds = gl.where(p != 0.0, ds, 0.0)
-        if t > 0:  # both warpgroups are done with the previous tile's P^T and dS^T
+        if t > 0:  # both warpgroups are done with the previous tile's P and dS
             mbarrier.wait(free, (t - 1) & 1)
-        p_smem.slice(PART * KEYS, KEYS, dim=0).store(gl.permute(p.to(dtype), (1, 0)))
-        ds_smem.slice(PART * KEYS, KEYS, dim=0).store(gl.permute(ds.to(dtype), (1, 0)))
+        ds = ds.to(dtype)
+        p_smem.slice(PART * KEYS, KEYS, dim=1).store(p.to(dtype))
+        ds_smem.slice(PART * KEYS, KEYS, dim=1).store(ds)
+        ds_own = gl.convert_layout(ds, a_layout)  # dQ's products over this warpgroup's keys read it from here
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(full, count=1)
         mbarrier.wait(full, t & 1)
-        dv = warpgroup_mma(p_smem, do.slice(PART * DH, DH, dim=1), dv, is_async=True)
-        dk = warpgroup_mma(ds_smem, q.slice(PART * DH, DH, dim=1), dk, is_async=True)
+        dv = warpgroup_mma(p_smem.permute((1, 0)), do.slice(PART * DH, DH, dim=1), dv, is_async=True)
+        dk = warpgroup_mma(ds_smem.permute((1, 0)), q.slice(PART * DH, DH, dim=1), dk, is_async=True)
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
         mbarrier.arrive(empty.index(s), count=1)
         for c in gl.static_range(DH // _DQ_COLS):
-            _dq_wide(ds_smem, k_smem, dq_smem, dq_desc, bh, m0, zero_q, sm_scale, PART, c)
+            _dq_wide(ds_own, ds_smem, k_smem, dq_smem, dq_desc, bh, m0, zero_q, sm_scale, PART, c)
         mbarrier.arrive(free, count=1)
     tma.store_wait(0)
     dims = PART * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
@@ -414,10 +419,10 @@ def _attn_bwd_ws_kernel(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc
     do_bufs = gl.allocate_shared_memory(dtype, [_RING] + q_desc.block_type.shape, q_desc.layout)
     l_bufs = gl.allocate_shared_memory(gl.float32, [_RING] + l_desc.block_type.shape, l_desc.layout)
     d_bufs = gl.allocate_shared_memory(gl.float32, [_RING] + l_desc.block_type.shape, l_desc.layout)
-    if WIDE:  # P^T and dS^T of one tile, 32 keys from each warpgroup; one dQ staging buffer per warpgroup
-        t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * KEYS, _ROWS], dtype)
-        p_smem = gl.allocate_shared_memory(dtype, [2 * KEYS, _ROWS], t_layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [2 * KEYS, _ROWS], t_layout)
+    if WIDE:  # P and dS of one tile, 32 keys from each warpgroup; one dQ staging buffer per warpgroup
+        t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, 2 * KEYS], dtype)
+        p_smem = gl.allocate_shared_memory(dtype, [_ROWS, 2 * KEYS], t_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [_ROWS, 2 * KEYS], t_layout)
         dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
     else:  # dS^T halves of two tiles; two dQ staging buffers per warpgroup
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, _ROWS], dtype)
