@@ -240,10 +240,15 @@ def _dq_wide(ds_own, ds_smem, k_smem, dq_smem, dq_desc, bh, m0, zero_q, sm_scale
     D: gl.constexpr = k_smem.type.shape[3]
     KEYS: gl.constexpr = k_smem.type.shape[2]
     col: gl.constexpr = PART * (D // 2) + C * _DQ_COLS
-    dq = warpgroup_mma(ds_own, _flat(k_smem.index(PART)).slice(col, _DQ_COLS, dim=1), zero_q, use_acc=False,
-                       is_async=True)
-    dq = warpgroup_mma(ds_smem.slice((1 - PART) * KEYS, KEYS, dim=1),
-                       _flat(k_smem.index(1 - PART)).slice(col, _DQ_COLS, dim=1), dq, is_async=True)
+    if PART == 0:  # keys in order: [0, 32) then [32, 64)
+        dq = warpgroup_mma(ds_own, _flat(k_smem.index(0)).slice(col, _DQ_COLS, dim=1), zero_q, use_acc=False,
+                           is_async=True)
+        dq = warpgroup_mma(ds_smem.slice(KEYS, KEYS, dim=1), _flat(k_smem.index(1)).slice(col, _DQ_COLS, dim=1), dq,
+                           is_async=True)
+    else:
+        dq = warpgroup_mma(ds_smem.slice(0, KEYS, dim=1), _flat(k_smem.index(0)).slice(col, _DQ_COLS, dim=1),
+                           zero_q, use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_own, _flat(k_smem.index(1)).slice(col, _DQ_COLS, dim=1), dq, is_async=True)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
     tma.store_wait(0)  # the reduction that last read this buffer is done
     gl.thread_barrier()
@@ -304,10 +309,9 @@ def _consume_wide(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, p_smem, ds_sm
             ds = gl.where(p != 0.0, ds, 0.0)
         if t > 0:  # both warpgroups are done with the previous tile's P and dS
             mbarrier.wait(free, (t - 1) & 1)
-        ds = ds.to(dtype)
         p_smem.slice(PART * KEYS, KEYS, dim=1).store(p.to(dtype))
-        ds_smem.slice(PART * KEYS, KEYS, dim=1).store(ds)
-        ds_own = gl.convert_layout(ds, a_layout)  # dQ's products over this warpgroup's keys read it from here
+        ds_own = gl.convert_layout(ds.to(dtype), a_layout)  # dQ's products over this warpgroup's keys read it here
+        ds_smem.slice(PART * KEYS, KEYS, dim=1).store(ds.to(dtype))
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(full, count=1)
