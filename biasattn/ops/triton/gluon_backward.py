@@ -8,9 +8,10 @@ delta tile by tile through a ring of two stages (TMA copies and mbarriers). Two 
 own 64 of the keys. Per tile each computes ``S^T = K Q^T`` and ``dP^T = V dO^T``, then ``P^T`` and
 ``dS^T``, and accumulates ``dV += P^T dO`` and ``dK += dS^T Q`` in registers. dQ takes no extra
 matmul of S: each warpgroup stores its half of ``dS^T`` in shared memory, and once both halves are
-there each computes half the columns of ``dS K`` over the 128 keys and adds them to a float32 dQ in global
-memory by TMA reductions (``cp.reduce.async.bulk``). It does so one tile late, so the two warpgroups
-rarely wait for each other (``docs/design.md``, "Backwards at D=128 on Hopper: dQ by TMA reductions").
+there each computes half the columns of ``dS K`` over the 128 keys in one product and adds them to a
+float32 dQ in global memory by TMA reductions (``cp.reduce.async.bulk``) of 32 columns each. It does so one
+tile late, so the two warpgroups rarely wait for each other (``docs/design.md``, "Backwards at D=128 on
+Hopper: dQ by TMA reductions").
 
 The reductions add in whatever order the programs reach a tile, so dQ may differ in its last bits
 from one run to the next; the caller keeps deterministic runs on the ``triton.language`` kernels.
@@ -118,27 +119,31 @@ def _ring_tile(t, ready, q_bufs, do_bufs, bh_q, lo, n_head):
 
 
 @gluon.jit
-def _dq_part(ds_smem, k_smem, dq_smem, dq_desc, buf, bh, m0, zero_q, sm_scale, PART: gl.constexpr, C: gl.constexpr):
-    """Add columns ``[D/2 PART + 32 C, +32)`` of ``dS K`` of the tile whose ``dS^T`` halves are in ``buf``: at
-    D=128 two pieces a tile, each in its staging buffer; at D=64 one, whose two buffers alternate by tile
-    (``tma.store_wait(1)`` then guards the buffer about to be written)."""
+def _dq_part(ds_smem, k_smem, dq_smem, dq_desc, buf, bh, m0, zero_q, sm_scale, PART: gl.constexpr):
+    """Add columns ``[D/2 PART, +D/2)`` of ``dS K`` of the tile whose ``dS^T`` halves are in ``buf``, in one
+    product, staged whole and added by 32-column reductions: at D=128 in this warpgroup's one buffer (whose
+    reductions were issued a tile earlier), at D=64 in one of two that alternate by tile."""
     D: gl.constexpr = k_smem.type.shape[3]
-    col: gl.constexpr = PART * (D // 2) + C * _DQ_COLS
-    dq = warpgroup_mma(ds_smem.index(2 * buf).permute((1, 0)), _flat(k_smem.index(0)).slice(col, _DQ_COLS, dim=1),
+    W: gl.constexpr = D // 2
+    col: gl.constexpr = PART * W
+    dq = warpgroup_mma(ds_smem.index(2 * buf).permute((1, 0)), _flat(k_smem.index(0)).slice(col, W, dim=1),
                        zero_q, use_acc=False, is_async=True)
-    dq = warpgroup_mma(ds_smem.index(2 * buf + 1).permute((1, 0)),
-                       _flat(k_smem.index(1)).slice(col, _DQ_COLS, dim=1), dq, is_async=True)
+    dq = warpgroup_mma(ds_smem.index(2 * buf + 1).permute((1, 0)), _flat(k_smem.index(1)).slice(col, W, dim=1), dq,
+                       is_async=True)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-    tma.store_wait(1)  # the reduction that last read this buffer is done
-    gl.thread_barrier()
     if D == 128:
-        out = dq_smem.index(2 * PART + C)
+        tma.store_wait(0)  # the reductions that last read this buffer are done
+        gl.thread_barrier()
+        out = dq_smem.index(PART)
     else:
+        tma.store_wait(1)  # the reduction that last read this buffer, two tiles back, is done
+        gl.thread_barrier()
         out = dq_smem.index(2 * PART + buf)
     _flat(out).store(dq * sm_scale)
     fence_async_shared()
     gl.thread_barrier()
-    _tma_add(dq_desc, [bh, m0, col], out)
+    for c in gl.static_range(W // _DQ_COLS):
+        _tma_add(dq_desc, [bh, m0, col + c * _DQ_COLS], out.slice(c * _DQ_COLS, _DQ_COLS, dim=2))
 
 
 @gluon.jit
@@ -150,7 +155,7 @@ def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, 
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = _mma_layout(_ROWS)
     o_layout: gl.constexpr = _mma_layout(D)
-    q_layout: gl.constexpr = _mma_layout(_DQ_COLS)
+    q_layout: gl.constexpr = _mma_layout(D // 2)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -158,7 +163,7 @@ def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, 
     v_w = v_smem.index(PART)
     k0 = n0 + PART * _HALF
     zero_s = gl.zeros([_HALF, _ROWS], gl.float32, layout=s_layout)
-    zero_q = gl.zeros([_ROWS, _DQ_COLS], gl.float32, layout=q_layout)
+    zero_q = gl.zeros([_ROWS, D // 2], gl.float32, layout=q_layout)
     dv = gl.zeros([_HALF, D], gl.float32, layout=o_layout)
     dk = gl.zeros([_HALF, D], gl.float32, layout=o_layout)
     mbarrier.wait(kv_bar, 0)
@@ -196,12 +201,9 @@ def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, 
         prev = (t + 1) % 2  # dQ of the previous tile, whose dS^T halves are both stored by now
         if t > 0:
             mbarrier.wait(ds_bar.index(prev), ((t - 1) // 2) & 1)
-            _dq_part(ds_smem, k_smem, dq_smem, dq_desc, prev, bh_prev, m_prev, zero_q, sm_scale, PART, 0)
+            _dq_part(ds_smem, k_smem, dq_smem, dq_desc, prev, bh_prev, m_prev, zero_q, sm_scale, PART)
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
         mbarrier.arrive(empty.index(s), count=1)
-        if D == 128:
-            if t > 0:
-                _dq_part(ds_smem, k_smem, dq_smem, dq_desc, prev, bh_prev, m_prev, zero_q, sm_scale, PART, 1)
         ds_smem.index(2 * (t % 2) + PART).store(ds)
         fence_async_shared()
         gl.thread_barrier()
@@ -211,9 +213,7 @@ def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, 
     if n_tiles > 0:
         last = (n_tiles - 1) % 2
         mbarrier.wait(ds_bar.index(last), ((n_tiles - 1) // 2) & 1)
-        _dq_part(ds_smem, k_smem, dq_smem, dq_desc, last, bh_prev, m_prev, zero_q, sm_scale, PART, 0)
-        if D == 128:
-            _dq_part(ds_smem, k_smem, dq_smem, dq_desc, last, bh_prev, m_prev, zero_q, sm_scale, PART, 1)
+        _dq_part(ds_smem, k_smem, dq_smem, dq_desc, last, bh_prev, m_prev, zero_q, sm_scale, PART)
     tma.store_wait(0)
     dims = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     keys_o = k0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, o_layout))
@@ -428,10 +428,14 @@ def _attn_bwd_ws_kernel(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc
         p_smem = gl.allocate_shared_memory(dtype, [_ROWS, 2 * KEYS], t_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [_ROWS, 2 * KEYS], t_layout)
         dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
-    else:  # dS^T halves of two tiles; two dQ staging buffers per warpgroup
+    else:  # dS^T halves of two tiles; dQ staging per warpgroup: one [64, 64] buffer at D=128, two [64, 32] at D=64
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, _ROWS], dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [4, KEYS, _ROWS], ds_layout)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [4] + dq_desc.block_type.shape, dq_desc.layout)
+        if k_desc.block_type.shape[2] == 128:
+            w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, _ROWS, 64], gl.float32)
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, _ROWS, 64], w_layout)
+        else:
+            dq_smem = gl.allocate_shared_memory(gl.float32, [4] + dq_desc.block_type.shape, dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [_RING, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [_RING, 1], mbarrier.MBarrierLayout())
