@@ -47,7 +47,7 @@ import biasattn as ba  # noqa: E402
 
 TOKENS = 16384
 HEADS = 16
-CASE_ARGS: dict = {}  # make_case options set from the command line (--window)
+CASE_ARGS: dict = {}  # make_case options set from the command line (--window, --docs)
 SDPA = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
         "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa_math": SDPBackend.MATH}
 PROVIDERS = ("triton", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "flex")
@@ -489,6 +489,8 @@ def main(argv=None) -> int:
     p.add_argument("--dropout", type=float, default=0.0, help="with --tune: the dropout probability of every call")
     p.add_argument("--tokens", type=int, default=TOKENS, help="with --ab: B·M of every case")
     p.add_argument("--window", type=int, default=1024, help="keys left of the diagonal that the window case sees")
+    p.add_argument("--docs", nargs=2, type=int, default=[8, 32], metavar=("MIN", "MAX"),
+                   help="the varlen case packs between MIN and MAX causal documents into each B·M tokens")
     p.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq", "dbias", "dq_ds"],
                    help="kernels whose configs --tune times")
     p.add_argument("--ab", choices=list(AB_SWITCHES), help="A/B of a launcher switch (triton only): " + "; ".join(
@@ -500,6 +502,7 @@ def main(argv=None) -> int:
                    help="sweep: time eager calls (host work included) or CUDA-graph replays (GPU work only)")
     args = p.parse_args(argv)
     CASE_ARGS["window"] = args.window
+    CASE_ARGS["docs"] = tuple(args.docs)
     if args.quick:
         args.cases, args.seqlens, args.head_dims = ["none", "causal"], [2048], [128]
     args.out = args.out or (os.path.dirname(os.path.abspath(args.render)) if args.render else results_dir())

@@ -94,7 +94,7 @@ def _tables(spec: BiasSpec, blocks: tuple[int, int], device, roles: tuple) -> tu
         (schedule.key_schedule(spec, bn, device).table,) if bn else ())
 
 
-GLUON_FEATURES = frozenset({"padded_keys", "band"})  # the masks the Gluon backward takes
+GLUON_FEATURES = frozenset({"segments", "padded_keys", "band"})  # the masks the Gluon backward takes
 GLUON_HEAD_DIMS = frozenset({64, 128, 256})  # ... and its head dims (256: gluon_backward's wide kernel)
 GLUON_D64_MASKED_MIN_KEYS = 4096  # at head dim 64, masked calls with fewer keys keep the triton.language backward
 _gluon_failure: list[str] = []  # why the Gluon backward cannot run with the installed Triton, once known
@@ -140,14 +140,15 @@ def _delta(out, dout, dlse: torch.Tensor | None, delta: torch.Tensor, f32: torch
     )
 
 
-def _gluon_chunk(q, k, spec: BiasSpec) -> int:
-    """The :func:`.flash.program_chunk` of the Gluon backward: at head dim 64 under a causal band its last pairs
-    start their key tiles rank by rank (heaviest first); at 128 the plain order was faster, at 256 as fast."""
+def _gluon_chunk(q, k, spec: BiasSpec, tiles: int) -> int:
+    """The :func:`.flash.program_chunk` of the Gluon backward's ``tiles`` key-tile programs: at head dim 64 under a
+    causal band its last pairs start their key tiles rank by rank (heaviest first); at 128 the plain order was
+    faster, at 256 as fast."""
     B, H, Mq, D = q.shape
     if D != 64 or not flash.growing_spans(spec):
         return 1
     Hkv = k.shape[1]
-    return flash.program_chunk(B * Hkv, cdiv(k.shape[2], 128), flash.num_sms(q.device), Mq * D * 8 * (H // Hkv))
+    return flash.program_chunk(B * Hkv, tiles, flash.num_sms(q.device), Mq * D * 8 * (H // Hkv))
 
 
 def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, dq, dk, dv) -> bool:
@@ -169,7 +170,9 @@ def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, dq, 
     scale = float(scale)  # the scales are roles of the plan: these objects go into every launch
     qk_scale = scale * LOG2E
     descs = gluon_backward.descriptors(q, k, v, dout, guarded, delta, dq32)
-    plan_roles = (q, k, v, out, lse, dout, delta, guarded, dq32, dk, dv, *descs, *roles, qk_scale, scale)
+    sched = schedule.key_schedule(spec, gluon_backward.program_keys(q.shape[3]), q.device)
+    table = (sched.table,) if roles and sched.table is not None else ()
+    plan_roles = (q, k, v, out, lse, dout, delta, guarded, dq32, dk, dv, *descs, *roles, *table, qk_scale, scale)
     plan = plans.lookup(store, key)
     if plan is not None:
         plan.run(plan_roles)
@@ -180,8 +183,13 @@ def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, dq, 
         _delta(out, dout, dlse.to(torch.float32).contiguous() if dlse is not None else None, delta, args.f32,
                q.shape[3], lse, guarded)
         try:
-            gluon_backward.attn_bwd(q, k, dk, dv, descs, qk_scale, scale, (args.kv, args.band_lo, args.band_hi),
-                                    dict(HAS_PADDED=args.has_padded, HAS_BAND=args.has_band), _gluon_chunk(q, k, spec))
+            gluon_backward.attn_bwd(
+                q, k, dk, dv, descs, qk_scale, scale, sched.n,
+                sched.table if sched.table is not None else args.d32,
+                (args.qs, args.ks, args.kl, args.kv, args.band_lo, args.band_hi),
+                dict(SCHEDULED=sched.table is not None, HAS_SEGMENTS=args.has_segments, HAS_PADDED=args.has_padded,
+                     HAS_BAND=args.has_band, BAND_PER_SEGMENT=args.band_per_segment),
+                _gluon_chunk(q, k, spec, sched.n))
         except (CompilationError, OutOfResources) as e:
             flash._gluon_fails(e, _gluon_failure, "backward")
             return False

@@ -1,5 +1,5 @@
-"""The backward at head dims 64, 128 and 256 on Hopper, warp-specialized in Gluon: no bias, causal masks, windows
-and padded keys, MHA and GQA. At head dim 256 the warpgroups share the work otherwise (``_consume_wide``,
+"""The backward at head dims 64, 128 and 256 on Hopper, warp-specialized in Gluon: no bias, causal masks, windows,
+padded keys and packed documents, MHA and GQA. At head dim 256 the warpgroups share the work otherwise (``_consume_wide``,
 described where it is defined); the rest of this text describes head dims 64 and 128.
 
 A program owns 128 keys of one KV head and walks the 64-row query tiles that see them, for every
@@ -18,7 +18,9 @@ from one run to the next; the caller keeps deterministic runs on the ``triton.la
 
 Masks are intervals of keys per query row, as in the forward (:mod:`.gluon_forward`): a program
 walks only the query tiles whose rows see some of its keys, and masks ``P`` only on the tiles at the
-edges of that range. A key or value that a row cannot see reaches none of its gradients, whatever it
+edges of that range. Packed documents are tiled per document along the keys (the table of
+:func:`.schedule.key_schedule`), so a program's keys belong to one document and its rows to that
+document's queries; its query tiles stay on the 64-row grid, rows of the neighbouring documents masked. A key or value that a row cannot see reaches none of its gradients, whatever it
 holds (NaN in an uninitialized cache): ``dS`` is 0 where ``P`` is, and K's rows past a key length and
 its non-finite elements are zeroed in shared memory once, so that ``dS K`` takes no ``0 · NaN``.
 Tiles past the end of a head read zeros and write nothing: the descriptors are per head
@@ -70,7 +72,7 @@ else:
 @gluon.jit
 def _load(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, kv_bar,
           ready, empty, prog):
-    bh_k, bh_q, n0, lo, n_tiles, n_head, a, e, key_lo, key_hi, band_lo, band_hi = prog
+    bh_k, bh_q, n0, n_end, lo, n_tiles, n_head, a, e, row_lo, n_rows, key_lo, key_hi, band_lo, band_hi = prog
     KEYS: gl.constexpr = k_desc.block_type.shape[1]  # keys of one half
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
     for h in gl.static_range(2):
@@ -147,10 +149,19 @@ def _dq_part(ds_smem, k_smem, dq_smem, dq_desc, buf, bh, m0, zero_q, sm_scale, P
 
 
 @gluon.jit
+def _rows_in(rows, row_lo, n_rows, Mq, DOCUMENTS: gl.constexpr):
+    """Which ``rows`` are the program's: ``[row_lo, row_lo + n_rows)`` (one unsigned compare) with ``DOCUMENTS``,
+    else those before ``Mq``."""
+    if DOCUMENTS:
+        return (rows - row_lo).to(gl.uint32) < n_rows
+    return rows < Mq
+
+
+@gluon.jit
 def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, bars, dq_desc, DK, DV, prog, qk_scale,
-             sm_scale, Mq, Mk, MASKED: gl.constexpr, PART: gl.constexpr):
+             sm_scale, Mq, Mk, MASKED: gl.constexpr, PART: gl.constexpr, DOCUMENTS: gl.constexpr):
     kv_bar, ready, empty, ds_bar = bars
-    bh_k, bh_q, n0, lo, n_tiles, n_head, a, e, key_lo, key_hi, band_lo, band_hi = prog
+    bh_k, bh_q, n0, n_end, lo, n_tiles, n_head, a, e, row_lo, n_rows, key_lo, key_hi, band_lo, band_hi = prog
     D: gl.constexpr = k_smem.type.shape[3]
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = _mma_layout(_ROWS)
@@ -189,7 +200,7 @@ def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, 
                 rows = m0 + gl.arange(0, _ROWS, layout=col_s)
                 d = keys[:, None] - rows[None, :]
                 vis = (d >= band_lo) & (d <= band_hi) & (keys >= key_lo)[:, None] & (keys < key_hi)[:, None]
-                pt = gl.where(vis & (rows < Mq)[None, :], pt, 0.0)
+                pt = gl.where(vis & _rows_in(rows, row_lo, n_rows, Mq, DOCUMENTS)[None, :], pt, 0.0)
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
         delta = d_bufs.index(s).reshape([_ROWS]).load(col_s)
         ds = pt * (dpt - delta[None, :])
@@ -218,7 +229,7 @@ def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, 
     dims = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     keys_o = k0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, o_layout))
     offs = (bh_k.to(gl.int64) * Mk + keys_o)[:, None] * D + dims[None, :]
-    keep = (keys_o < Mk)[:, None]
+    keep = (keys_o < (n_end if DOCUMENTS else Mk))[:, None]
     gl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
     gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=keep)
 
@@ -261,11 +272,12 @@ def _dq_wide(ds_own, ds_smem, k_smem, dq_smem, dq_desc, bh, m0, zero_q, sm_scale
 
 @gluon.jit
 def _consume_wide(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, p_smem, ds_smem, dq_smem, bars, dq_desc, DK, DV,
-                  prog, qk_scale, sm_scale, Mq, Mk, MASKED: gl.constexpr, PART: gl.constexpr):
+                  prog, qk_scale, sm_scale, Mq, Mk, MASKED: gl.constexpr, PART: gl.constexpr,
+                  DOCUMENTS: gl.constexpr):
     """Warpgroup ``PART`` of the head-dim-256 backward (see above): scores of keys ``[32 PART, +32)``, then dV,
     dK and dQ for dims ``[128 PART, +128)``."""
     kv_bar, ready, empty, full, free = bars
-    bh_k, bh_q, n0, lo, n_tiles, n_head, a, e, key_lo, key_hi, band_lo, band_hi = prog
+    bh_k, bh_q, n0, n_end, lo, n_tiles, n_head, a, e, row_lo, n_rows, key_lo, key_hi, band_lo, band_hi = prog
     D: gl.constexpr = k_smem.type.shape[3]
     DH: gl.constexpr = D // 2
     KEYS: gl.constexpr = k_smem.type.shape[2]
@@ -301,7 +313,7 @@ def _consume_wide(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, p_smem, ds_sm
                 rows = m0 + gl.arange(0, _ROWS, layout=row_s)
                 d = keys[None, :] - rows[:, None]
                 vis = (d >= band_lo) & (d <= band_hi) & (keys >= key_lo)[None, :] & (keys < key_hi)[None, :]
-                p = gl.where(vis & (rows < Mq)[:, None], p, 0.0)
+                p = gl.where(vis & _rows_in(rows, row_lo, n_rows, Mq, DOCUMENTS)[:, None], p, 0.0)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
         delta = d_bufs.index(s).reshape([_ROWS]).load(row_s)
         ds = p * (dp - delta[:, None])
@@ -327,21 +339,23 @@ def _consume_wide(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, p_smem, ds_sm
     dims = PART * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
     keys_o = n0 + gl.arange(0, 2 * KEYS, layout=gl.SliceLayout(1, o_layout))
     offs = (bh_k.to(gl.int64) * Mk + keys_o)[:, None] * D + dims[None, :]
-    keep = (keys_o < Mk)[:, None]
+    keep = (keys_o < (n_end if DOCUMENTS else Mk))[:, None]
     gl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
     gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=keep)
 
 
 @gluon.jit
-def _consumer(smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, MASKED: gl.constexpr,
-              PART: gl.constexpr):
-    """Warpgroup ``PART``: :func:`_consume_wide` at head dim 256, :func:`_consume` below."""
+def _consumer(smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, MASKED: gl.constexpr, PART: gl.constexpr,
+              DOCUMENTS: gl.constexpr = False):
+    """Warpgroup ``PART``: :func:`_consume_wide` at head dim 256, :func:`_consume` below; ``DOCUMENTS`` when the
+    program's keys and rows are those of one packed document (its row of the segments' table)."""
     if smem[0].type.shape[3] == 256:
-        _consume_wide(*smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, MASKED, PART)
+        _consume_wide(*smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, MASKED, PART, DOCUMENTS)
     else:
-        _consume(*smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, MASKED, PART)
+        _consume(*smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, MASKED, PART, DOCUMENTS)
 
 
+# The partitions: worker partitions take the same arguments and no constexpr, so each variant and half has its own.
 @gluon.jit
 def _first(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, bars, DK, DV, prog, qk_scale, sm_scale, Mq,
            Mk):
@@ -367,6 +381,18 @@ def _second_masked(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, sme
 
 
 @gluon.jit
+def _first_documents(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, bars, DK, DV, prog, qk_scale,
+                     sm_scale, Mq, Mk):
+    _consumer(smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, True, 0, True)
+
+
+@gluon.jit
+def _second_documents(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, bars, DK, DV, prog, qk_scale,
+                      sm_scale, Mq, Mk):
+    _consumer(smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, True, 1, True)
+
+
+@gluon.jit
 def _loader(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, bars, DK, DV, prog, qk_scale, sm_scale,
             Mq, Mk):
     _load(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, smem[0], smem[1], smem[2], smem[3], smem[4], smem[5], bars[0],
@@ -374,49 +400,85 @@ def _loader(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, bars
 
 
 @gluon.jit
-def _row_span(n0, Mq, bounds, MASKED: gl.constexpr, KEYS: gl.constexpr):
+def _key_tile(pid, Sched, Mk, SCHEDULED: gl.constexpr, KEYS: gl.constexpr):
+    """``(first key, end key, segment)`` of program ``pid``: the packed segments' table, or the regular tiles of
+    ``KEYS`` keys from the first (under a causal mask the heaviest)."""
+    if SCHEDULED:
+        n0 = gl.load(Sched + pid * 3)
+        n_end = gl.load(Sched + pid * 3 + 1)
+        seg = gl.load(Sched + pid * 3 + 2)
+    else:
+        n0 = pid * KEYS
+        n_end = gl.minimum(n0 + KEYS, Mk)
+        seg = 0
+    return n0, n_end, seg
+
+
+@gluon.jit
+def _query_rows(seg, Mq, QSeqStart, HAS_SEGMENTS: gl.constexpr):
+    """``(row_lo, row_hi)``: the query rows of segment ``seg`` (none for ``-1``), or all ``Mq``."""
+    row_lo = gl.to_tensor(0)
+    row_hi = gl.to_tensor(Mq)
+    if HAS_SEGMENTS:
+        s = gl.maximum(seg, 0)
+        row_lo = gl.where(seg >= 0, gl.load(QSeqStart + s), 0)
+        row_hi = gl.where(seg >= 0, gl.load(QSeqStart + s + 1), 0)
+    return row_lo, row_hi
+
+
+@gluon.jit
+def _row_span(n0, row_lo, row_hi, bounds, MASKED: gl.constexpr, KEYS: gl.constexpr):
     """``(first row, query tiles, a, e)`` of keys ``[n0, n0 + KEYS)``: the tiles of 64 rows from ``first row``
-    that see some of them, of which tiles ``[a, e)`` see them all. ``bounds`` as in :func:`_key_bounds`:
-    row ``i`` sees key ``j`` when ``key_lo <= j < key_hi`` and ``band_lo <= j - i <= band_hi``."""
+    (a multiple of 64) that see some of them, of which tiles ``[a, e)`` see them all. Row ``i`` sees key ``j`` when
+    ``row_lo <= i < row_hi``, ``key_lo <= j < key_hi`` and ``band_lo <= j - i <= band_hi`` (``bounds``). Tiles
+    start on the 64-row grid because lse and delta are read by TMA along their rows, whose boxes must start
+    on 16 bytes (a document's first row need not)."""
     if MASKED:
         key_lo, key_hi, band_lo, band_hi = bounds
         first = gl.maximum(n0, key_lo)  # the keys some row may see: [first, last]
         last = gl.minimum(n0 + KEYS, key_hi) - 1
-        lo = gl.maximum(first - band_hi, 0) // _ROWS * _ROWS
-        hi = gl.minimum(last - band_lo + 1, Mq)
+        lo = gl.maximum(first - band_hi, row_lo) // _ROWS * _ROWS
+        hi = gl.minimum(last - band_lo + 1, row_hi)
         n = gl.where((first <= last) & (lo < hi), gl.cdiv(gl.maximum(hi - lo, 0), _ROWS), 0)
         inside = (n0 >= key_lo) & (n0 + KEYS <= key_hi)
-        full_lo = gl.maximum(n0 + KEYS - 1 - band_hi, 0)  # rows that see every key: [full_lo, full_hi)
-        full_hi = gl.minimum(n0 - band_lo + 1, Mq)
+        full_lo = gl.maximum(n0 + KEYS - 1 - band_hi, row_lo)  # rows that see every key: [full_lo, full_hi)
+        full_hi = gl.minimum(n0 - band_lo + 1, row_hi)
         a, e = _whole_tiles(lo, n, full_lo, full_hi, inside, _ROWS)  # keys past a key bound: every tile masks
         lo = gl.where(n > 0, lo, 0)
     else:
         lo = gl.to_tensor(0)
-        n = gl.to_tensor(Mq // _ROWS)
+        n = gl.to_tensor(row_hi // _ROWS)
         a = gl.to_tensor(0)
         e = n
     return lo, n, a, e
 
 
 @gluon.jit
-def _attn_bwd_ws_kernel(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, DK, DV, KvLens, BandLo, BandHi, Hkv,
-                        G, Mq, Mk, chunk, qk_scale, sm_scale, REGS: gl.constexpr, MASKED: gl.constexpr,
-                        HAS_PADDED: gl.constexpr, HAS_BAND: gl.constexpr, TAIL_ORDER: gl.constexpr):
-    """Grid ``(key tiles, B * Hkv)``: a program owns twice the keys of K's box (128, or 64 at head dim 256), the
-    last ``chunk`` pairs started rank by rank with ``TAIL_ORDER`` (``common_kernels._chunked_ids``). Q, dO and dQ
-    (float32, zeroed) are ``[B·H, Mq, D]`` descriptors, lse (natural log; +inf for a row that saw no key, NaN for
-    one that saw an infinite score) and delta ``[B·H, Mq]``, K and V ``[B·Hkv, Mk, D]`` (``G`` query heads per KV
-    head); writes dK and dV (``[B, Hkv, Mk, D]``, contiguous) and adds into dQ. Without ``MASKED``, Mq is a
-    multiple of 64, Mk of the program's keys, and every row sees every key."""
+def _attn_bwd_ws_kernel(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, DK, DV, Sched, QSeqStart, KSeqStart,
+                        KSeqLen, KvLens, BandLo, BandHi, Hkv, G, Mq, Mk, chunk, qk_scale, sm_scale, REGS: gl.constexpr,
+                        MASKED: gl.constexpr, SCHEDULED: gl.constexpr, HAS_SEGMENTS: gl.constexpr,
+                        HAS_PADDED: gl.constexpr, HAS_BAND: gl.constexpr, BAND_PER_SEGMENT: gl.constexpr,
+                        TAIL_ORDER: gl.constexpr):
+    """Grid ``(key tiles, B * Hkv)``: a program owns twice the keys of K's box (128, or 64 at head dim 256), its
+    keys those of its row of the packed segments' table ``Sched`` with ``SCHEDULED``, the last ``chunk`` pairs
+    started rank by rank with ``TAIL_ORDER`` (``common_kernels._chunked_ids``). Q, dO and dQ (float32, zeroed)
+    are ``[B·H, Mq, D]`` descriptors, lse (natural log; +inf for a row that saw no key, NaN for one that saw an
+    infinite score) and delta ``[B·H, Mq]``, K and V ``[B·Hkv, Mk, D]`` (``G`` query heads per KV head); writes
+    dK and dV (``[B, Hkv, Mk, D]``, contiguous) and adds into dQ. Without ``MASKED``, Mq is a multiple of 64, Mk
+    of the program's keys, and every row sees every key."""
     dtype: gl.constexpr = k_desc.dtype
     KEYS: gl.constexpr = k_desc.block_type.shape[1]  # keys of one box: one half of the program's
     WIDE: gl.constexpr = k_desc.block_type.shape[2] == 256
     pid, bh_k = _chunked_ids(gl.program_id(0), gl.program_id(1), gl.num_programs(0), gl.num_programs(1), chunk,
                              TAIL_ORDER)  # bh_k: (batch row, KV head)
-    n0 = pid * (2 * KEYS)  # under a causal mask the first key tiles are the heaviest
+    n0, n_end, seg = _key_tile(pid, Sched, Mk, SCHEDULED, 2 * KEYS)
     b = bh_k // Hkv
-    bounds = _key_bounds(0, b, Mk, KvLens, KvLens, KvLens, BandLo, BandHi, False, HAS_PADDED, HAS_BAND, False)
-    lo, n_head, a, e = _row_span(n0, Mq, bounds, MASKED, 2 * KEYS)
+    key_lo, key_hi, band_lo, band_hi = _key_bounds(seg, b, Mk, KSeqStart, KSeqLen, KvLens, BandLo, BandHi,
+                                                   HAS_SEGMENTS, HAS_PADDED, HAS_BAND, BAND_PER_SEGMENT)
+    key_hi = gl.minimum(key_hi, n_end)
+    row_lo, row_hi = _query_rows(seg, Mq, QSeqStart, HAS_SEGMENTS)
+    bounds = (key_lo, key_hi, band_lo, band_hi)
+    lo, n_head, a, e = _row_span(n0, row_lo, row_hi, bounds, MASKED, 2 * KEYS)
     k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [_RING] + q_desc.block_type.shape, q_desc.layout)
@@ -459,10 +521,13 @@ def _attn_bwd_ws_kernel(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc
         smem = (k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem)
         bars = (kv_bar, ready, empty, ds_bar)
     bh_q = b * Hkv * G + (bh_k % Hkv) * G  # the group's first query head
-    prog = (bh_k, bh_q, n0, lo, n_head * G, n_head, a, e) + bounds
+    n_rows = (row_hi - row_lo).to(gl.uint32)  # rows - row_lo < n_rows, unsigned: one compare in the masked loop
+    prog = (bh_k, bh_q, n0, n_end, lo, n_head * G, n_head, a, e, row_lo, n_rows) + bounds
     args = (k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, bars, DK, DV, prog, qk_scale, sm_scale,
             Mq, Mk)
-    if MASKED:
+    if HAS_SEGMENTS:
+        gl.warp_specialize([(_first_documents, args), (_second_documents, args), (_loader, args)], [4, 1], [REGS, 24])
+    elif MASKED:
         gl.warp_specialize([(_first_masked, args), (_second_masked, args), (_loader, args)], [4, 1], [REGS, 24])
     else:
         gl.warp_specialize([(_first, args), (_second, args), (_loader, args)], [4, 1], [REGS, 24])
@@ -503,21 +568,27 @@ def descriptors(q, k, v, dout, lse, delta, dq32) -> tuple:
             _descriptor(dq32, [1, ROWS, DQ_COLS]))
 
 
-def attn_bwd(q, k, dk, dv, descs: tuple, qk_scale: float, scale: float, bounds: tuple, switches: dict,
-             chunk: int = 1) -> None:
+def attn_bwd(q, k, dk, dv, descs: tuple, qk_scale: float, scale: float, n_prog: int, table: torch.Tensor,
+             bounds: tuple, switches: dict, chunk: int = 1) -> None:
     """Write ``dk`` and ``dv`` and add dQ into the float32 (zeroed) buffer of an :func:`eligible` call, every
     operand but those two in ``descs`` (:func:`descriptors` of ``q, k, v, dout, lse, delta, dq32``): ``lse``
     the forward's, guarded (+inf where it is -inf, NaN where +inf), and ``delta = rowsum(dout * out) - dlse``
     (float32 ``[B, H, Mq]``, both from the backward's preprocessing); ``qk_scale`` the softmax ``scale`` times
-    log2(e); ``bounds`` the int32 tensors ``(kv_seqlens, band_lo, band_hi)`` and ``switches`` the
-    ``HAS_PADDED`` and ``HAS_BAND`` flags; the last ``chunk`` (batch, KV head) pairs start their key tiles
-    rank by rank."""
+    log2(e); ``n_prog`` key-tile programs, those of the packed segments' ``table`` (:func:`.schedule.key_schedule`
+    at :func:`program_keys`) with ``SCHEDULED``; ``bounds`` the int32 tensors ``(q_seqstart, k_seqstart,
+    k_seqlen, kv_seqlens, band_lo, band_hi)`` and ``switches`` the ``SCHEDULED``, ``HAS_*`` and
+    ``BAND_PER_SEGMENT`` flags of the bias; the last ``chunk`` (batch, KV head) pairs start their key tiles rank
+    by rank."""
     B, H, Mq, D = q.shape
     Hkv, Mk = k.shape[1], k.shape[2]
     wide = D == 256
-    half = WIDE_KEYS if wide else HALF
-    masked = any(switches.values()) or Mq % ROWS != 0 or Mk % (2 * half) != 0
-    _launch_bwd[(-(-Mk // (2 * half)), B * Hkv)](
-        *descs, dk, dv, *bounds, Hkv, H // Hkv, Mq, Mk, chunk, qk_scale, scale,
+    masked = any(switches.values()) or Mq % ROWS != 0 or Mk % program_keys(D) != 0
+    _launch_bwd[(n_prog, B * Hkv)](
+        *descs, dk, dv, table, *bounds, Hkv, H // Hkv, Mq, Mk, chunk, qk_scale, scale,
         WIDE_REGS if wide else CONSUMER_REGS[masked], masked, **switches, TAIL_ORDER=chunk > 1, num_warps=4,
     )
+
+
+def program_keys(D: int) -> int:
+    """Keys a program owns at head dim ``D``: its key tile, and the block of its segments' table."""
+    return 2 * (WIDE_KEYS if D == 256 else HALF)
