@@ -20,7 +20,8 @@ Masks are intervals of keys per query row, as in the forward (:mod:`.gluon_forwa
 walks only the query tiles whose rows see some of its keys, and masks ``P`` only on the tiles at the
 edges of that range. Packed documents are tiled per document along the keys (the table of
 :func:`.schedule.key_schedule`), so a program's keys belong to one document and its rows to that
-document's queries; its query tiles stay on the 64-row grid, rows of the neighbouring documents masked. A key or value that a row cannot see reaches none of its gradients, whatever it
+document's queries; its query tiles stay on the 64-row grid, rows of the neighbouring documents masked.
+A key or value that a row cannot see reaches none of its gradients, whatever it
 holds (NaN in an uninitialized cache): ``dS`` is 0 where ``P`` is, and K's rows past a key length and
 its non-finite elements are zeroed in shared memory once, so that ``dS K`` takes no ``0 · NaN``.
 Tiles past the end of a head read zeros and write nothing: the descriptors are per head
