@@ -433,10 +433,10 @@ AB_SWITCHES = {  # name: (launch option, state A, state B, value A, value B)
     "order": ("order_tail_waves", "last pairs started rank by rank", "plain order", 4, 0),
     "dq_from_ds": ("dq_from_ds", "dQ read back from a per-(batch, head) bias gradient", "dQ recomputing S and dP",
                    True, False),
-    "gluon": ("gluon_forward", "forwards at D=128 (no bias, interval masks) in Gluon", "in the triton.language kernel",
-              True, False),
+    "gluon": ("gluon_forward", "forwards at D=128 and 256 (no bias, interval masks, block layouts) in Gluon",
+              "in the triton.language kernel", True, False),
     "gluon_min": ("gluon_min_scores", "Gluon kernels on calls of any size", "from 2^26 scores", 0, 2**26),
-    "gluon_bwd": ("gluon_backward", "backwards at D=64, 128 and 256 (no bias, interval masks, packed documents) in Gluon",
+    "gluon_bwd": ("gluon_backward", "backwards at D=64, 128 and 256 (no bias, interval masks, block layouts) in Gluon",
                   "in the triton.language kernels", True, False),
 }
 

@@ -5,6 +5,9 @@ gradients with and without an lse gradient)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import pytest
 import torch
 from test_triton import _delta_rounding, _poison, assert_close, check, const, qkv  # noqa: F401  (_poison: autouse)
@@ -30,9 +33,11 @@ def gluon_calls(triton_options, monkeypatch):
     triton_options(gluon_min_scores=0, plans=False)
     monkeypatch.setattr(flash, "_gluon_span", lambda *args: True)  # rows seeing few keys take it too
     monkeypatch.setattr(flash_bwd, "GLUON_D64_MASKED_MIN_KEYS", 0)  # and masked calls at D=64 of any length
+    monkeypatch.setattr(flash, "GLUON_LAYOUT_MIN_SCORES", 0)  # and block layouts of any size
     calls = []
     real = gluon_forward.attn_fwd
 
+    @functools.wraps(real)
     def counted(q, k, *args):
         masked = real(q, k, *args)
         calls.append((tuple(q.shape), tuple(k.shape), masked))
@@ -51,6 +56,7 @@ def gluon_bwd_calls(gluon_calls, monkeypatch):
     calls = []
     real = gluon_backward.attn_bwd
 
+    @functools.wraps(real)
     def counted(q, k, *args):
         real(q, k, *args)
         calls.append((tuple(q.shape), tuple(k.shape)))
@@ -126,7 +132,7 @@ def test_forward_at_head_dim_256_matches_the_reference(gluon_calls, gluon_bwd_ca
     assert gluon_bwd_calls
 
 
-@pytest.mark.parametrize("case", ["D64", "fp32", "strided", "dropout", "additive", "block_sparse"])
+@pytest.mark.parametrize("case", ["D64", "fp32", "strided", "dropout", "additive", "block_sparse_32"])
 def test_other_calls_keep_the_triton_kernels(gluon_calls, gluon_bwd_calls, case):
     """Calls outside the kernels' tensors and biases run the ``triton.language`` kernels, with the same results."""
     D, M, dtype, bias = 128, 256, torch.bfloat16, None
@@ -134,9 +140,9 @@ def test_other_calls_keep_the_triton_kernels(gluon_calls, gluon_bwd_calls, case)
         D = 64
     elif case == "fp32":
         dtype = torch.float32
-    elif case == "block_sparse":
-        layout = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool, device="cuda")
-        bias = ba.BlockSparseMask(layout, 128)
+    elif case == "block_sparse_32":  # blocks smaller than the Gluon backward's tiles
+        layout = torch.tril(torch.ones(8, 8, dtype=torch.bool, device="cuda"))
+        bias = ba.BlockSparseMask(layout, 32)
     q, k, v = qkv(B=2, Hq=2, Hkv=2, Mq=M, Mk=M, D=D, dtype=dtype)
     if case == "strided":  # rows of a [B, M, H, D] projection
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
@@ -147,6 +153,41 @@ def test_other_calls_keep_the_triton_kernels(gluon_calls, gluon_bwd_calls, case)
     else:
         check(q, k, v, const(bias))
     assert gluon_calls == [] and bool(gluon_bwd_calls) == (case == "D64")  # the backward runs at D=64 too
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("heads", [(4, 4, 4), (4, 2, 1), (4, 2, 4)], ids=["mha", "gqa_shared", "gqa_per_head"])
+def test_block_layouts_walk_their_tile_lists(gluon_calls, gluon_bwd_calls, heads, D):
+    """A block layout whose blocks hold whole tiles (128 rows and keys here) runs in Gluon, each program walking
+    the tiles its list holds: the forward at head dims 128 and 256, every row seeing its listed key tiles whole
+    (rows that see none write 0), and the backward when a KV head's query heads share one list (MHA, or one
+    layout for every head; a key block no row sees gets dK = dV = 0). Per-head layouts under GQA keep the
+    ``triton.language`` backward."""
+    Hq, Hkv, Hl = heads
+    gen = torch.Generator().manual_seed(7)
+    layout = torch.rand(Hl, 4, 4, generator=gen) < 0.5
+    layout[:, :, 1] = False  # keys 128-255: no row sees them
+    layout[:, 3, :] = False  # rows 384-511: they see no key
+    layout[:, 0, 0] = True
+    bias = ba.BlockSparseMask(layout[None].to("cuda"), 128)
+    check(*qkv(B=2, Hq=Hq, Hkv=Hkv, Mq=512, Mk=512, D=D, dtype=torch.bfloat16), const(bias))
+    assert bool(gluon_calls) == (D != 64) and not any(c[2] for c in gluon_calls)  # listed: no masked launch
+    assert bool(gluon_bwd_calls) == (Hl == 1 or Hq == Hkv)
+
+
+def test_small_block_layouts_keep_the_triton_kernels(gluon_calls, gluon_bwd_calls, monkeypatch):
+    """A block layout in a call of fewer than ``GLUON_LAYOUT_MIN_SCORES`` scores stays on the ``triton.language``
+    kernels, forward and backward; from that size on it takes the Gluon ones."""
+    from biasattn.ops.triton import flash
+
+    layout = torch.ones(1, 1, 4, 4, dtype=torch.bool, device="cuda").tril()
+    args = qkv(B=2, Hq=2, Hkv=2, Mq=512, Mk=512, D=128, dtype=torch.bfloat16)
+    monkeypatch.setattr(flash, "GLUON_LAYOUT_MIN_SCORES", 2 * 2 * 512 * 512 + 1)
+    check(*args, const(ba.BlockSparseMask(layout, 128)))
+    assert gluon_calls == [] and gluon_bwd_calls == []
+    monkeypatch.setattr(flash, "GLUON_LAYOUT_MIN_SCORES", 2 * 2 * 512 * 512)
+    check(*args, const(ba.BlockSparseMask(layout, 128)))
+    assert gluon_calls and gluon_bwd_calls
 
 
 @pytest.mark.parametrize("case", ["none", "causal", "window", "padded", "packed_causal", "packed_rect"])
@@ -177,8 +218,9 @@ def test_programs_started_rank_by_rank_keep_results(gluon_calls, gluon_bwd_calls
     chunks = set()
     for module, name in ((gluon_forward, "attn_fwd"), (gluon_backward, "attn_bwd")):
         real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda q, *args, real=real, name=name: chunks.add(
-            (name, q.shape[-1], args[-1])) or real(q, *args))
+        chunk_of = inspect.signature(real).bind
+        monkeypatch.setattr(module, name, lambda q, *args, real=real, name=name, chunk_of=chunk_of: chunks.add(
+            (name, q.shape[-1], chunk_of(q, *args).arguments.get("chunk", 1))) or real(q, *args))
     for D in (128, 64):
         check(*qkv(B=3, Hq=4, Hkv=2, Mq=640, Mk=640, D=D, dtype=torch.bfloat16), const(ba.LowerTriangularMask()))
     by_rank = waves > 0  # 5 tiles a pair: 12 query-head pairs in the forward, 6 KV-head pairs in the backward
@@ -261,6 +303,22 @@ def test_calls_of_one_signature_replay_a_launch_plan(gluon_calls, gluon_bwd_call
         lens = torch.randint(M // 2, M + 1, (B,), generator=gen).to(device="cuda", dtype=torch.int32)
         bias = ba.LocalAttentionMask(window_left=100 + 40 * step, window_right=0) & ba.PaddedKeysMask(lens)
         check(q, k, v, const(bias), scale=0.05 + 0.01 * step, use_dlse=False)
+    assert len(gluon_calls) == 3 and len(gluon_bwd_calls) == 3
+
+
+def test_fresh_documents_replay_a_launch_plan(gluon_calls, gluon_bwd_calls, triton_options):
+    """Packed documents built every step from a device tensor of new lengths share one launch plan: from the
+    fourth call both Gluon kernels replay it with the new lengths and tile tables, and every step matches the
+    reference (documents starting off the 64-row grid included)."""
+    triton_options(plans=True)
+    M = 512
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = qkv(B=1, Hq=4, Hkv=2, Mq=M, Mk=M, D=128, dtype=torch.bfloat16)
+    for _ in range(5):
+        cuts = torch.randint(1, M, (2,), generator=gen).sort().values.tolist()
+        lens = torch.tensor([cuts[0], cuts[1] - cuts[0], M - cuts[1]], dtype=torch.int32, device="cuda")
+        bias = ba.BlockDiagonalMask.from_seqlens(lens).make_causal()
+        check(q, k, v, const(bias), use_dlse=False)
     assert len(gluon_calls) == 3 and len(gluon_bwd_calls) == 3
 
 

@@ -366,7 +366,7 @@ def _exact_pass(q, k, v, out, lse, spec: BiasSpec, args, sched, drop, qk_scale, 
     )
 
 
-GLUON_FEATURES = frozenset({"segments", "padded_keys", "band"})  # the masks the Gluon forward takes
+GLUON_FEATURES = frozenset({"segments", "padded_keys", "band", "layout"})  # the masks the Gluon forward takes
 GLUON_HEAD_DIMS = frozenset({128, 256})  # ... and its head dims (gluon_forward.TILES)
 
 
@@ -376,8 +376,9 @@ _gluon_failure: list[str] = []  # why the Gluon forward cannot run with the inst
 def _gluon_runs(q, k, v, out, spec: BiasSpec, dropout_p: float) -> bool:
     """Whether the Gluon forward takes the call: the ``gluon_forward`` option, an sm_90 GPU, a Triton whose
     Gluon builds the kernel, a bias of :data:`GLUON_FEATURES` only, no dropout, at least
-    ``gluon_min_scores`` scores, rows that see enough keys for the head dim (:func:`_gluon_span`) and the
-    kernel's tensors (:func:`.gluon_forward.eligible`). The module is imported on the first call that gets this far."""
+    ``gluon_min_scores`` scores, rows that see enough keys for the head dim (:func:`_gluon_span`), a block layout
+    only as :func:`_gluon_lists` allows, and the kernel's tensors (:func:`.gluon_forward.eligible`). The module is
+    imported on the first call that gets this far."""
     opts = options.current()
     if (not opts.gluon_forward or _gluon_failure or INTERPRETED or q.device.type != "cuda" or dropout_p > 0
             or not spec.features <= GLUON_FEATURES or cuda_capability(q.device)[0] != 9):
@@ -386,12 +387,30 @@ def _gluon_runs(q, k, v, out, spec: BiasSpec, dropout_p: float) -> bool:
     if (computed_scores(spec, B, H, Mq, k.shape[2]) < opts.gluon_min_scores
             or not _gluon_span(spec, q.shape[3], Mq, k.shape[2])):
         return False
+    if spec.layout is not None and not _gluon_lists(spec, q, k):
+        return False
     try:
         from . import gluon_forward
     except Exception as e:  # a Triton without Gluon, or whose Gluon lacks what the kernel uses
         _gluon_fails(e)
         return False
     return gluon_forward.eligible(q, k, v, out)
+
+
+GLUON_KEY_TILES = {128: 128, 256: 64}  # gluon_forward.TILES' keys per tile, known without importing the module
+GLUON_LAYOUT_MIN_SCORES = 2**30  # block layouts take the Gluon kernels from this many scores B·H·Mq·Mk (visible or not)
+
+
+def _gluon_lists(spec: BiasSpec, q, k) -> bool:
+    """Whether the Gluon forward can read a block layout's tile lists: the layout is the only mask, its blocks
+    hold whole tiles (128 rows by the key tile), the shapes divide into them, and the call is large enough
+    (:data:`GLUON_LAYOUT_MIN_SCORES`: below it, the Gluon launches' host work outweighs their faster tiles)."""
+    B, H, Mq, D = q.shape
+    Mk = k.shape[2]
+    tile = GLUON_KEY_TILES[D]
+    if spec.features != {"layout"} or Mq % 128 or Mk % tile or B * H * Mq * Mk < GLUON_LAYOUT_MIN_SCORES:
+        return False
+    return schedule.layout_exact(spec, schedule.query_schedule(spec, 128, q.device), tile, True)
 
 
 def _gluon_span(spec: BiasSpec, D: int, Mq: int, Mk: int) -> bool:
@@ -443,11 +462,14 @@ def _gluon_fwd(q, k, v, out, lse, spec: BiasSpec, qk_scale: float, seed: int) ->
     switches = dict(SCHEDULED=sched.table is not None, HAS_SEGMENTS=args.has_segments, HAS_PADDED=args.has_padded,
                     HAS_BAND=args.has_band, BAND_PER_SEGMENT=args.band_per_segment)
     chunk = program_chunk(B * H, sched.n, num_sms(q.device), kv_bytes_per_head(q, k, v), growing_spans(spec))
+    lists = None
+    if args.has_layout:  # count, index and their strides; the layout is exact and alone (_gluon_lists)
+        lists = args.tile_lists(spec, sched, GLUON_KEY_TILES[D], True, q.device)[:4]
     with plans.recording() as rec:
         try:
             masked = gluon_forward.attn_fwd(q, k, v, out, lse, qk_scale, sched.n, table,
                                             (args.ks, args.kl, args.kv, args.band_lo, args.band_hi), switches, descs,
-                                            chunk)
+                                            chunk, lists)
         except (CompilationError, OutOfResources) as e:
             _gluon_fails(e)
             return False

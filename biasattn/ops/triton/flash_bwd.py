@@ -94,7 +94,7 @@ def _tables(spec: BiasSpec, blocks: tuple[int, int], device, roles: tuple) -> tu
         (schedule.key_schedule(spec, bn, device).table,) if bn else ())
 
 
-GLUON_FEATURES = frozenset({"segments", "padded_keys", "band"})  # the masks the Gluon backward takes
+GLUON_FEATURES = frozenset({"segments", "padded_keys", "band", "layout"})  # the masks the Gluon backward takes
 GLUON_HEAD_DIMS = frozenset({64, 128, 256})  # ... and its head dims (256: gluon_backward's wide kernel)
 GLUON_D64_MASKED_MIN_KEYS = 4096  # at head dim 64, masked calls with fewer keys keep the triton.language backward
 _gluon_failure: list[str] = []  # why the Gluon backward cannot run with the installed Triton, once known
@@ -104,9 +104,10 @@ def _gluon_runs(q, k, v, lse, spec: BiasSpec, need_dbias: bool, dropout_p: float
     """Whether the Gluon backward takes the call: the ``gluon_backward`` option, an sm_90 GPU, a Triton whose
     Gluon builds the kernel, a bias of :data:`GLUON_FEATURES` only, no dropout and no bias gradient, runs
     that need not be deterministic (its dQ adds tiles in any order), at least ``gluon_min_scores`` scores,
-    rows that see enough keys for the head dim (:func:`~.flash._gluon_span`), at head dim 64 either no bias or at least
-    :data:`GLUON_D64_MASKED_MIN_KEYS` keys, and the kernel's tensors (:func:`.gluon_backward.eligible`). The
-    module is imported on the first call that gets this far."""
+    rows that see enough keys for the head dim (:func:`~.flash._gluon_span`), at head dim 64 either no bias or at
+    least :data:`GLUON_D64_MASKED_MIN_KEYS` keys, a block layout only as :func:`_gluon_lists` allows, and the
+    kernel's tensors (:func:`.gluon_backward.eligible`). The module is imported on the first call that gets this
+    far."""
     opts = options.current()
     if (not opts.gluon_backward or _gluon_failure or flash.INTERPRETED or q.device.type != "cuda" or dropout_p > 0
             or need_dbias or not spec.features <= GLUON_FEATURES or torch.are_deterministic_algorithms_enabled()
@@ -118,12 +119,29 @@ def _gluon_runs(q, k, v, lse, spec: BiasSpec, need_dbias: bool, dropout_p: float
         return False
     if q.shape[3] == 64 and spec.features and Mk < GLUON_D64_MASKED_MIN_KEYS:
         return False
+    if spec.layout is not None and not _gluon_lists(spec, q, k):
+        return False
     try:
         from . import gluon_backward
     except Exception as e:  # a Triton without Gluon, or whose Gluon lacks what the kernel uses
         flash._gluon_fails(e, _gluon_failure, "backward")
         return False
     return gluon_backward.eligible(q, k, v, lse)
+
+
+def _gluon_lists(spec: BiasSpec, q, k) -> bool:
+    """Whether the Gluon backward can walk a block layout's tile lists: the layout is the only mask, its blocks
+    hold whole tiles (64 rows by the program's keys), the shapes divide into them, and a KV head's query heads
+    share one list (one query head per KV head, or one layout for every head), in calls of at least
+    :data:`.flash.GLUON_LAYOUT_MIN_SCORES` scores."""
+    B, H, Mq, D = q.shape
+    Mk = k.shape[2]
+    keys = 128 if D < 256 else 64  # gluon_backward.program_keys, without importing the module
+    if spec.features != {"layout"} or Mq % 64 or Mk % keys or (H != k.shape[1] and spec.layout.shape[1] != 1):
+        return False
+    if B * H * Mq * Mk < flash.GLUON_LAYOUT_MIN_SCORES:
+        return False
+    return schedule.layout_exact(spec, schedule.key_schedule(spec, keys, q.device), 64, False)
 
 
 def _delta(out, dout, dlse: torch.Tensor | None, delta: torch.Tensor, f32: torch.Tensor, hdv: int,
@@ -179,6 +197,9 @@ def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, dq, 
         dq.copy_(dq32)
         return True
     args = _spec_args(spec, q.device)
+    lists = None
+    if args.has_layout:  # count, index and their strides; the layout is exact and alone (_gluon_lists)
+        lists = args.tile_lists(spec, sched, gluon_backward.ROWS, False, q.device)[:4]
     with plans.recording() as rec:
         _delta(out, dout, dlse.to(torch.float32).contiguous() if dlse is not None else None, delta, args.f32,
                q.shape[3], lse, guarded)
@@ -189,7 +210,7 @@ def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, dq, 
                 (args.qs, args.ks, args.kl, args.kv, args.band_lo, args.band_hi),
                 dict(SCHEDULED=sched.table is not None, HAS_SEGMENTS=args.has_segments, HAS_PADDED=args.has_padded,
                      HAS_BAND=args.has_band, BAND_PER_SEGMENT=args.band_per_segment),
-                _gluon_chunk(q, k, spec, sched.n))
+                _gluon_chunk(q, k, spec, sched.n), lists)
         except (CompilationError, OutOfResources) as e:
             flash._gluon_fails(e, _gluon_failure, "backward")
             return False

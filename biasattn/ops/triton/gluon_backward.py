@@ -72,8 +72,8 @@ else:
 
 @gluon.jit
 def _load(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, kv_bar,
-          ready, empty, prog):
-    bh_k, bh_q, n0, n_end, lo, n_tiles, n_head, a, e, row_lo, n_rows, key_lo, key_hi, band_lo, band_hi = prog
+          ready, empty, prog, LISTED: gl.constexpr):
+    bh_k, bh_q, n0, n_end, lo, n_tiles, n_head, a, e, tiles, row_lo, n_rows, key_lo, key_hi, band_lo, band_hi = prog
     KEYS: gl.constexpr = k_desc.block_type.shape[1]  # keys of one half
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
     for h in gl.static_range(2):
@@ -84,7 +84,7 @@ def _load(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, k_smem, v_smem, q_buf
         mbarrier.wait(empty.index(s), ((t // _RING) & 1) ^ 1)
         rb = ready.index(s)
         mbarrier.expect(rb, 2 * q_desc.block_type.nbytes + 2 * l_desc.block_type.nbytes)
-        bh, m0 = bh_q + t // n_head, lo + (t % n_head) * _ROWS
+        bh, m0 = bh_q + t // n_head, _tile_row(t % n_head, lo, tiles, LISTED)
         tma.async_copy_global_to_shared(q_desc, [bh, m0, 0], rb, q_bufs.index(s))
         tma.async_copy_global_to_shared(do_desc, [bh, m0, 0], rb, do_bufs.index(s))
         tma.async_copy_global_to_shared(l_desc, [bh, m0], rb, l_bufs.index(s))
@@ -110,7 +110,16 @@ def _flat(buf):
 
 
 @gluon.jit
-def _ring_tile(t, ready, q_bufs, do_bufs, bh_q, lo, n_head):
+def _tile_row(i, lo, tiles, LISTED: gl.constexpr):
+    """First row of a head's query tile ``i``: ``lo + 64 i``, or with ``LISTED`` the ``i``-th of the program's
+    list of 64-row tiles (a block layout's visible tiles, :func:`.schedule.layout_tile_lists`)."""
+    if LISTED:
+        return gl.load(tiles + i) * _ROWS
+    return lo + i * _ROWS
+
+
+@gluon.jit
+def _ring_tile(t, ready, q_bufs, do_bufs, bh_q, lo, n_head, tiles, LISTED: gl.constexpr):
     """A consumer's tile ``t`` once the loader has brought it: ``(ring stage, Q, dO, query tile of its head,
     query head, first row)``."""
     s = t % _RING
@@ -118,7 +127,7 @@ def _ring_tile(t, ready, q_bufs, do_bufs, bh_q, lo, n_head):
     q = _flat(q_bufs.index(s))
     do = _flat(do_bufs.index(s))
     i = t % n_head
-    return s, q, do, i, bh_q + t // n_head, lo + i * _ROWS
+    return s, q, do, i, bh_q + t // n_head, _tile_row(i, lo, tiles, LISTED)
 
 
 @gluon.jit
@@ -160,9 +169,10 @@ def _rows_in(rows, row_lo, n_rows, Mq, DOCUMENTS: gl.constexpr):
 
 @gluon.jit
 def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, bars, dq_desc, DK, DV, prog, qk_scale,
-             sm_scale, Mq, Mk, MASKED: gl.constexpr, PART: gl.constexpr, DOCUMENTS: gl.constexpr):
+             sm_scale, Mq, Mk, MASKED: gl.constexpr, PART: gl.constexpr, DOCUMENTS: gl.constexpr,
+             LISTED: gl.constexpr):
     kv_bar, ready, empty, ds_bar = bars
-    bh_k, bh_q, n0, n_end, lo, n_tiles, n_head, a, e, row_lo, n_rows, key_lo, key_hi, band_lo, band_hi = prog
+    bh_k, bh_q, n0, n_end, lo, n_tiles, n_head, a, e, tiles, row_lo, n_rows, key_lo, key_hi, band_lo, band_hi = prog
     D: gl.constexpr = k_smem.type.shape[3]
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = _mma_layout(_ROWS)
@@ -188,7 +198,7 @@ def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, 
     bh_prev = bh_q
     m_prev = lo
     for t in range(n_tiles):
-        s, q, do, i, bh, m0 = _ring_tile(t, ready, q_bufs, do_bufs, bh_q, lo, n_head)
+        s, q, do, i, bh, m0 = _ring_tile(t, ready, q_bufs, do_bufs, bh_q, lo, n_head, tiles, LISTED)
         st = warpgroup_mma(k_w, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_w, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
@@ -274,11 +284,11 @@ def _dq_wide(ds_own, ds_smem, k_smem, dq_smem, dq_desc, bh, m0, zero_q, sm_scale
 @gluon.jit
 def _consume_wide(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, p_smem, ds_smem, dq_smem, bars, dq_desc, DK, DV,
                   prog, qk_scale, sm_scale, Mq, Mk, MASKED: gl.constexpr, PART: gl.constexpr,
-                  DOCUMENTS: gl.constexpr):
+                  DOCUMENTS: gl.constexpr, LISTED: gl.constexpr):
     """Warpgroup ``PART`` of the head-dim-256 backward (see above): scores of keys ``[32 PART, +32)``, then dV,
     dK and dQ for dims ``[128 PART, +128)``."""
     kv_bar, ready, empty, full, free = bars
-    bh_k, bh_q, n0, n_end, lo, n_tiles, n_head, a, e, row_lo, n_rows, key_lo, key_hi, band_lo, band_hi = prog
+    bh_k, bh_q, n0, n_end, lo, n_tiles, n_head, a, e, tiles, row_lo, n_rows, key_lo, key_hi, band_lo, band_hi = prog
     D: gl.constexpr = k_smem.type.shape[3]
     DH: gl.constexpr = D // 2
     KEYS: gl.constexpr = k_smem.type.shape[2]
@@ -302,7 +312,7 @@ def _consume_wide(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, p_smem, ds_sm
     k_w = _flat(k_smem.index(PART))
     v_w = _flat(v_smem.index(PART))
     for t in range(n_tiles):
-        s, q, do, i, bh, m0 = _ring_tile(t, ready, q_bufs, do_bufs, bh_q, lo, n_head)
+        s, q, do, i, bh, m0 = _ring_tile(t, ready, q_bufs, do_bufs, bh_q, lo, n_head, tiles, LISTED)
         sc = warpgroup_mma(q, k_w.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dp = warpgroup_mma(do, v_w.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
@@ -347,13 +357,14 @@ def _consume_wide(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, p_smem, ds_sm
 
 @gluon.jit
 def _consumer(smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, MASKED: gl.constexpr, PART: gl.constexpr,
-              DOCUMENTS: gl.constexpr = False):
+              DOCUMENTS: gl.constexpr = False, LISTED: gl.constexpr = False):
     """Warpgroup ``PART``: :func:`_consume_wide` at head dim 256, :func:`_consume` below; ``DOCUMENTS`` when the
-    program's keys and rows are those of one packed document (its row of the segments' table)."""
+    program's keys and rows are those of one packed document (its row of the segments' table), ``LISTED`` when
+    it walks a list of query tiles (a block layout's)."""
     if smem[0].type.shape[3] == 256:
-        _consume_wide(*smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, MASKED, PART, DOCUMENTS)
+        _consume_wide(*smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, MASKED, PART, DOCUMENTS, LISTED)
     else:
-        _consume(*smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, MASKED, PART, DOCUMENTS)
+        _consume(*smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, MASKED, PART, DOCUMENTS, LISTED)
 
 
 # The partitions: worker partitions take the same arguments and no constexpr, so each variant and half has its own.
@@ -394,10 +405,29 @@ def _second_documents(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, 
 
 
 @gluon.jit
+def _first_listed(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, bars, DK, DV, prog, qk_scale,
+                  sm_scale, Mq, Mk):
+    _consumer(smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, False, 0, False, True)
+
+
+@gluon.jit
+def _second_listed(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, bars, DK, DV, prog, qk_scale,
+                   sm_scale, Mq, Mk):
+    _consumer(smem, bars, dq_desc, DK, DV, prog, qk_scale, sm_scale, Mq, Mk, False, 1, False, True)
+
+
+@gluon.jit
 def _loader(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, bars, DK, DV, prog, qk_scale, sm_scale,
             Mq, Mk):
     _load(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, smem[0], smem[1], smem[2], smem[3], smem[4], smem[5], bars[0],
-          bars[1], bars[2], prog)
+          bars[1], bars[2], prog, False)
+
+
+@gluon.jit
+def _loader_listed(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, bars, DK, DV, prog, qk_scale,
+                   sm_scale, Mq, Mk):
+    _load(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, smem[0], smem[1], smem[2], smem[3], smem[4], smem[5], bars[0],
+          bars[1], bars[2], prog, True)
 
 
 @gluon.jit
@@ -456,17 +486,21 @@ def _row_span(n0, row_lo, row_hi, bounds, MASKED: gl.constexpr, KEYS: gl.constex
 
 @gluon.jit
 def _attn_bwd_ws_kernel(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, DK, DV, Sched, QSeqStart, KSeqStart,
-                        KSeqLen, KvLens, BandLo, BandHi, Hkv, G, Mq, Mk, chunk, qk_scale, sm_scale, REGS: gl.constexpr,
+                        KSeqLen, KvLens, BandLo, BandHi, TileCount, TileIdx, stride_cb, stride_ch, stride_tb,
+                        stride_th, stride_tp, Hkv, G, Mq, Mk, chunk, qk_scale, sm_scale, REGS: gl.constexpr,
                         MASKED: gl.constexpr, SCHEDULED: gl.constexpr, HAS_SEGMENTS: gl.constexpr,
                         HAS_PADDED: gl.constexpr, HAS_BAND: gl.constexpr, BAND_PER_SEGMENT: gl.constexpr,
-                        TAIL_ORDER: gl.constexpr):
+                        LISTED: gl.constexpr, TAIL_ORDER: gl.constexpr):
     """Grid ``(key tiles, B * Hkv)``: a program owns twice the keys of K's box (128, or 64 at head dim 256), its
     keys those of its row of the packed segments' table ``Sched`` with ``SCHEDULED``, the last ``chunk`` pairs
     started rank by rank with ``TAIL_ORDER`` (``common_kernels._chunked_ids``). Q, dO and dQ (float32, zeroed)
     are ``[B·H, Mq, D]`` descriptors, lse (natural log; +inf for a row that saw no key, NaN for one that saw an
     infinite score) and delta ``[B·H, Mq]``, K and V ``[B·Hkv, Mk, D]`` (``G`` query heads per KV head); writes
     dK and dV (``[B, Hkv, Mk, D]``, contiguous) and adds into dQ. Without ``MASKED``, Mq is a multiple of 64, Mk
-    of the program's keys, and every row sees every key."""
+    of the program's keys, and every row sees every key, or with ``LISTED`` every key of the program's listed
+    query tiles (``TileCount [Bl, Hl, programs]`` and ``TileIdx [Bl, Hl, programs, tiles]``, strides ``stride_c*``
+    and ``stride_t*``, of a block layout whose blocks hold whole tiles, the same for every query head of a
+    group)."""
     dtype: gl.constexpr = k_desc.dtype
     KEYS: gl.constexpr = k_desc.block_type.shape[1]  # keys of one box: one half of the program's
     WIDE: gl.constexpr = k_desc.block_type.shape[2] == 256
@@ -480,6 +514,12 @@ def _attn_bwd_ws_kernel(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc
     row_lo, row_hi = _query_rows(seg, Mq, QSeqStart, HAS_SEGMENTS)
     bounds = (key_lo, key_hi, band_lo, band_hi)
     lo, n_head, a, e = _row_span(n0, row_lo, row_hi, bounds, MASKED, 2 * KEYS)
+    tiles = TileIdx
+    if LISTED:
+        h_l = (bh_k % Hkv) * G  # the group's first query head: its list is the group's
+        tiles = TileIdx + b.to(gl.int64) * stride_tb + h_l.to(gl.int64) * stride_th + pid.to(gl.int64) * stride_tp
+        n_head = gl.load(TileCount + b * stride_cb + h_l * stride_ch + pid)
+        e = n_head
     k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [_RING] + q_desc.block_type.shape, q_desc.layout)
@@ -523,10 +563,13 @@ def _attn_bwd_ws_kernel(k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc
         bars = (kv_bar, ready, empty, ds_bar)
     bh_q = b * Hkv * G + (bh_k % Hkv) * G  # the group's first query head
     n_rows = (row_hi - row_lo).to(gl.uint32)  # rows - row_lo < n_rows, unsigned: one compare in the masked loop
-    prog = (bh_k, bh_q, n0, n_end, lo, n_head * G, n_head, a, e, row_lo, n_rows) + bounds
+    prog = (bh_k, bh_q, n0, n_end, lo, n_head * G, n_head, a, e, tiles, row_lo, n_rows) + bounds
     args = (k_desc, v_desc, q_desc, do_desc, l_desc, d_desc, dq_desc, smem, bars, DK, DV, prog, qk_scale, sm_scale,
             Mq, Mk)
-    if HAS_SEGMENTS:
+    if LISTED:
+        gl.warp_specialize([(_first_listed, args), (_second_listed, args), (_loader_listed, args)], [4, 1],
+                           [REGS, 24])
+    elif HAS_SEGMENTS:
         gl.warp_specialize([(_first_documents, args), (_second_documents, args), (_loader, args)], [4, 1], [REGS, 24])
     elif MASKED:
         gl.warp_specialize([(_first_masked, args), (_second_masked, args), (_loader, args)], [4, 1], [REGS, 24])
@@ -570,7 +613,7 @@ def descriptors(q, k, v, dout, lse, delta, dq32) -> tuple:
 
 
 def attn_bwd(q, k, dk, dv, descs: tuple, qk_scale: float, scale: float, n_prog: int, table: torch.Tensor,
-             bounds: tuple, switches: dict, chunk: int = 1) -> None:
+             bounds: tuple, switches: dict, chunk: int = 1, lists: tuple | None = None) -> None:
     """Write ``dk`` and ``dv`` and add dQ into the float32 (zeroed) buffer of an :func:`eligible` call, every
     operand but those two in ``descs`` (:func:`descriptors` of ``q, k, v, dout, lse, delta, dq32``): ``lse``
     the forward's, guarded (+inf where it is -inf, NaN where +inf), and ``delta = rowsum(dout * out) - dlse``
@@ -579,14 +622,20 @@ def attn_bwd(q, k, dk, dv, descs: tuple, qk_scale: float, scale: float, n_prog: 
     at :func:`program_keys`) with ``SCHEDULED``; ``bounds`` the int32 tensors ``(q_seqstart, k_seqstart,
     k_seqlen, kv_seqlens, band_lo, band_hi)`` and ``switches`` the ``SCHEDULED``, ``HAS_*`` and
     ``BAND_PER_SEGMENT`` flags of the bias; the last ``chunk`` (batch, KV head) pairs start their key tiles rank
-    by rank."""
+    by rank. ``lists`` ``(count, index, count strides (b, h), index strides (b, h, program))``: the query tiles
+    of 64 rows each program walks (a block layout's, :func:`.schedule.layout_tile_lists`), every row of them
+    seeing every key of the program; the layout is the call's only mask."""
     B, H, Mq, D = q.shape
     Hkv, Mk = k.shape[1], k.shape[2]
     wide = D == 256
     masked = any(switches.values()) or Mq % ROWS != 0 or Mk % program_keys(D) != 0
+    if lists is not None and masked:
+        raise ValueError("a listed backward takes no other mask, Mq a multiple of 64 and Mk of the program's keys")
+    count, index, cs, ts = lists if lists is not None else (table, table, (0, 0), (0, 0, 0))
     _launch_bwd[(n_prog, B * Hkv)](
-        *descs, dk, dv, table, *bounds, Hkv, H // Hkv, Mq, Mk, chunk, qk_scale, scale,
-        WIDE_REGS if wide else CONSUMER_REGS[masked], masked, **switches, TAIL_ORDER=chunk > 1, num_warps=4,
+        *descs, dk, dv, table, *bounds, count, index, *cs, *ts, Hkv, H // Hkv, Mq, Mk, chunk, qk_scale, scale,
+        WIDE_REGS if wide else CONSUMER_REGS[masked], masked, **switches, LISTED=lists is not None,
+        TAIL_ORDER=chunk > 1, num_warps=4,
     )
 
 

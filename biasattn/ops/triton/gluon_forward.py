@@ -56,8 +56,9 @@ def _mma_layout(cols):
 
 @gluon.jit
 def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_free, v_free, row_q, row_k,
-          n_tiles):
+          n_tiles, tiles, LISTED: gl.constexpr):
     """The loader partition: both halves of the query tile, then the span's K/V tiles (from key row
+    ``row_k``, or with ``LISTED`` the key tiles of the program's list ``tiles`` from the head's first key row
     ``row_k``) into the ring, a stage's K refilled once both consumers' scores read it and its V once both
     value products did."""
     HALF: gl.constexpr = q_desc.block_type.shape[0]
@@ -69,14 +70,18 @@ def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_ready, v_rea
         tma.async_copy_global_to_shared(q_desc, [row_q + h * HALF, 0], qb, q_smem.index(h))
     for j in range(n_tiles):
         s = j % RING
+        if LISTED:
+            key = row_k + gl.load(tiles + j) * TILE
+        else:
+            key = row_k + j * TILE
         mbarrier.wait(k_free.index(s), ((j // RING) & 1) ^ 1)
         kr = k_ready.index(s)
         mbarrier.expect(kr, k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row_k + j * TILE, 0], kr, k_bufs.index(s))
+        tma.async_copy_global_to_shared(k_desc, [key, 0], kr, k_bufs.index(s))
         mbarrier.wait(v_free.index(s), ((j // RING) & 1) ^ 1)
         vr = v_ready.index(s)
         mbarrier.expect(vr, v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row_k + j * TILE, 0], vr, v_bufs.index(s))
+        tma.async_copy_global_to_shared(v_desc, [key, 0], vr, v_bufs.index(s))
 
 
 @gluon.jit
@@ -201,12 +206,22 @@ def _write(out, m_o, l_o, o_desc, o_buf, Out, Lse, row, n_rows):
 
 
 @gluon.jit
+def _unseen(HALF: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """``(out, row max, row sum)`` of rows that saw no key, in :func:`_attend`'s layouts."""
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    return (gl.zeros([HALF, HEAD_DIM], gl.float32, layout=o_layout), gl.full([HALF], float("-inf"), gl.float32, row_o),
+            gl.zeros([HALF], gl.float32, layout=row_o))
+
+
+@gluon.jit
 def _consume(q_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_scale, MASKED: gl.constexpr,
-             PART: gl.constexpr):
+             PART: gl.constexpr, LISTED: gl.constexpr = False):
     """Consumer ``PART`` (0 or 1): its half of the query tile, written out through its query buffer, free
-    once its last score product has run."""
+    once its last score product has run. With ``LISTED`` the key tiles are those of the program's list, each
+    seen whole by every row, and an empty list writes rows that saw no key."""
     q_bars, k_ready, v_ready, k_free, v_free, turns = bars
-    row_q, row_k, m0, m_end, lo, n_tiles, a, e, seg_lo, seg_hi, band_lo, band_hi = prog
+    row_q, row_k, m0, m_end, lo, n_tiles, a, e, tiles, seg_lo, seg_hi, band_lo, band_hi = prog
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     TILE: gl.constexpr = k_bufs.type.shape[1]
     s_layout: gl.constexpr = _mma_layout(TILE)
@@ -214,8 +229,15 @@ def _consume(q_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_sc
     klo = gl.maximum(rows + band_lo, seg_lo)
     khi = gl.minimum(rows + band_hi + 1, seg_hi)
     mbarrier.wait(q_bars.index(PART), 0)
-    out, m_o, l_o = _attend(q_smem.index(PART), k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, qk_scale,
-                            turns.index(PART), turns.index(1 - PART), (lo, n_tiles, a, e), klo, khi, MASKED)
+    if LISTED:
+        if n_tiles > 0:
+            out, m_o, l_o = _attend(q_smem.index(PART), k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, qk_scale,
+                                    turns.index(PART), turns.index(1 - PART), (lo, n_tiles, a, e), klo, khi, False)
+        else:
+            out, m_o, l_o = _unseen(HALF, k_bufs.type.shape[2])
+    else:
+        out, m_o, l_o = _attend(q_smem.index(PART), k_bufs, v_bufs, k_ready, v_ready, k_free, v_free, qk_scale,
+                                turns.index(PART), turns.index(1 - PART), (lo, n_tiles, a, e), klo, khi, MASKED)
     n_rows = gl.minimum(gl.maximum(m_end - m0 - PART * HALF, 0), HALF)
     _write(out, m_o, l_o, o_desc, q_smem.index(PART), Out, Lse, row_q + PART * HALF, n_rows)
 
@@ -242,11 +264,29 @@ def _second_masked(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, bars,
 
 
 @gluon.jit
+def _first_listed(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_scale):
+    _consume(q_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_scale, False, 0, True)
+
+
+@gluon.jit
+def _second_listed(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_scale):
+    _consume(q_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_scale, False, 1, True)
+
+
+@gluon.jit
 def _loader(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_scale):
     q_bars, k_ready, v_ready, k_free, v_free, turns = bars
-    row_q, row_k, m0, m_end, lo, n_tiles, a, e, seg_lo, seg_hi, band_lo, band_hi = prog
+    row_q, row_k, m0, m_end, lo, n_tiles, a, e, tiles, seg_lo, seg_hi, band_lo, band_hi = prog
     _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_free, v_free, row_q,
-          row_k + lo, n_tiles)
+          row_k + lo, n_tiles, tiles, False)
+
+
+@gluon.jit
+def _loader_listed(q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_scale):
+    q_bars, k_ready, v_ready, k_free, v_free, turns = bars
+    row_q, row_k, m0, m_end, lo, n_tiles, a, e, tiles, seg_lo, seg_hi, band_lo, band_hi = prog
+    _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_ready, v_ready, k_free, v_free, row_q,
+          row_k, n_tiles, tiles, True)
 
 
 @gluon.jit
@@ -330,14 +370,18 @@ def _span(m0, m_end, bounds, Mk, MASKED: gl.constexpr, TILE: gl.constexpr):
 
 @gluon.jit
 def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sched, KSeqStart, KSeqLen, KvLens, BandLo, BandHi,
+                        TileCount, TileIdx, stride_cb, stride_ch, stride_tb, stride_th, stride_tp,
                         H, G, Mq, Mk, n_prog, chunk, qk_scale, RING: gl.constexpr, REGS: gl.constexpr,
                         MASKED: gl.constexpr, SCHEDULED: gl.constexpr, HAS_SEGMENTS: gl.constexpr,
                         HAS_PADDED: gl.constexpr, HAS_BAND: gl.constexpr, BAND_PER_SEGMENT: gl.constexpr,
-                        TAIL_ORDER: gl.constexpr):
+                        LISTED: gl.constexpr, TAIL_ORDER: gl.constexpr):
     """Grid ``(query tiles, B * H)``, the last ``chunk`` pairs started rank by rank with ``TAIL_ORDER``
     (``common_kernels._chunked_ids``). Q/out are ``[B·H·Mq, D]`` views and K/V ``[B·Hkv·Mk, D]`` (``G`` query
     heads per KV head); writes out (``Out`` the same memory as ``o_desc``) and ``Lse [B·H·Mq]``. Without
-    ``MASKED``, Mq is a multiple of 128, Mk of the key tile, and every row sees every key."""
+    ``MASKED``, Mq is a multiple of 128, Mk of the key tile, and every row sees every key, or with ``LISTED``
+    every key of the program's listed key tiles (``TileCount [Bl, Hl, programs]`` and ``TileIdx [Bl, Hl,
+    programs, tiles]``, strides ``stride_c*`` and ``stride_t*``, of a block layout whose blocks hold whole
+    tiles)."""
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     TILE: gl.constexpr = k_desc.block_type.shape[0]
     pid, bh = _chunked_ids(gl.program_id(0), gl.program_id(1), n_prog, gl.num_programs(1), chunk, TAIL_ORDER)
@@ -346,6 +390,13 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sched, KSeqSta
     bounds = _key_bounds(seg, b, Mk, KSeqStart, KSeqLen, KvLens, BandLo, BandHi, HAS_SEGMENTS, HAS_PADDED, HAS_BAND,
                          BAND_PER_SEGMENT)
     lo, n_tiles, a, e = _span(m0, m_end, bounds, Mk, MASKED, TILE)
+    tiles = TileIdx
+    if LISTED:  # the lists are by query tile, which programs take from the last
+        h = bh % H
+        i = m0 // (2 * HALF)
+        tiles = TileIdx + b.to(gl.int64) * stride_tb + h.to(gl.int64) * stride_th + i.to(gl.int64) * stride_tp
+        n_tiles = gl.load(TileCount + b * stride_cb + h * stride_ch + i)
+        e = n_tiles
     row_q = bh * Mq + m0
     row_k = (b * (H // G) + (bh % H) // G) * Mk
     dtype: gl.constexpr = q_desc.dtype
@@ -369,9 +420,12 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, Sched, KSeqSta
         mbarrier.init(v_free.index(i), count=2)
     bars = (q_bars, k_ready, v_ready, k_free, v_free, turns)
     seg_lo, seg_hi, band_lo, band_hi = bounds
-    prog = (row_q, row_k, m0, m_end, lo, n_tiles, a, e, seg_lo, seg_hi, band_lo, band_hi)
+    prog = (row_q, row_k, m0, m_end, lo, n_tiles, a, e, tiles, seg_lo, seg_hi, band_lo, band_hi)
     args = (q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, bars, Out, Lse, prog, qk_scale)
-    if MASKED:
+    if LISTED:
+        gl.warp_specialize([(_first_listed, args), (_second_listed, args), (_loader_listed, args)], [4, 1],
+                           [REGS, 24])
+    elif MASKED:
         gl.warp_specialize([(_first_masked, args), (_second_masked, args), (_loader, args)], [4, 1], [REGS, 24])
     else:
         gl.warp_specialize([(_first, args), (_second, args), (_loader, args)], [4, 1], [REGS, 24])
@@ -418,21 +472,27 @@ def descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
 
 
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, qk_scale: float,
-             n_prog: int, table: torch.Tensor, bounds: tuple, switches: dict, descs: tuple, chunk: int = 1) -> bool:
+             n_prog: int, table: torch.Tensor, bounds: tuple, switches: dict, descs: tuple, chunk: int = 1,
+             lists: tuple | None = None) -> bool:
     """Write ``out [B, H, Mq, D]`` (contiguous) and ``lse [B, H, Mq]`` (float32, natural log; NaN where a
     row's output is not finite) of an :func:`eligible` call; ``qk_scale`` is the softmax scale times
     log2(e). ``n_prog`` query tiles of :data:`BLOCK_M` rows, ``table`` their rows when packed (the launch switch
     ``SCHEDULED``); ``bounds`` the int32 tensors ``(k_seqstart, k_seqlen, kv_seqlens, band_lo, band_hi)``
     and ``switches`` the ``SCHEDULED``, ``HAS_*`` and ``BAND_PER_SEGMENT`` flags of the bias; ``descs`` those of
     :func:`descriptors`; the last ``chunk`` (batch, head) pairs start their tiles rank by rank
-    (``flash.program_chunk``). Returns whether the launch masked scores (then rows may carry a NaN lse for the
-    exact pass)."""
+    (``flash.program_chunk``); ``lists`` ``(count, index, count strides (b, h), index strides (b, h, program))``
+    the key tiles each program reads (a block layout's, :func:`.schedule.layout_tile_lists`), every key of them
+    seen by every row, the layout the call's only mask. Returns whether the launch masked scores (then rows may
+    carry a NaN lse for the exact pass)."""
     B, H, Mq, D = q.shape
     Mk = k.shape[2]
     block_n, stages = TILES[D]
     masked = any(switches.values()) or Mq % BLOCK_M != 0 or Mk % block_n != 0
+    if lists is not None and masked:
+        raise ValueError("a listed forward takes no other mask, Mq a multiple of 128 and Mk of the key tile")
+    count, index, cs, ts = lists if lists is not None else (table, table, (0, 0), (0, 0, 0))
     _launch_fwd[(n_prog, B * H)](
-        *descs, out, lse, table, *bounds, H, H // k.shape[1], Mq, Mk, n_prog, chunk, qk_scale, stages, CONSUMER_REGS,
-        masked, **switches, TAIL_ORDER=chunk > 1, num_warps=4,
+        *descs, out, lse, table, *bounds, count, index, *cs, *ts, H, H // k.shape[1], Mq, Mk, n_prog, chunk, qk_scale,
+        stages, CONSUMER_REGS, masked, **switches, LISTED=lists is not None, TAIL_ORDER=chunk > 1, num_warps=4,
     )
     return masked

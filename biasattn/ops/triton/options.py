@@ -29,8 +29,8 @@ class Options:
     descriptors: bool = True  # forward K/V tiles through tensor descriptors (TMA) where the device has them
     descriptors_interpreted: bool = False  # tests: descriptors under the Triton interpreter too
     descriptors_min_scores: int = 2**24  # forwards computing fewer scores (flash.computed_scores) keep pointer loads
-    gluon_forward: bool = True  # forwards at head dim 128 on sm_90 (no bias, interval masks) run gluon_forward.py
-    gluon_backward: bool = True  # backwards at head dims 64, 128, 256 on sm_90 (no bias, interval masks): gluon_backward.py
+    gluon_forward: bool = True  # forwards at D=128, 256 on sm_90 (no bias, interval masks, block layouts): gluon_forward.py
+    gluon_backward: bool = True  # backwards at head dims 64, 128, 256 on sm_90 (the same masks): gluon_backward.py
     gluon_min_scores: int = 2**26  # ... when they compute at least this many scores (smaller calls run faster without them)
     list_in_registers: bool = True  # branch-free tile-list loops keep the program's list in registers
     order_tail_waves: int = 4  # forwards, Gluon backward at D=64: waves at a grid's end started rank by rank (0: plain)
