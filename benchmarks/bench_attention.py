@@ -31,7 +31,6 @@ import csv
 import datetime
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -41,7 +40,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cases import CASE_NAMES, make_case, results_dir  # noqa: E402
+from cases import CASE_NAMES, git_commit, make_case, results_dir  # noqa: E402
 
 import biasattn as ba  # noqa: E402
 
@@ -52,16 +51,6 @@ SDPA = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN
         "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa_math": SDPBackend.MATH}
 PROVIDERS = ("triton", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "flex")
 MATH_LIMIT_BYTES = 4 * 2**30
-
-
-def _git_commit() -> str:
-    """The commit measured: ``BIASATTN_COMMIT`` when set (a copy of the tree without its history), else git's."""
-    if os.environ.get("BIASATTN_COMMIT"):
-        return os.environ["BIASATTN_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return os.environ.get("BIASATTN_COMMIT", "unknown")
 
 
 class Flex:
@@ -221,7 +210,7 @@ def precompile(cases, head_dims, workers: int, index_64=(False,)) -> None:
 
 def run_sweep(args) -> list[dict]:
     device = torch.cuda.get_device_name()
-    meta = dict(device=device, torch=torch.__version__, triton=triton.__version__, commit=_git_commit(),
+    meta = dict(device=device, torch=torch.__version__, triton=triton.__version__, commit=git_commit(),
                 date=datetime.date.today().isoformat(), dtype="bfloat16")
     flex = Flex() if "flex" in args.providers else None
     def seqlens(D):

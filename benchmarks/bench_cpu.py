@@ -35,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import biasattn as ba  # noqa: E402
-from benchmarks.cases import make_case  # noqa: E402
+from benchmarks.cases import git_commit, make_case  # noqa: E402
 
 CASES = {
     # name: make_case arguments besides M, D
@@ -126,10 +126,7 @@ def describe(case) -> str:
 
 
 def environment() -> str:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "?"
+    commit = git_commit()
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:

@@ -20,7 +20,6 @@ import datetime
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -35,7 +34,7 @@ from biasattn.ops.common import num_sms
 from biasattn.ops.triton.splitk import SplitKConfig, splitk_attention_fwd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cases import results_dir  # noqa: E402
+from cases import git_commit, results_dir  # noqa: E402
 from tools.read_floor import VARIANTS, read_floor_fn  # noqa: E402
 
 D = 128
@@ -416,17 +415,6 @@ def ab_switch(grid, name: str, rounds: int) -> None:
     print(f"{name}: off/on time median {statistics.median(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f}")
 
 
-def _git_commit() -> str:
-    """The commit measured: ``BIASATTN_COMMIT`` when set (a copy of the tree without its history), else git's."""
-    if os.environ.get("BIASATTN_COMMIT"):
-        return os.environ["BIASATTN_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        out = ""
-    return out or "unknown"
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="output folder (default: benchmarks/results/<device>, e.g. h100)")
@@ -457,7 +445,7 @@ def main(argv=None):
         ap.error("--bias needs --eager (a bias built per call copies its lengths to the GPU, which a graph cannot capture)")
     args.out = args.out or results_dir()
     os.makedirs(args.out, exist_ok=True)
-    commit = args.commit or _git_commit()
+    commit = args.commit or git_commit()
     meta = dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, commit=commit,
         date=datetime.date.today().isoformat(), D=D, dtype="bf16", note="",

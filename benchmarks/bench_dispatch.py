@@ -247,9 +247,9 @@ def summarize(rows) -> str:
 
 
 def _commit() -> str:
-    from bench_attention import _git_commit
+    from cases import git_commit
 
-    return _git_commit()
+    return git_commit()
 
 
 def _read_csv(path: str) -> list[dict]:

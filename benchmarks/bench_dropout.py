@@ -24,8 +24,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import _git_commit  # noqa: E402
-from cases import results_dir  # noqa: E402
+from cases import git_commit, results_dir  # noqa: E402
 
 import biasattn as ba  # noqa: E402
 
@@ -85,7 +84,7 @@ def run(sizes, p: float, D: int = 128, H: int = 16, tokens: int = 16384) -> list
                             continue
                         ms = time_ms(fn, q, k, v, mode)
                         rows.append(dict(case=case, M=M, B=B, H=H, D=D, mode=mode, provider=name, dropout_p=prob,
-                                         median_ms=ms, commit=_git_commit(), device=torch.cuda.get_device_name()))
+                                         median_ms=ms, commit=git_commit(), device=torch.cuda.get_device_name()))
                         print(f"{case:7s} M={M:5d} {mode:7s} {name:15s} p={prob:.2f}: "
                               + (f"{ms:.3f} ms" if ms is not None else "n/a"), flush=True)
     return rows

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,6 +30,20 @@ def results_dir(*parts: str) -> str:
     """``benchmarks/results/<this GPU's tag, or cpu>/<parts>``: where a harness writes its records by default."""
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return os.path.join("benchmarks", "results", device_tag(name), *parts)
+
+
+def git_commit() -> str:
+    """The commit measured: ``BIASATTN_COMMIT`` when set (a copy of the tree without its history), else git's short
+    hash, with ``-dirty`` when the tree measured differs from it (uncommitted changes, or a copy of another tree
+    beside a stale history)."""
+    if os.environ.get("BIASATTN_COMMIT"):
+        return os.environ["BIASATTN_COMMIT"]
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
+                             text=True).stdout.strip()
+    except OSError:
+        out = ""
+    return out or "unknown"
 
 
 CASE_NAMES = ("none", "causal", "window", "padded", "varlen", "block_sparse", "additive", "alibi")
