@@ -425,7 +425,7 @@ def main(argv=None):
     ap.add_argument("--mq", nargs="+", type=int, default=None, help="queries per sequence instead of 1 and 4")
     ap.add_argument("--mk", nargs="+", type=int, default=None, help="cache lengths instead of 1k 8k 32k 128k")
     ap.add_argument("--batch", nargs="+", type=int, default=None, help="batch sizes instead of 1 4 16 64")
-    ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse, where git works)")
+    ap.add_argument("--commit", default=None, help="commit to record (default: git describe --dirty, where git works)")
     ap.add_argument("--operators", action="store_true",
                     help="only print the dispatched call against forced triton_splitk and cudnn (our operators)")
     ap.add_argument("--eager", action="store_true", help="with --operators: time eager calls, host work included")
