@@ -267,6 +267,37 @@ def test_deterministic_runs_keep_the_triton_backward(gluon_calls, gluon_bwd_call
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+def test_a_replayed_plan_keeps_its_kernels_and_asks_nothing(gluon_calls, gluon_bwd_calls, triton_options, monkeypatch):
+    """A signature's launch plan records the kernels its calls took: replays do not ask again whether the Gluon
+    kernels run, and a run under ``torch.use_deterministic_algorithms`` (another plan key) takes the
+    ``triton.language`` backward instead of the Gluon plan, bit for bit repeatable."""
+    from biasattn.ops.triton import flash, flash_bwd
+
+    triton_options(plans=True)
+    asked = []
+    for module in (flash, flash_bwd):
+        real = module._gluon_runs
+        monkeypatch.setattr(module, "_gluon_runs", lambda *a, real=real, **kw: asked.append(1) or real(*a, **kw))
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Mq=512, Mk=512, D=128, dtype=torch.bfloat16)
+
+    def grads():
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        ba.attention(qq, kk, vv, ba.LowerTriangularMask(), op="triton").sum().backward()
+        return qq.grad, kk.grad, vv.grad
+
+    for _ in range(5):
+        grads()
+    assert len(gluon_calls) == 3 and len(gluon_bwd_calls) == 3 and len(asked) == 6
+    saved = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        runs = [grads() for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(saved)
+    assert len(gluon_bwd_calls) == 3
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
 def test_repeated_calls_launch_the_compiled_kernels_directly(gluon_calls, gluon_bwd_calls, causal):
     """The second call of a signature skips Triton's binding (``launch.direct``) in both Gluon kernels and
@@ -374,6 +405,21 @@ def test_keys_no_row_sees_may_hold_nan(gluon_calls, case, D):
     assert_close("out", out, ref, low)
 
 
+def _check_hidden_nan_gradients(q, k, v, bias, mask, hidden, gluon_bwd_calls, seed: int) -> None:
+    """Put NaN in K and V where ``hidden`` (keys no row sees), run the Gluon backward and check: the gradients are
+    those of the clean keys (``mask`` the visible pairs), and dK, dV of the hidden keys are exactly 0."""
+    k, v = (torch.where(hidden, float("nan"), t) for t in (k, v))
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.bfloat16)
+    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+    ba.attention(qq, kk, vv, bias, op="triton").backward(do)
+    assert gluon_bwd_calls
+    ref, low, moved = _reference_gradients(q, k.nan_to_num(0.0), v.nan_to_num(0.0), bias, mask, do)
+    for name, got, r, lo, factor, m in zip(("dq", "dk", "dv"), (qq.grad, kk.grad, vv.grad), ref, low, (3.0, 2.0, 2.0),
+                                           moved):
+        assert_close(name, got, r, lo, factor=factor, flash_err=m)
+    assert (kk.grad[hidden.expand_as(kk.grad)] == 0).all() and (vv.grad[hidden.expand_as(vv.grad)] == 0).all()
+
+
 @pytest.mark.parametrize("D", [128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["padded", "padded_causal"])
 def test_backward_keys_no_row_sees_may_hold_nan(gluon_calls, gluon_bwd_calls, causal, D):
@@ -389,16 +435,7 @@ def test_backward_keys_no_row_sees_may_hold_nan(gluon_calls, gluon_bwd_calls, ca
         mask = mask & torch.ones(M, M, dtype=torch.bool, device="cuda").tril()
     hidden = (keys[None, :] >= lengths[:, None])[:, None, :, None]
     q, k, v = qkv(B=B, Hq=4, Hkv=2, Mq=M, Mk=M, D=D, dtype=torch.bfloat16)
-    k, v = (torch.where(hidden, float("nan"), t) for t in (k, v))
-    do = torch.randn(B, 4, M, D, generator=torch.Generator().manual_seed(100)).to("cuda", torch.bfloat16)
-    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-    ba.attention(qq, kk, vv, bias, op="triton").backward(do)
-    assert gluon_bwd_calls
-    ref, low, moved = _reference_gradients(q, k.nan_to_num(0.0), v.nan_to_num(0.0), bias, mask, do)
-    for name, got, r, lo, factor, m in zip(("dq", "dk", "dv"), (qq.grad, kk.grad, vv.grad), ref, low, (3.0, 2.0, 2.0),
-                                           moved):
-        assert_close(name, got, r, lo, factor=factor, flash_err=m)
-    assert (kk.grad[hidden.expand_as(kk.grad)] == 0).all() and (vv.grad[hidden.expand_as(vv.grad)] == 0).all()
+    _check_hidden_nan_gradients(q, k, v, bias, mask, hidden, gluon_bwd_calls, seed=100)
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])
@@ -413,16 +450,7 @@ def test_backward_documents_without_queries_may_hold_nan(gluon_calls, gluon_bwd_
     mask = (doc_q[:, None] == doc_k[None, :])[None, None]
     hidden = (doc_k == 1)[None, None, :, None]
     q, k, v = qkv(B=1, Hq=4, Hkv=2, Mq=M, Mk=M, D=D, dtype=torch.bfloat16)
-    k, v = (torch.where(hidden, float("nan"), t) for t in (k, v))
-    do = torch.randn(1, 4, M, D, generator=torch.Generator().manual_seed(101)).to("cuda", torch.bfloat16)
-    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-    ba.attention(qq, kk, vv, bias, op="triton").backward(do)
-    assert gluon_bwd_calls
-    ref, low, moved = _reference_gradients(q, k.nan_to_num(0.0), v.nan_to_num(0.0), bias, mask, do)
-    for name, got, r, lo, factor, m in zip(("dq", "dk", "dv"), (qq.grad, kk.grad, vv.grad), ref, low, (3.0, 2.0, 2.0),
-                                           moved):
-        assert_close(name, got, r, lo, factor=factor, flash_err=m)
-    assert (kk.grad[hidden.expand_as(kk.grad)] == 0).all() and (vv.grad[hidden.expand_as(vv.grad)] == 0).all()
+    _check_hidden_nan_gradients(q, k, v, bias, mask, hidden, gluon_bwd_calls, seed=101)
 
 
 @pytest.mark.parametrize("which", ["key", "value"])

@@ -81,7 +81,9 @@ def host_profile(call, iters: int = 30, top: int = 25) -> None:
         call()
     prof.disable()
     torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
 
 
 def sync_check(call) -> int:

@@ -32,13 +32,16 @@ LOG2E = 1.4426950408889634
 _dummies = BoundedCache(16)  # (device, dtype) -> a small zero tensor standing for an absent operand
 
 
-def _plan_key(kind: str, tensors: tuple, spec: BiasSpec):
+def _plan_key(kind: str, tensors: tuple, spec: BiasSpec, *extra):
     """The key of a call's launch plan in its spec's store: the tensors' signature, the block layout's
     version (its tile lists follow it when it is changed in place), the launch :mod:`options` in force
-    and the tuning constants a launch reads. The scale is a role of the plan, not part of its key."""
+    and the tuning constants a launch reads. The scale is a role of the plan, not part of its key.
+    Everything that picks the kernels (Gluon or ``triton.language``) follows from the key, with the
+    launcher's ``extra`` items."""
     layout = spec.layout._version if spec.layout is not None else -1
     return ("launch plan", kind, plans.tensor_key(*tensors), layout, options.current(),
-            SHORT_SPAN_KEYS, SHORT_SPAN_KEYS_DKDV, NARROW_SPAN_KEYS, INTERPRETED, bool(configs._overrides))
+            SHORT_SPAN_KEYS, SHORT_SPAN_KEYS_DKDV, NARROW_SPAN_KEYS, GLUON_LAYOUT_MIN_SCORES, INTERPRETED,
+            bool(configs._overrides), *extra)
 
 
 _SHARED_PLANS = BoundedCache(256)  # launch plans that every spec of one structure shares
@@ -437,26 +440,33 @@ def _gluon_fails(error: Exception, failures: list[str] | None = None, what: str 
                   f"every {what} runs the triton.language kernels instead", RuntimeWarning, stacklevel=3)
 
 
-def _gluon_fwd(q, k, v, out, lse, spec: BiasSpec, qk_scale: float, seed: int) -> bool:
+GLUON_NOTE = "gluon"  # the note of a launch plan recorded on the Gluon kernels
+
+
+def _gluon_roles(q, k, v, out, lse, spec: BiasSpec, roles: tuple, qk_scale: float) -> tuple:
+    """The roles of a Gluon forward's launch plan: the call's tensors, its descriptors (built per call), the spec's
+    shared roles with the segments' table, and the scale."""
+    from . import gluon_forward
+
+    table = schedule.query_schedule(spec, gluon_forward.BLOCK_M, q.device).table if roles else None
+    return (q, k, v, out, lse, *gluon_forward.descriptors(q, k, v, out), *roles,
+            *((table,) if table is not None else ()), qk_scale)
+
+
+def _gluon_fwd(q, k, v, out, lse, spec: BiasSpec, qk_scale: float, seed: int, store: dict, key, roles: tuple) -> bool:
     """Write ``out`` and ``lse`` with the Gluon forward, masked rows that a hidden NaN or inf value may have
     reached (a NaN lse) computed again by the exact pass; False (nothing launched) when the installed
-    Triton cannot build the kernel. Calls of one signature replay a launch plan, as the
-    ``triton.language`` forward's do; the descriptors, built per call, and the segments' table are roles."""
+    Triton cannot build the kernel. The launches are recorded for the launch plan of ``key`` in ``store``
+    (:func:`attn_fwd` replays it)."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
     from . import gluon_forward
 
     B, H, Mq, D = q.shape
-    store, key, roles = plan_home(spec, q.device, _plan_key("gluon fwd", (q, k, v), spec))
     sched = schedule.query_schedule(spec, gluon_forward.BLOCK_M, q.device)
-    descs = gluon_forward.descriptors(q, k, v, out)
-    plan_roles = (q, k, v, out, lse, *descs, *roles, *((sched.table,) if roles and sched.table is not None else ()),
-                  qk_scale)
-    plan = plans.lookup(store, key)
-    if plan is not None:
-        plan.run(plan_roles)
-        return True
+    plan_roles = _gluon_roles(q, k, v, out, lse, spec, roles, qk_scale)
+    descs = plan_roles[5:9]
     args = _spec_args(spec, q.device)
     table = sched.table if sched.table is not None else args.d32
     switches = dict(SCHEDULED=sched.table is not None, HAS_SEGMENTS=args.has_segments, HAS_PADDED=args.has_padded,
@@ -476,7 +486,23 @@ def _gluon_fwd(q, k, v, out, lse, spec: BiasSpec, qk_scale: float, seed: int) ->
         if masked:
             _exact_pass(q, k, v, out, lse, spec, args, sched, dropout_args(0.0, seed), qk_scale,
                         gluon_forward.BLOCK_M, D, True, False)
-    plans.settle(store, key, rec, plan_roles)
+    plans.settle(store, key, rec, plan_roles, GLUON_NOTE)
+    return True
+
+
+def _replay_fwd(plan: plans.Plan, q, k, v, out, lse, spec: BiasSpec, roles: tuple, qk_scale: float) -> bool:
+    """Replay a forward's launch plan; False (nothing launched) when its K/V descriptors no longer apply."""
+    if plan.note == GLUON_NOTE:
+        plan.run(_gluon_roles(q, k, v, out, lse, spec, roles, qk_scale))
+        return True
+    block_n, block_m = plan.note
+    B, H, Mq, D = q.shape
+    hd, hdv = head_tiles(D, v.shape[3])
+    descs = tma.kv_descriptors(k, v, block_n, hd, hdv, computed_scores(spec, B, H, Mq, k.shape[2])) if block_n else ()
+    if descs is None:
+        return False
+    table = schedule.query_schedule(spec, block_m, q.device).table if block_m else None
+    plan.run((q, k, v, out, lse, *descs, *roles, *((table,) if roles and table is not None else ()), qk_scale))
     return True
 
 
@@ -496,17 +522,13 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BiasSpec, 
         return out.zero_(), lse.fill_(float("-inf"))
     hd, hdv = head_tiles(D, Dv)
     qk_scale = scale * LOG2E  # a role of the plan: one object in the launch and in the roles
-    if D == Dv and D in GLUON_HEAD_DIMS and _gluon_runs(q, k, v, out, spec, dropout_p):
-        if _gluon_fwd(q, k, v, out, lse, spec, qk_scale, seed):
-            return out, lse
+    # one plan per call signature, on whichever kernels its first calls took: a replay asks nothing again
     store, key, roles = plan_home(spec, q.device, _plan_key("fwd", (q, k, v), spec) if dropout_p == 0 else None)
     plan = plans.lookup(store, key)
-    if plan is not None:
-        block_n, block_m = plan.note
-        descs = tma.kv_descriptors(k, v, block_n, hd, hdv, computed_scores(spec, B, H, Mq, Mk)) if block_n else ()
-        if descs is not None:
-            table = schedule.query_schedule(spec, block_m, q.device).table if block_m else None
-            plan.run((q, k, v, out, lse, *descs, *roles, *((table,) if roles and table is not None else ()), qk_scale))
+    if plan is not None and _replay_fwd(plan, q, k, v, out, lse, spec, roles, qk_scale):
+        return out, lse
+    if D == Dv and D in GLUON_HEAD_DIMS and _gluon_runs(q, k, v, out, spec, dropout_p):
+        if _gluon_fwd(q, k, v, out, lse, spec, qk_scale, seed, store, key, roles):
             return out, lse
     args = _spec_args(spec, q.device)
     batch_inner = args.batch_shared_bias and B > 1

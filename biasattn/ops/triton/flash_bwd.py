@@ -169,33 +169,36 @@ def _gluon_chunk(q, k, spec: BiasSpec, tiles: int) -> int:
     return flash.program_chunk(B * Hkv, tiles, flash.num_sms(q.device), Mq * D * 8 * (H // Hkv))
 
 
-def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, dq, dk, dv) -> bool:
+def _gluon_roles(q, k, v, out, lse, dout, dk, dv, spec: BiasSpec, roles: tuple, qk_scale: float, scale: float) -> tuple:
+    """The roles of a Gluon backward's launch plan: the call's tensors (dO contiguous and aligned: the kernel reads
+    it through a per-head descriptor), its scratch (``delta``, ``guarded`` and the zeroed float32 dQ it adds into),
+    the descriptors (built per call), the spec's shared roles with the key tiles' table, and the scales."""
+    from . import gluon_backward
+
+    if not dout.is_contiguous() or dout.data_ptr() % 16:
+        dout = dout.clone(memory_format=torch.contiguous_format)
+    delta, guarded = torch.empty((2, *lse.shape), dtype=torch.float32, device=q.device)
+    dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    descs = gluon_backward.descriptors(q, k, v, dout, guarded, delta, dq32)
+    table = schedule.key_schedule(spec, gluon_backward.program_keys(q.shape[3]), q.device).table if roles else None
+    return (q, k, v, out, lse, dout, delta, guarded, dq32, dk, dv, *descs, *roles,
+            *((table,) if table is not None else ()), qk_scale, scale)
+
+
+def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, qk_scale: float, dq, dk, dv, store: dict,
+               key, roles: tuple) -> bool:
     """Write ``dq``, ``dk`` and ``dv`` with the Gluon backward; False (nothing written) when the installed
-    Triton cannot build the kernel. Calls without an lse gradient replay a launch plan, as the
-    ``triton.language`` backward's do: the descriptors, built per call, are roles, and the zeroed dQ buffer
-    and the copy out of it stay outside the plan."""
+    Triton cannot build the kernel. The launches are recorded for the launch plan of ``key`` in ``store``
+    (:func:`attn_bwd` replays it); the zeroed dQ buffer and the copy out of it stay outside the plan."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
     from . import gluon_backward
 
-    if not dout.is_contiguous() or dout.data_ptr() % 16:  # the kernel reads it through a per-head descriptor
-        dout = dout.clone(memory_format=torch.contiguous_format)
-    delta, guarded = torch.empty((2, *lse.shape), dtype=torch.float32, device=q.device)
-    dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    key = _plan_key("gluon bwd", (q, k, v, out, lse, dout), spec) if dlse is None else None
-    store, key, roles = flash.plan_home(spec, q.device, key)
-    scale = float(scale)  # the scales are roles of the plan: these objects go into every launch
-    qk_scale = scale * LOG2E
-    descs = gluon_backward.descriptors(q, k, v, dout, guarded, delta, dq32)
+    plan_roles = _gluon_roles(q, k, v, out, lse, dout, dk, dv, spec, roles, qk_scale, scale)
+    dout, delta, guarded, dq32 = plan_roles[5:9]
+    descs = plan_roles[11:18]
     sched = schedule.key_schedule(spec, gluon_backward.program_keys(q.shape[3]), q.device)
-    table = (sched.table,) if roles and sched.table is not None else ()
-    plan_roles = (q, k, v, out, lse, dout, delta, guarded, dq32, dk, dv, *descs, *roles, *table, qk_scale, scale)
-    plan = plans.lookup(store, key)
-    if plan is not None:
-        plan.run(plan_roles)
-        dq.copy_(dq32)
-        return True
     args = _spec_args(spec, q.device)
     lists = None
     if args.has_layout:  # count, index and their strides; the layout is exact and alone (_gluon_lists)
@@ -214,7 +217,7 @@ def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, dq, 
         except (CompilationError, OutOfResources) as e:
             flash._gluon_fails(e, _gluon_failure, "backward")
             return False
-    plans.settle(store, key, rec, plan_roles)
+    plans.settle(store, key, rec, plan_roles, flash.GLUON_NOTE)
     dq.copy_(dq32)
     return True
 
@@ -236,20 +239,27 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         dq.zero_(), dk.zero_(), dv.zero_()
         return dq, dk, dv, (torch.zeros_like(add) if need_dbias else None)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    if D == Dv and D in GLUON_HEAD_DIMS and _gluon_runs(q, k, v, lse, spec, need_dbias, dropout_p):
-        if _gluon_bwd(q, k, v, out, lse, dout, dlse, spec, scale, dq, dk, dv):
-            return dq, dk, dv, None
-    delta = q.new_empty((B, H, Mq), dtype=torch.float32)
+    # one plan per call signature, on whichever kernels its first calls took: a replay asks nothing again
     plannable = dlse is None and not need_dbias and dropout_p == 0
-    key = _plan_key("bwd", (q, k, v, out, lse, dout), spec) if plannable else None
+    key = _plan_key("bwd", (q, k, v, out, lse, dout), spec, GLUON_D64_MASKED_MIN_KEYS,
+                    torch.are_deterministic_algorithms_enabled()) if plannable else None
     store, key, roles = flash.plan_home(spec, dev, key)
     planned = plans.lookup(store, key)
     scale = float(scale)  # the scales are roles of the plan: these objects go into every launch
     qk_scale = scale * LOG2E
+    if planned is not None and planned.note == flash.GLUON_NOTE:
+        plan_roles = _gluon_roles(q, k, v, out, lse, dout, dk, dv, spec, roles, qk_scale, scale)
+        planned.run(plan_roles)
+        dq.copy_(plan_roles[8])
+        return dq, dk, dv, None
+    delta = q.new_empty((B, H, Mq), dtype=torch.float32)
     if planned is not None:
         planned.run((q, k, v, out, lse, dout, delta, dq, dk, dv, *roles, *_tables(spec, planned.note, dev, roles),
                      qk_scale, scale))
         return dq, dk, dv, None
+    if D == Dv and D in GLUON_HEAD_DIMS and _gluon_runs(q, k, v, lse, spec, need_dbias, dropout_p):
+        if _gluon_bwd(q, k, v, out, lse, dout, dlse, spec, scale, qk_scale, dq, dk, dv, store, key, roles):
+            return dq, dk, dv, None
     args = _spec_args(spec, dev)
     hd, hdv = head_tiles(D, Dv)
     even = D == hd and Dv == hdv

@@ -48,6 +48,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .common_kernels import LOG2E, _chunked_ids
 from .gluon_forward import _key_bounds, _mma_layout, _whole_tiles, shared_layout
 from .launch import direct
+from .tma import qualified_descriptor
 
 ROWS = 64  # query rows per tile
 HALF = 64  # keys per consumer warpgroup
@@ -595,11 +596,15 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tenso
 
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    """A TMA descriptor of ``t`` viewed as ``[heads, rows(, D)]`` with boxes of ``block``."""
-    shape = [t.shape[0] * t.shape[1]] + list(t.shape[2:])
-    view = t.view(shape)
+    """A TMA descriptor of ``t`` (contiguous) viewed as ``[heads, rows(, D)]`` with boxes of ``block``."""
+    if t.dim() == 4:
+        B, H, M, X = t.shape
+        shape, strides = [B * H, M, X], [M * X, X, 1]
+    else:
+        B, H, M = t.shape
+        shape, strides = [B * H, M], [M, 1]
     layout = shared_layout(tuple(block), t.dtype, swizzled=len(block) == 3)  # lse and delta: unswizzled rows
-    return TensorDescriptor(view, shape, list(view.stride()), block, layout)
+    return qualified_descriptor(TensorDescriptor, t, shape, strides, block, layout=layout)
 
 
 def descriptors(q, k, v, dout, lse, delta, dq32) -> tuple:

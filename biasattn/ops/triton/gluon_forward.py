@@ -40,6 +40,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common_kernels import _chunked_ids
 from .launch import direct
+from .tma import qualified_descriptor
 
 ROWS = 64  # query rows of each consumer warpgroup
 BLOCK_M = 2 * ROWS  # query rows of a program
@@ -466,8 +467,7 @@ def descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     half, tile = shared_layout((ROWS, D), q.dtype), shared_layout((block_n, D), q.dtype)
     descs = []
     for t, block, layout in ((q, ROWS, half), (k, block_n, tile), (v, block_n, tile), (out, ROWS, half)):
-        rows = t.view(-1, D)
-        descs.append(TensorDescriptor(rows, list(rows.shape), [D, 1], [block, D], layout))
+        descs.append(qualified_descriptor(TensorDescriptor, t, [t.numel() // D, D], [D, 1], [block, D], layout=layout))
     return tuple(descs)
 
 

@@ -8,6 +8,7 @@ descriptors; everything else keeps pointer loads, with the same results.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -25,6 +26,21 @@ def _descriptor_class():
     except ImportError:
         return None
     return TensorDescriptor
+
+
+@functools.cache
+def _field_defaults(cls) -> dict:
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+
+def qualified_descriptor(cls, base: torch.Tensor, shape: list[int], strides: list[int], block_shape: list[int],
+                         **fields):
+    """A ``cls`` descriptor (Triton's ``TensorDescriptor`` or Gluon's) of a tensor its caller has qualified
+    (:func:`describable`, the Gluon kernels' ``eligible``), built without the dataclass's own checks: launches
+    build up to eleven per call, and those checks cost more host time than the rest of the descriptor."""
+    d = object.__new__(cls)
+    d.__dict__.update(_field_defaults(cls), base=base, shape=shape, strides=strides, block_shape=block_shape, **fields)
+    return d
 
 
 def available(device: torch.device) -> bool:
@@ -59,5 +75,5 @@ def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, head_dim: int
     if scores < options.current().descriptors_min_scores or not (available(k.device) and describable(k) and describable(v)):
         return None
     cls = _descriptor_class()
-    return (cls(k, list(k.shape), list(k.stride()), [1, 1, block_n, head_dim]),
-            cls(v, list(v.shape), list(v.stride()), [1, 1, block_n, head_dim_v]))
+    return (qualified_descriptor(cls, k, list(k.shape), list(k.stride()), [1, 1, block_n, head_dim]),
+            qualified_descriptor(cls, v, list(v.shape), list(v.stride()), [1, 1, block_n, head_dim_v]))
