@@ -117,11 +117,13 @@ def _gluon_call(kernel: str, q, k, v, spec) -> None:
     device and size that keep CPU calls off it."""
     B, H, M, D = q.shape
     lse = torch.zeros(B, H, M)
+    no_plan = ({}, None, ())  # store, key and roles of a call that keeps no launch plan
     if kernel == "gluon_fwd":
-        flash._gluon_fwd(q, k, v, torch.empty_like(q), lse, spec, D ** -0.5 * flash.LOG2E, 2**40 + 1)
+        flash._gluon_fwd(q, k, v, torch.empty_like(q), lse, spec, D ** -0.5 * flash.LOG2E, 2**40 + 1, *no_plan)
     else:
         new = [torch.empty_like(t) for t in (q, k, v)]
-        flash_bwd._gluon_bwd(q, k, v, torch.zeros_like(q), lse, torch.zeros_like(q), None, spec, D ** -0.5, *new)
+        flash_bwd._gluon_bwd(q, k, v, torch.zeros_like(q), lse, torch.zeros_like(q), None, spec, D ** -0.5,
+                             D ** -0.5 * flash.LOG2E, *new, *no_plan)
 
 
 def _signature(fn: JITFunction, args, kwargs) -> tuple[dict, dict, dict, dict]:
