@@ -415,9 +415,9 @@ def test_backward_delta_paths(triton_options, monkeypatch, fused, case):
 
 
 def test_backward_preprocessing_writes_the_guarded_lse():
-    """The preprocessing that the Gluon backward reads: delta, and lse with +inf for a row that saw no key
+    """The preprocessing that the Gluon backward reads: delta, lse with +inf for a row that saw no key
     (lse -inf: P is 0 there) and NaN for a row that saw an infinite score (lse +inf: no defined gradient),
-    every other row as it is."""
+    every other row as it is, and the float32 dQ it adds into, zeroed (rows past a tile's end included)."""
     from biasattn.ops.triton import flash_bwd
 
     gen = torch.Generator().manual_seed(4)
@@ -425,8 +425,10 @@ def test_backward_preprocessing_writes_the_guarded_lse():
     lse = torch.randn(2, 3, 37, generator=gen).to(DEVICE) * 5
     lse[0, 1, 3], lse[1, 2, 36], lse[1, 0, 0] = float("-inf"), float("inf"), float("nan")
     delta, guarded = (torch.full_like(lse, 7.0) for _ in range(2))
+    dq32 = torch.full_like(out, float("nan"))
     f32 = torch.zeros(1, device=DEVICE)
-    flash_bwd._delta(out, dout, None, delta, f32, 16, lse, guarded)
+    flash_bwd._delta(out, dout, None, delta, f32, 16, lse, guarded, dq32)
+    assert torch.equal(dq32, torch.zeros_like(dq32))
     torch.testing.assert_close(delta, (out.double() * dout.double()).sum(-1).float())
     want = lse.clone()
     want[0, 1, 3], want[1, 2, 36] = float("inf"), float("nan")

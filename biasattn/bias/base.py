@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -472,9 +473,15 @@ def _resolved(device) -> torch.device | None:
     return device
 
 
-def _compose(a: AttentionBias, b: AttentionBias) -> AttentionBias:
+@functools.cache  # masks composed every step: an import statement per call costs several µs
+def _composed_class():
     from .composed import ComposedBias
 
+    return ComposedBias
+
+
+def _compose(a: AttentionBias, b: AttentionBias) -> AttentionBias:
+    ComposedBias = _composed_class()
     if a._offsets != (0, 0) or b._offsets != (0, 0) or a._lengths != a._full or b._lengths != b._full:
         raise BiasCompositionError(
             f"cannot compose sliced biases ({a._family()}, {b._family()}): compose first, then slice"

@@ -15,6 +15,8 @@ multiple of 2**-16, and kept probabilities are scaled by the inverse of the roun
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..bias.spec import FEATURES
@@ -24,12 +26,14 @@ from .common import new_seed
 from .triton.environment import environment_reasons as triton_environment_reasons
 
 
+@functools.cache  # an import statement per call costs several µs of host time
 def _launchers():
     from .triton import flash
 
     return flash
 
 
+@functools.cache
 def _bwd_launchers():
     from .triton import flash_bwd
 

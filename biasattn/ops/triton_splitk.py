@@ -13,11 +13,20 @@ additive tensors. Forward only. CUDA sm80+; on the CPU only under ``TRITON_INTER
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..inputs import AttentionInputs
 from .base import Operator
 from .triton.environment import environment_reasons as triton_environment_reasons
+
+
+@functools.cache  # an import statement per call costs several µs of host time
+def _splitk():
+    from .triton import splitk
+
+    return splitk
 
 
 class TritonSplitKOperator(Operator):
@@ -66,7 +75,5 @@ class TritonSplitKOperator(Operator):
 
     def fwd(self, inp: AttentionInputs):
         """``(out [B, Hq, Mq, Dv], lse [B, Hq, Mq] float32, None)``."""
-        from .triton.splitk import splitk_attention_fwd
-
-        out, lse = splitk_attention_fwd(inp)
+        out, lse = _splitk().splitk_attention_fwd(inp)
         return out, lse, None

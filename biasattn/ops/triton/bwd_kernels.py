@@ -38,14 +38,15 @@ from .common_kernels import (
 
 @triton.jit
 def _attn_bwd_preprocess_kernel(
-    Out, DOut, DLse, Delta, Lse, LseGuarded,
+    Out, DOut, DLse, Delta, Lse, LseGuarded, DQ32,
     o_strides, do_strides,
     H, Mq, Dv,
     BLOCK_M: tl.constexpr, HEAD_DIM_V: tl.constexpr, HAS_DLSE: tl.constexpr, WRITE_GUARDED: tl.constexpr,
 ):
-    """``Delta [B, H, Mq] = rowsum(dOut * Out) - dLse`` in float32; with ``WRITE_GUARDED`` also ``LseGuarded``: ``Lse``
-    with +inf where it is -inf (a row that saw no key gets P = 0) and NaN where it is +inf (a row that saw an
-    infinite score has no defined gradient)."""
+    """``Delta [B, H, Mq] = rowsum(dOut * Out) - dLse`` in float32; with ``WRITE_GUARDED`` (the Gluon backward) also
+    ``LseGuarded``: ``Lse`` with +inf where it is -inf (a row that saw no key gets P = 0) and NaN where it is +inf
+    (a row that saw an infinite score has no defined gradient), and zeros in ``DQ32`` (float32, contiguous
+    ``[B, H, Mq, Dv]``), the dQ that its programs add into: one launch fewer than a separate fill."""
     stride_ob, stride_oh, stride_om, stride_od = o_strides
     stride_db, stride_dh, stride_dm, stride_dd = do_strides
     pid_m = tl.program_id(0)
@@ -67,6 +68,8 @@ def _attn_bwd_preprocess_kernel(
         guarded = tl.where(lse == float("-inf"), float("inf"), lse)
         guarded = tl.where(lse < float("inf"), guarded, float("nan"))
         tl.store(LseGuarded + pid_bh.to(tl.int64) * Mq + rows64, guarded, mask=rows < Mq)
+        tl.store(DQ32 + (pid_bh.to(tl.int64) * Mq + rows64[:, None]) * Dv + d[None, :],
+                 tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32), mask=mask)
 
 
 @triton.jit

@@ -443,11 +443,17 @@ def _gluon_fails(error: Exception, failures: list[str] | None = None, what: str 
 GLUON_NOTE = "gluon"  # the note of a launch plan recorded on the Gluon kernels
 
 
+@functools.cache  # replays reach the module through this: an import statement per call costs several µs
+def _gluon_forward():
+    from . import gluon_forward
+
+    return gluon_forward
+
+
 def _gluon_roles(q, k, v, out, lse, spec: BiasSpec, roles: tuple, qk_scale: float) -> tuple:
     """The roles of a Gluon forward's launch plan: the call's tensors, its descriptors (built per call), the spec's
     shared roles with the segments' table, and the scale."""
-    from . import gluon_forward
-
+    gluon_forward = _gluon_forward()
     table = schedule.query_schedule(spec, gluon_forward.BLOCK_M, q.device).table if roles else None
     return (q, k, v, out, lse, *gluon_forward.descriptors(q, k, v, out), *roles,
             *((table,) if table is not None else ()), qk_scale)

@@ -8,6 +8,7 @@ arguments as the forward does (:mod:`biasattn.ops.triton.flash`); no autograd he
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -145,16 +146,18 @@ def _gluon_lists(spec: BiasSpec, q, k) -> bool:
 
 
 def _delta(out, dout, dlse: torch.Tensor | None, delta: torch.Tensor, f32: torch.Tensor, hdv: int,
-           lse: torch.Tensor | None = None, guarded: torch.Tensor | None = None) -> None:
+           lse: torch.Tensor | None = None, guarded: torch.Tensor | None = None, dq32: torch.Tensor | None = None) -> None:
     """``delta = rowsum(dout * out) - dlse`` (float32 ``[B, H, Mq]``); ``f32`` a dummy for an absent ``dlse``,
-    ``hdv`` the kernels' tile of value rows. Given ``lse`` and ``guarded``, also ``guarded = lse`` with +inf
-    where ``lse`` is -inf and NaN where it is +inf."""
+    ``hdv`` the kernels' tile of value rows. Given ``lse``, ``guarded`` and ``dq32`` (the Gluon backward), also
+    ``guarded = lse`` with +inf where ``lse`` is -inf and NaN where it is +inf, and ``dq32`` (float32, contiguous,
+    ``out``'s shape) zeroed."""
     B, H, Mq, Dv = out.shape
     pre_bm = 16 if flash.INTERPRETED else 64
+    guard = guarded is not None
     _preprocess[(cdiv(Mq, pre_bm), B * H)](
-        out, dout, dlse if dlse is not None else f32, delta, f32 if lse is None else lse, f32 if guarded is None else guarded,
-        out.stride(), dout.stride(), H, Mq, Dv, BLOCK_M=pre_bm, HEAD_DIM_V=hdv, HAS_DLSE=dlse is not None,
-        WRITE_GUARDED=guarded is not None,
+        out, dout, dlse if dlse is not None else f32, delta, lse if guard else f32, guarded if guard else f32,
+        dq32 if guard else f32, out.stride(), dout.stride(), H, Mq, Dv, BLOCK_M=pre_bm, HEAD_DIM_V=hdv,
+        HAS_DLSE=dlse is not None, WRITE_GUARDED=guard,
     )
 
 
@@ -169,16 +172,22 @@ def _gluon_chunk(q, k, spec: BiasSpec, tiles: int) -> int:
     return flash.program_chunk(B * Hkv, tiles, flash.num_sms(q.device), Mq * D * 8 * (H // Hkv))
 
 
+@functools.cache  # replays reach the module through this: an import statement per call costs several µs
+def _gluon_backward():
+    from . import gluon_backward
+
+    return gluon_backward
+
+
 def _gluon_roles(q, k, v, out, lse, dout, dk, dv, spec: BiasSpec, roles: tuple, qk_scale: float, scale: float) -> tuple:
     """The roles of a Gluon backward's launch plan: the call's tensors (dO contiguous and aligned: the kernel reads
     it through a per-head descriptor), its scratch (``delta``, ``guarded`` and the zeroed float32 dQ it adds into),
     the descriptors (built per call), the spec's shared roles with the key tiles' table, and the scales."""
-    from . import gluon_backward
-
+    gluon_backward = _gluon_backward()
     if not dout.is_contiguous() or dout.data_ptr() % 16:
         dout = dout.clone(memory_format=torch.contiguous_format)
     delta, guarded = torch.empty((2, *lse.shape), dtype=torch.float32, device=q.device)
-    dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq32 = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # zeroed by the preprocessing (_delta)
     descs = gluon_backward.descriptors(q, k, v, dout, guarded, delta, dq32)
     table = schedule.key_schedule(spec, gluon_backward.program_keys(q.shape[3]), q.device).table if roles else None
     return (q, k, v, out, lse, dout, delta, guarded, dq32, dk, dv, *descs, *roles,
@@ -189,7 +198,7 @@ def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, qk_s
                key, roles: tuple) -> bool:
     """Write ``dq``, ``dk`` and ``dv`` with the Gluon backward; False (nothing written) when the installed
     Triton cannot build the kernel. The launches are recorded for the launch plan of ``key`` in ``store``
-    (:func:`attn_bwd` replays it); the zeroed dQ buffer and the copy out of it stay outside the plan."""
+    (:func:`attn_bwd` replays it); the copy out of the float32 dQ stays outside the plan."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
@@ -205,7 +214,7 @@ def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, qk_s
         lists = args.tile_lists(spec, sched, gluon_backward.ROWS, False, q.device)[:4]
     with plans.recording() as rec:
         _delta(out, dout, dlse.to(torch.float32).contiguous() if dlse is not None else None, delta, args.f32,
-               q.shape[3], lse, guarded)
+               q.shape[3], lse, guarded, dq32)
         try:
             gluon_backward.attn_bwd(
                 q, k, dk, dv, descs, qk_scale, scale, sched.n,
