@@ -40,7 +40,7 @@ def _plan_key(kind: str, tensors: tuple, spec: BiasSpec, *extra):
     launcher's ``extra`` items."""
     layout = spec.layout._version if spec.layout is not None else -1
     return ("launch plan", kind, plans.tensor_key(*tensors), layout, options.current(),
-            SHORT_SPAN_KEYS, SHORT_SPAN_KEYS_DKDV, NARROW_SPAN_KEYS, GLUON_LAYOUT_MIN_SCORES, INTERPRETED,
+            SHORT_SPAN_KEYS, SHORT_SPAN_KEYS_DKDV, NARROW_SPAN_KEYS, INTERPRETED,
             bool(configs._overrides), *extra)
 
 
@@ -401,17 +401,17 @@ def _gluon_runs(q, k, v, out, spec: BiasSpec, dropout_p: float) -> bool:
 
 
 GLUON_KEY_TILES = {128: 128, 256: 64}  # gluon_forward.TILES' keys per tile, known without importing the module
-GLUON_LAYOUT_MIN_SCORES = 2**30  # block layouts take the Gluon kernels from this many scores B·H·Mq·Mk (visible or not)
 
 
 def _gluon_lists(spec: BiasSpec, q, k) -> bool:
     """Whether the Gluon forward can read a block layout's tile lists: the layout is the only mask, its blocks
     hold whole tiles (128 rows by the key tile), the shapes divide into them, and the call is large enough
-    (:data:`GLUON_LAYOUT_MIN_SCORES`: below it, the Gluon launches' host work outweighs their faster tiles)."""
+    (the ``gluon_layout_min_scores`` option: below it, the Gluon launches' host work outweighs their faster tiles)."""
     B, H, Mq, D = q.shape
     Mk = k.shape[2]
     tile = GLUON_KEY_TILES[D]
-    if spec.features != {"layout"} or Mq % 128 or Mk % tile or B * H * Mq * Mk < GLUON_LAYOUT_MIN_SCORES:
+    if (spec.features != {"layout"} or Mq % 128 or Mk % tile
+            or B * H * Mq * Mk < options.current().gluon_layout_min_scores):
         return False
     return schedule.layout_exact(spec, schedule.query_schedule(spec, 128, q.device), tile, True)
 
