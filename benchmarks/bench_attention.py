@@ -425,8 +425,10 @@ AB_SWITCHES = {  # name: (launch option, state A, state B, value A, value B)
     "gluon": ("gluon_forward", "forwards at D=128 and 256 (no bias, interval masks, block layouts) in Gluon",
               "in the triton.language kernel", True, False),
     "gluon_min": ("gluon_min_scores", "Gluon kernels on calls of any size", "from 2^26 scores", 0, 2**26),
-    "gluon_layout": ("gluon_layout_min_scores", "block layouts in Gluon from 2^29 scores", "from 2^30 scores",
-                     2**29, 2**30),
+    "gluon_layout": ("gluon_layout_min_scores", "block layouts' forward in Gluon from 2^28 scores", "from 2^30 scores",
+                     2**28, 2**30),
+    "gluon_layout_bwd": ("gluon_layout_bwd_min_scores", "block layouts' backward in Gluon from 2^29 scores",
+                         "from 2^30 scores", 2**29, 2**30),
     "gluon_bwd": ("gluon_backward", "backwards at D=64, 128 and 256 (no bias, interval masks, block layouts) in Gluon",
                   "in the triton.language kernels", True, False),
 }
