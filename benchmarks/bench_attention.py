@@ -369,17 +369,19 @@ def compare(rows: list[dict], base_path: str, threshold: float = 0.9) -> list[st
 def tune(args) -> None:
     """Time every candidate tile config of each kernel on the first case, alternated over ``--rounds``,
     and print the medians (``--dropout``: the candidates in the order dropout tries them, every call
-    with that dropout probability)."""
+    with that dropout probability; ``--timing graph``: CUDA-graph replays, the GPU's time alone)."""
     from biasattn.ops.triton import configs
 
     feats = ("dropout",) if args.dropout else ()
 
-    def cands(kernel, D):
-        return configs._candidates_for(kernel, D, torch.bfloat16, feats)
+    def cands(kernel, D):  # the list, then the first tile where rows see few keys if it is not in it
+        short = configs._candidates_for(kernel, D, torch.bfloat16, feats + ("short_span", "short_span_dkdv"))
+        return tuple(dict.fromkeys(configs._candidates_for(kernel, D, torch.bfloat16, feats) + short))
 
     jobs = [(c, D, 1 if c == "additive" else 2, False, {kernel: cfg}) for c in args.cases for D in args.head_dims
             for kernel in args.kernels for cfg in cands(kernel, D)]
     _pool_map(jobs, args.precompile or 8)
+    graphs = {}  # with --timing graph, every graph lives to the end (see run_sweep)
     for case_name in args.cases:
         for D in args.head_dims:
             M = args.seqlens[0]
@@ -387,16 +389,21 @@ def tune(args) -> None:
             if case.bias is not None:
                 case.bias = case.bias.to(case.q.device)
             q, k, v = case.q, case.k, case.v
-            out = ba.attention(q, k, v, case.bias, op="triton")
-            dout = torch.randn_like(out)
+            with torch.no_grad():  # no autograd graph kept alive: a CUDA-graph capture needs none around
+                dout = torch.randn_like(ba.attention(q, k, v, case.bias, op="triton"))
             for kernel in args.kernels:
                 times = {cfg: [] for cfg in cands(kernel, D)}
                 for _ in range(args.rounds):  # candidates alternated, so that drift spreads over all of them
                     for cfg, ms in times.items():
                         with configs.override(**{kernel: cfg}):
                             try:
-                                ms.append(triton.testing.do_bench(
-                                    _tune_call(case, dout, kernel == "fwd", args.dropout), warmup=10, rep=50))
+                                call = _tune_call(case, dout, kernel == "fwd", args.dropout)
+                                if args.timing == "graph":
+                                    key = (case_name, D, kernel, cfg)
+                                    if key not in graphs:
+                                        graphs[key] = _graphed(call)
+                                    call = graphs[key].replay
+                                ms.append(triton.testing.do_bench(call, warmup=10, rep=50))
                             except Exception as e:
                                 ms.append(type(e).__name__)
                 for cfg, ms in times.items():
@@ -492,7 +499,7 @@ def main(argv=None) -> int:
     p.add_argument("--point-rounds", type=int, default=1,
                    help="sweep: time each point's providers in this many alternating rounds (the median round is kept)")
     p.add_argument("--timing", default="do_bench", choices=["do_bench", "graph"],
-                   help="sweep: time eager calls (host work included) or CUDA-graph replays (GPU work only)")
+                   help="sweep and --tune: time eager calls (host work included) or CUDA-graph replays (GPU work only)")
     args = p.parse_args(argv)
     CASE_ARGS["window"] = args.window
     CASE_ARGS["docs"] = tuple(args.docs)

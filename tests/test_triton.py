@@ -895,6 +895,9 @@ def test_short_spans_pick_short_forward_tiles():
     assert short[0] == configs.TileConfig(64, 64, 4, 3)
     assert configs._candidates_for("fwd", 128, torch.bfloat16, ("band",))[0] == configs.TileConfig(128, 128, 8, 3)
     assert configs._candidates_for("fwd", 256, torch.bfloat16, ("band", "short_span")) == configs.candidates("fwd", 256)
+    for head_dim in (32, 64):  # head dims up to 64 share one list, and its short forward tile
+        assert configs._candidates_for("fwd", head_dim, torch.bfloat16, ("band", "short_span"))[0] == short[0]
+        assert configs._candidates_for("fwd", head_dim, torch.bfloat16, ("band",))[0] == configs.candidates("fwd", 64)[0]
     short_dkdv = configs._candidates_for("dkdv", 128, torch.bfloat16, ("segments",) + both)
     assert short_dkdv[0] == configs.TileConfig(32, 64, 4, 4)
     assert configs._candidates_for("dkdv", 128, torch.bfloat16, ("band", "short_span")) == configs.candidates("dkdv", 128)
@@ -920,32 +923,56 @@ def test_dropout_forward_at_head_dim_64_takes_64_row_tiles():
 
 
 @pytest.mark.parametrize(
-    ("features", "dtype", "short"),
+    ("features", "dtype", "first_64"),
     [
         ((), torch.bfloat16, True),
         (("band",), torch.float16, True),
         (("padded_keys",), torch.bfloat16, True),
         (("alibi", "band"), torch.bfloat16, True),
         (("additive", "full"), torch.bfloat16, True),
+        (("band", "short_span"), torch.bfloat16, True),
+        (("segments", "band", "short_span"), torch.bfloat16, True),
         ((), torch.float32, False),  # fp32 keeps its capped list
-        (("band", "short_span"), torch.bfloat16, False),
-        (("segments", "band"), torch.bfloat16, False),
         (("layout",), torch.bfloat16, False),
         (("dropout",), torch.bfloat16, False),
     ],
 )
-def test_dq_at_head_dim_64_takes_64_row_tiles_where_rows_see_many_keys(features, dtype, short):
-    """dQ at head dim 64 tries 64x64 tiles with 4 warps first where rows see many keys, outside packed
-    documents, block layouts and dropout; other head dims keep their first tile."""
+def test_dq_at_head_dim_64_takes_64_row_tiles(features, dtype, first_64):
+    """dQ at head dim 64 tries 64x64 tiles with 4 warps first outside block layouts and dropout; other head
+    dims keep their first tile."""
     from biasattn.ops.triton import configs
 
     first = configs._candidates_for("dq", 64, dtype, features)[0]
-    assert (first == configs.DQ_64_LONG_ROWS) is short
+    assert (first == configs.DQ_64) is first_64
     if dtype != torch.float32:
-        if not short:
+        if not first_64:
             assert first == configs.candidates("dq", 64)[0]
         for head_dim in (128, 256):
             assert configs._candidates_for("dq", head_dim, dtype, features)[0] == configs.candidates("dq", head_dim)[0]
+
+
+@pytest.mark.parametrize(
+    ("features", "dtype", "short"),
+    [
+        (("segments", "band", "short_span", "short_span_dkdv"), torch.bfloat16, True),
+        (("band", "short_span", "short_span_dkdv"), torch.float16, True),
+        (("band", "short_span"), torch.bfloat16, False),  # rows see more keys than the dK/dV bound
+        (("band", "short_span", "short_span_dkdv", "dropout"), torch.bfloat16, False),
+        (("full", "short_span", "short_span_dkdv", "additive"), torch.bfloat16, False),
+        (("band", "short_span", "short_span_dkdv"), torch.float32, False),
+    ],
+)
+def test_dkdv_at_head_dim_64_takes_32_row_tiles_where_rows_see_few_keys(features, dtype, short):
+    """dK/dV at head dim 64 tries 32 rows by 128 keys first where rows see few keys (no additive bias or
+    dropout); head dim 128 takes its own short tile there."""
+    from biasattn.ops.triton import configs
+
+    first = configs._candidates_for("dkdv", 64, dtype, features)[0]
+    assert (first == configs.SHORT_ROWS["dkdv", 64]) is short
+    if not short and dtype != torch.float32 and "dropout" not in features:
+        assert first == configs.candidates("dkdv", 64)[0]
+    if short:
+        assert configs._candidates_for("dkdv", 128, dtype, features)[0] == configs.SHORT_ROWS["dkdv", 128]
 
 
 def test_direct_launch_signature():

@@ -62,8 +62,13 @@ _CANDIDATES: dict[tuple[str, int], tuple[TileConfig, ...]] = {
     ("dq_ds", 256): (TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 2)),
 }
 
-# dQ at head dim 64 where rows see many keys: 64x64 tiles with 4 warps first (design.md, "dQ at head dim 64")
-DQ_64_LONG_ROWS = TileConfig(64, 64, 4, 3)
+# dQ at head dim 64: 64x64 tiles with 4 warps first, block layouts and dropout aside (design.md: "dQ at head dim 64")
+DQ_64 = TileConfig(64, 64, 4, 3)
+# (kernel, padded head dim) -> the first tile where rows see few keys (design.md, "Short tiles when rows see few keys")
+SHORT_ROWS = {
+    ("fwd", 64): TileConfig(64, 64, 4, 3), ("dkdv", 64): TileConfig(32, 128, 4, 3),
+    ("fwd", 128): TileConfig(64, 64, 4, 3), ("dkdv", 128): TileConfig(32, 64, 4, 4),
+}
 
 _overrides: dict[str, TileConfig] = {}
 _tuned: dict[tuple, TileConfig] = {}
@@ -97,9 +102,10 @@ def override(**configs: TileConfig) -> Iterator[None]:
 def _candidates_for(kernel: str, head_dim: int, dtype: torch.dtype, features: tuple = ()) -> tuple[TileConfig, ...]:
     cands = candidates(kernel, head_dim)
     span = {"fwd": "short_span", "dkdv": "short_span_dkdv"}.get(kernel)
-    short = span in features and head_dim == 128 and not {"additive", "dropout"} & set(features)
-    if short:  # rows see few keys: shorter tiles, more programs finish sooner (H200: +17-25% on packed documents)
-        first = TileConfig(64, 64, 4, 3) if kernel == "fwd" else TileConfig(32, 64, 4, 4)
+    first = SHORT_ROWS.get((kernel, 64 if head_dim <= 64 else head_dim))
+    if (first and span in features and not {"additive", "dropout"} & set(features)
+            and (head_dim > 64 or dtype != torch.float32)):  # fp32 up to head dim 64 keeps its capped list (untimed)
+        # rows see few keys: shorter tiles, more programs finish sooner (H200: +17-25% on packed documents)
         cands = (first, *(c for c in cands if c != first))
     if kernel == "fwd" and "additive" in features:  # the bias tile adds registers: narrower key tiles first,
         # and at head dim 64 shorter query tiles (128 rows at 4 warps spill the prefetched bias tile)
@@ -114,11 +120,10 @@ def _candidates_for(kernel: str, head_dim: int, dtype: torch.dtype, features: tu
     if kernel == "dkdv" and "dropout" in features and head_dim <= 128:  # H200, tuned with dropout: short tiles,
         # deep pipeline (at D=256 those spill: 1,528 local loads and stores against 2 for the usual tile)
         cands = (TileConfig(32, 64, 4, 4), *(c for c in cands if c != TileConfig(32, 64, 4, 4)))
-    if (kernel == "dq" and head_dim <= 64 and dtype != torch.float32
-            and not {"segments", "layout", "short_span", "dropout"} & set(features)):
-        # rows that see many keys: more, shorter programs (H200: forward+backward 2-6% faster; packed
-        # documents, short rows (a 1k window) and block layouts keep 128 rows)
-        cands = (DQ_64_LONG_ROWS, *(c for c in cands if c != DQ_64_LONG_ROWS))
+    if kernel == "dq" and head_dim <= 64 and dtype != torch.float32 and not {"layout", "dropout"} & set(features):
+        # more, shorter programs (H200: forward+backward 2-6% faster on long rows, 4-11% less GPU time on packed
+        # documents and windows; block layouts keep 128 rows)
+        cands = (DQ_64, *(c for c in cands if c != DQ_64))
     if dtype == torch.float32:  # fp32 tiles take twice the shared memory
         cands = tuple(TileConfig(min(c.block_m, 64), min(c.block_n, 64), c.num_warps, min(c.num_stages, 2)) for c in cands)
     return cands

@@ -292,11 +292,12 @@ def _span_features(spec: BiasSpec, Mq: int, Mk: int) -> tuple[str, ...]:
     (:func:`_gluon_span`).
 
     A tile then meets few tiles of the other side, and shorter tiles (more programs, each shorter)
-    finish sooner: on an H200 the forward's 64x64 tiles gain 25% on packed documents and 4-10% on a 1k
-    window or 1k-key rows, and lose 2-7% once rows see 2k keys or more; the dK/dV kernel's 32x64 tiles
-    gain 17% on packed documents but lose 1.7% on a 1k window at 8k (961 keys per row on average) and
-    tie at 2k (769). Packed segments enter by their number only, so a
-    new set of document lengths never changes the tiles. Block layouts keep their tiles."""
+    finish sooner (tiles per head dim: ``configs.SHORT_ROWS``): on an H200 at head dim 128 the forward's
+    64x64 tiles gain 25% on packed documents and 4-10% on a 1k window or 1k-key rows, and lose 2-7% once
+    rows see 2k keys or more; the dK/dV kernel's 32x64 tiles gain 17% on packed documents but lose 1.7%
+    on a 1k window at 8k (961 keys per row on average) and tie at 2k (769). Packed segments enter by
+    their number only, so a new set of document lengths never changes the tiles. Block layouts keep
+    their tiles."""
     if spec.layout is not None:
         return ()
 
