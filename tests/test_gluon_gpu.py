@@ -28,11 +28,10 @@ def gluon_calls(triton_options, monkeypatch):
     """Every call large enough for the Gluon forward; returns the list its launches are logged in, as
     ``(q shape, k shape, masked)``. Launch plans are off, so that every call reaches the launcher (a replay
     does not)."""
-    from biasattn.ops.triton import flash, flash_bwd, gluon_forward
+    from biasattn.ops.triton import flash, gluon_forward
 
     triton_options(gluon_min_scores=0, gluon_layout_min_scores=0, gluon_layout_bwd_min_scores=0, plans=False)
     monkeypatch.setattr(flash, "_gluon_span", lambda *args: True)  # rows seeing few keys take it too
-    monkeypatch.setattr(flash_bwd, "GLUON_D64_MASKED_MIN_KEYS", 0)  # and masked calls at D=64 of any length
     calls = []
     real = gluon_forward.attn_fwd
 
@@ -231,18 +230,6 @@ def test_programs_started_rank_by_rank_keep_results(gluon_calls, gluon_bwd_calls
     check(*qkv(B=3, Hq=4, Hkv=2, Mq=640, Mk=640, D=128, dtype=torch.bfloat16),
           const(ba.LocalAttentionMask(window_left=100, window_right=0)))
     assert chunks == {("attn_fwd", 128, 1), ("attn_bwd", 128, 1)}
-
-
-@pytest.mark.parametrize("case", ["none", "causal"])
-def test_masked_backward_at_head_dim_64_needs_many_keys(gluon_calls, gluon_bwd_calls, monkeypatch, case):
-    """At head dim 64 a masked call with fewer keys than ``GLUON_D64_MASKED_MIN_KEYS`` keeps the
-    ``triton.language`` backward (faster there); a call without a bias takes the Gluon one at any length."""
-    from biasattn.ops.triton import flash_bwd
-
-    monkeypatch.setattr(flash_bwd, "GLUON_D64_MASKED_MIN_KEYS", 512)
-    bias = ba.LowerTriangularMask() if case == "causal" else None
-    check(*qkv(B=2, Hq=2, Hkv=2, Mq=384, Mk=384, D=64, dtype=torch.bfloat16), const(bias))
-    assert bool(gluon_bwd_calls) == (case == "none")
 
 
 def test_backward_rows_not_a_multiple_of_four_keep_the_triton_kernels(gluon_calls, gluon_bwd_calls):

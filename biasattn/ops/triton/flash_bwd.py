@@ -97,7 +97,6 @@ def _tables(spec: BiasSpec, blocks: tuple[int, int], device, roles: tuple) -> tu
 
 GLUON_FEATURES = frozenset({"segments", "padded_keys", "band", "layout"})  # the masks the Gluon backward takes
 GLUON_HEAD_DIMS = frozenset({64, 128, 256})  # ... and its head dims (256: gluon_backward's wide kernel)
-GLUON_D64_MASKED_MIN_KEYS = 4096  # at head dim 64, masked calls with fewer keys keep the triton.language backward
 _gluon_failure: list[str] = []  # why the Gluon backward cannot run with the installed Triton, once known
 
 
@@ -105,10 +104,9 @@ def _gluon_runs(q, k, v, lse, spec: BiasSpec, need_dbias: bool, dropout_p: float
     """Whether the Gluon backward takes the call: the ``gluon_backward`` option, an sm_90 GPU, a Triton whose
     Gluon builds the kernel, a bias of :data:`GLUON_FEATURES` only, no dropout and no bias gradient, runs
     that need not be deterministic (its dQ adds tiles in any order), at least ``gluon_min_scores`` scores,
-    rows that see enough keys for the head dim (:func:`~.flash._gluon_span`), at head dim 64 either no bias or at
-    least :data:`GLUON_D64_MASKED_MIN_KEYS` keys, a block layout only as :func:`_gluon_lists` allows, and the
-    kernel's tensors (:func:`.gluon_backward.eligible`). The module is imported on the first call that gets this
-    far."""
+    rows that see enough keys for the head dim (:func:`~.flash._gluon_span`), a block layout only as
+    :func:`_gluon_lists` allows, and the kernel's tensors (:func:`.gluon_backward.eligible`). The module is
+    imported on the first call that gets this far."""
     opts = options.current()
     if (not opts.gluon_backward or _gluon_failure or flash.INTERPRETED or q.device.type != "cuda" or dropout_p > 0
             or need_dbias or not spec.features <= GLUON_FEATURES or torch.are_deterministic_algorithms_enabled()
@@ -117,8 +115,6 @@ def _gluon_runs(q, k, v, lse, spec: BiasSpec, need_dbias: bool, dropout_p: float
     B, H, Mq, _ = q.shape
     Mk = k.shape[2]
     if computed_scores(spec, B, H, Mq, Mk) < opts.gluon_min_scores or not flash._gluon_span(spec, q.shape[3], Mq, Mk):
-        return False
-    if q.shape[3] == 64 and spec.features and Mk < GLUON_D64_MASKED_MIN_KEYS:
         return False
     if spec.layout is not None and not _gluon_lists(spec, q, k):
         return False
@@ -250,8 +246,7 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     # one plan per call signature, on whichever kernels its first calls took: a replay asks nothing again
     plannable = dlse is None and not need_dbias and dropout_p == 0
-    key = _plan_key("bwd", (q, k, v, out, lse, dout), spec, GLUON_D64_MASKED_MIN_KEYS,
-                    torch.are_deterministic_algorithms_enabled()) if plannable else None
+    key = _plan_key("bwd", (q, k, v, out, lse, dout), spec, torch.are_deterministic_algorithms_enabled()) if plannable else None
     store, key, roles = flash.plan_home(spec, dev, key)
     planned = plans.lookup(store, key)
     scale = float(scale)  # the scales are roles of the plan: these objects go into every launch
