@@ -885,6 +885,7 @@ def test_short_spans_pick_short_forward_tiles():
     both = ("short_span", "short_span_dkdv")
     assert flash._span_features(spec(causal, 1024, 1024), 1024, 1024) == (*both, "narrow_span")  # 512.5 keys
     assert flash._span_features(spec(causal, 1536, 1536), 1536, 1536) == both  # 768.5
+    assert flash._span_features(spec(causal, 512, 512), 512, 512) == (*both, "narrow_span", "narrow_span_bwd")  # 256.5
     assert flash._span_features(spec(causal, 2048, 2048), 2048, 2048) == ()
     assert flash._span_features(spec(ba.LocalAttentionMask(1024), 16384, 16384), 16384, 16384) == ("short_span",)
     assert flash._span_features(spec(ba.LocalAttentionMask(1024), 2048, 2048), 2048, 2048) == both
@@ -1171,8 +1172,9 @@ def test_the_gluon_kernels_are_imported_on_sm90_gpus_only():
 
 def test_rows_seeing_few_keys_keep_the_short_tiles_off_the_gluon_kernels():
     """Rows that see few keys (a narrow window, short documents) keep the ``triton.language`` kernels' short
-    tiles: at head dim 64 under 1,000 keys per row, at 128 under :data:`~.flash.NARROW_SPAN_KEYS`; at 256 the
-    Gluon kernels take every span. A wide window, a causal mask and padded keys take them at every head dim."""
+    tiles: at head dim 64 under 1,000 keys per row, at 128 under :data:`~.flash.NARROW_SPAN_KEYS` (the backward
+    on masks other than packed documents under :data:`~.flash.NARROW_SPAN_KEYS_BWD`); at 256 the Gluon kernels
+    take every span. A wide window, a causal mask and padded keys take them at every head dim."""
     from biasattn.inputs import make_inputs
     from biasattn.ops.triton import flash
 
@@ -1181,8 +1183,16 @@ def test_rows_seeing_few_keys_keep_the_short_tiles_off_the_gluon_kernels():
         spec = make_inputs(q, q, q, bias).spec
         return tuple(flash._gluon_span(spec, D, M, M) for D in (64, 128, 256))
 
+    def backward_128(bias, M):
+        q = torch.empty(1, 1, M, 128)
+        return flash._gluon_span(make_inputs(q, q, q, bias).spec, 128, M, M, backward=True)
+
     assert takes(ba.LocalAttentionMask(window_left=256), 2048) == (False, False, True)
     assert takes(ba.LocalAttentionMask(window_left=512), 8192) == (False, False, True)  # 497 keys per row
+    assert backward_128(ba.LocalAttentionMask(window_left=512), 8192)  # the backward from 400 keys
+    assert backward_128(ba.LowerTriangularMask(), 1024)  # 512.5
+    assert not backward_128(ba.LocalAttentionMask(window_left=256), 2048)  # 239
+    assert not backward_128(ba.BlockDiagonalMask.from_seqlens([512] * 16).make_causal(), 8192)  # documents: 640
     assert takes(ba.LocalAttentionMask(window_left=1024), 8192) == (False, True, True)  # 961
     assert takes(ba.BlockDiagonalMask.from_seqlens([512] * 16).make_causal(), 8192) == (False, False, True)
     assert takes(ba.BlockDiagonalMask.from_seqlens([800] * 10 + [192]).make_causal(), 8192) == (False, True, True)
