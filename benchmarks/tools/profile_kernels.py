@@ -3,7 +3,8 @@
 Use it when a benchmark row is slower than expected and you need to know whether the kernels or the
 host are the cause. For each case and provider it runs the call (forward, or forward+backward)
 ``--iters`` times under ``torch.profiler`` and prints every GPU kernel's time per call, largest first,
-with the call's total GPU time and its wall time (the difference is host time the GPU waited for).
+with the call's total GPU time, its wall time (the difference is host time the GPU waited for) and its host time
+alone (calls issued behind a sleep kernel, as ``host_time.py`` measures them).
 ``--host-profile`` adds cProfile's top host functions, ``--sync-check`` the operations that wait for
 the GPU. Needs a CUDA device to measure; ``--help`` works anywhere.
 
@@ -24,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from bench_attention import HEADS, TOKENS, Flex, provider_fn  # noqa: E402
 from cases import CASE_NAMES, make_case  # noqa: E402
+from tools.host_time import host_us  # noqa: E402
 
 
 def _call(fn, inputs, mode):
@@ -54,18 +56,6 @@ def profile_call(call, iters: int) -> tuple[list[tuple[str, float, int]], float]
         if t > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
             rows.append((e.key, t / iters, round(e.count / iters)))
     return sorted(rows, key=lambda r: -r[1]), wall
-
-
-def host_time(call, iters: int = 30) -> float:
-    """µs of host time per call: calls queued while the GPU is still busy with earlier work."""
-    call()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        call()
-    host = (time.perf_counter() - t0) / iters * 1e6
-    torch.cuda.synchronize()
-    return host
 
 
 def host_profile(call, iters: int = 30, top: int = 25) -> None:
@@ -144,7 +134,7 @@ def main(argv=None) -> int:
                 call = _call(fn, inputs, mode)
                 rows, wall = profile_call(call, args.iters)
                 total = sum(r[1] for r in rows)
-                host = host_time(call)
+                host = host_us(call, iters=30, rounds=5)
                 print(f"\n== {case_name} M={args.M} D={args.D} {mode} {name}: GPU {total:.0f} µs, "
                       f"wall {wall:.0f} µs, host {host:.0f} µs per call")
                 if args.host_profile:

@@ -256,14 +256,14 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
         planned.run(plan_roles)
         dq.copy_(plan_roles[8])
         return dq, dk, dv, None
+    if planned is None and D == Dv and D in GLUON_HEAD_DIMS and _gluon_runs(q, k, v, lse, spec, need_dbias, dropout_p):
+        if _gluon_bwd(q, k, v, out, lse, dout, dlse, spec, scale, qk_scale, dq, dk, dv, store, key, roles):
+            return dq, dk, dv, None
     delta = q.new_empty((B, H, Mq), dtype=torch.float32)
     if planned is not None:
         planned.run((q, k, v, out, lse, dout, delta, dq, dk, dv, *roles, *_tables(spec, planned.note, dev, roles),
                      qk_scale, scale))
         return dq, dk, dv, None
-    if D == Dv and D in GLUON_HEAD_DIMS and _gluon_runs(q, k, v, lse, spec, need_dbias, dropout_p):
-        if _gluon_bwd(q, k, v, out, lse, dout, dlse, spec, scale, qk_scale, dq, dk, dv, store, key, roles):
-            return dq, dk, dv, None
     args = _spec_args(spec, dev)
     hd, hdv = head_tiles(D, Dv)
     even = D == hd and Dv == hdv
