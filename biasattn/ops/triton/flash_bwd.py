@@ -114,7 +114,9 @@ def _gluon_runs(q, k, v, lse, spec: BiasSpec, need_dbias: bool, dropout_p: float
         return False
     B, H, Mq, _ = q.shape
     Mk = k.shape[2]
-    if computed_scores(spec, B, H, Mq, Mk) < opts.gluon_min_scores or not flash._gluon_span(spec, q.shape[3], Mq, Mk, True):
+    if computed_scores(spec, B, H, Mq, Mk) < opts.gluon_min_scores:
+        return False
+    if not flash._gluon_span(spec, q.shape[3], Mq, Mk, backward=True):
         return False
     if spec.layout is not None and not _gluon_lists(spec, q, k):
         return False
