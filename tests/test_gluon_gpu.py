@@ -31,7 +31,7 @@ def gluon_calls(triton_options, monkeypatch):
     from biasattn.ops.triton import flash, gluon_forward
 
     triton_options(gluon_min_scores=0, gluon_layout_min_scores=0, gluon_layout_bwd_min_scores=0, plans=False)
-    monkeypatch.setattr(flash, "_gluon_span", lambda *args: True)  # rows seeing few keys take it too
+    monkeypatch.setattr(flash, "_gluon_span", lambda *args, **kwargs: True)  # rows seeing few keys take it too
     calls = []
     real = gluon_forward.attn_fwd
 
