@@ -436,6 +436,8 @@ AB_SWITCHES = {  # name: (launch option, state A, state B, value A, value B)
                      2**29, 2**30),
     "gluon_layout_bwd": ("gluon_layout_bwd_min_scores", "block layouts' backward in Gluon from 2^29 scores",
                          "from 2^30 scores", 2**29, 2**30),
+    "gluon_bwd_min": ("gluon_bwd_min_visible", "the Gluon backward at D=128 on calls of any size",
+                      "from 110M visible scores", 0, 110_000_000),
     "gluon_bwd": ("gluon_backward", "backwards at D=64, 128 and 256 (no bias, interval masks, block layouts) in Gluon",
                   "in the triton.language kernels", True, False),
 }

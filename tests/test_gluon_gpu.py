@@ -30,7 +30,8 @@ def gluon_calls(triton_options, monkeypatch):
     does not)."""
     from biasattn.ops.triton import flash, gluon_forward
 
-    triton_options(gluon_min_scores=0, gluon_layout_min_scores=0, gluon_layout_bwd_min_scores=0, plans=False)
+    triton_options(gluon_min_scores=0, gluon_bwd_min_visible=0, gluon_layout_min_scores=0, gluon_layout_bwd_min_scores=0,
+                   plans=False)
     monkeypatch.setattr(flash, "_gluon_span", lambda *args, **kwargs: True)  # rows seeing few keys take it too
     calls = []
     real = gluon_forward.attn_fwd

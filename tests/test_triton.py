@@ -885,7 +885,7 @@ def test_short_spans_pick_short_forward_tiles():
     both = ("short_span", "short_span_dkdv")
     assert flash._span_features(spec(causal, 1024, 1024), 1024, 1024) == (*both, "narrow_span")  # 512.5 keys
     assert flash._span_features(spec(causal, 1536, 1536), 1536, 1536) == both  # 768.5
-    assert flash._span_features(spec(causal, 512, 512), 512, 512) == (*both, "narrow_span", "narrow_span_bwd")  # 256.5
+    assert flash._span_features(spec(causal, 512, 512), 512, 512) == (*both, "narrow_span")  # 256.5
     assert flash._span_features(spec(causal, 2048, 2048), 2048, 2048) == ()
     assert flash._span_features(spec(ba.LocalAttentionMask(1024), 16384, 16384), 16384, 16384) == ("short_span",)
     assert flash._span_features(spec(ba.LocalAttentionMask(1024), 2048, 2048), 2048, 2048) == both
@@ -1172,9 +1172,9 @@ def test_the_gluon_kernels_are_imported_on_sm90_gpus_only():
 
 def test_rows_seeing_few_keys_keep_the_short_tiles_off_the_gluon_kernels():
     """Rows that see few keys (a narrow window, short documents) keep the ``triton.language`` kernels' short
-    tiles: at head dim 64 under 1,000 keys per row, at 128 under :data:`~.flash.NARROW_SPAN_KEYS` (the backward
-    on masks other than packed documents under :data:`~.flash.NARROW_SPAN_KEYS_BWD`); at 256 the Gluon kernels
-    take every span. A wide window, a causal mask and padded keys take them at every head dim."""
+    tiles: at head dim 64 (the backward) under 1,000 keys per row, at 128 (the forward) under
+    :data:`~.flash.NARROW_SPAN_KEYS`; at 256 the Gluon kernels take every span. A wide window, a causal mask and
+    padded keys take them at every head dim."""
     from biasattn.inputs import make_inputs
     from biasattn.ops.triton import flash
 
@@ -1183,22 +1183,41 @@ def test_rows_seeing_few_keys_keep_the_short_tiles_off_the_gluon_kernels():
         spec = make_inputs(q, q, q, bias).spec
         return tuple(flash._gluon_span(spec, D, M, M) for D in (64, 128, 256))
 
-    def backward_128(bias, M):
-        q = torch.empty(1, 1, M, 128)
-        return flash._gluon_span(make_inputs(q, q, q, bias).spec, 128, M, M, backward=True)
-
     assert takes(ba.LocalAttentionMask(window_left=256), 2048) == (False, False, True)
     assert takes(ba.LocalAttentionMask(window_left=512), 8192) == (False, False, True)  # 497 keys per row
-    assert backward_128(ba.LocalAttentionMask(window_left=512), 8192)  # the backward from 400 keys
-    assert backward_128(ba.LowerTriangularMask(), 1024)  # 512.5
-    assert not backward_128(ba.LocalAttentionMask(window_left=256), 2048)  # 239
-    assert not backward_128(ba.BlockDiagonalMask.from_seqlens([512] * 16).make_causal(), 8192)  # documents: 640
     assert takes(ba.LocalAttentionMask(window_left=1024), 8192) == (False, True, True)  # 961
     assert takes(ba.BlockDiagonalMask.from_seqlens([512] * 16).make_causal(), 8192) == (False, False, True)
     assert takes(ba.BlockDiagonalMask.from_seqlens([800] * 10 + [192]).make_causal(), 8192) == (False, True, True)
     assert takes(ba.LocalAttentionMask(window_left=2048), 4096) == (True, True, True)
     assert takes(ba.LowerTriangularMask(), 4096) == (True, True, True)
     assert takes(ba.PaddedKeysMask([3000, 4096]), 4096, B=2) == (True, True, True)
+
+
+def test_the_gluon_backward_at_head_dim_128_takes_calls_by_their_visible_scores(triton_options):
+    """At head dim 128 the Gluon backward takes a call from ``gluon_bwd_min_visible`` visible scores (B·H·Mq
+    times the keys a row sees on average), whatever the rows' span: the calls measured on each side of the
+    bound, at H=16."""
+    from biasattn.inputs import make_inputs
+    from biasattn.ops.triton import flash_bwd
+
+    def takes(bias, B, M, D=128):
+        q = torch.empty(B, 1, M, 8)
+        return flash_bwd._gluon_size(make_inputs(q, q, q, bias).spec, B, 16, M, M, D)
+
+    window, causal = ba.LocalAttentionMask(window_left=128), ba.LowerTriangularMask()
+    documents = ba.BlockDiagonalMask.from_seqlens(
+        [847, 282, 318, 464, 735, 616, 953, 587, 734, 498, 542, 227, 349, 453, 639, 788, 873, 342, 443, 775, 969,
+         538, 935, 557, 668, 1000, 252]).make_causal()  # 27 documents in 16k tokens
+    assert takes(window, 8, 8192)  # 133M visible scores
+    assert not takes(window, 2, 8192)  # 33M
+    assert not takes(window, 2, 8192, D=64) and takes(window, 2, 8192, D=256)  # by span at the other head dims
+    assert takes(causal, 16, 1024) and not takes(causal, 32, 512)  # 134M and 67M
+    assert not takes(causal, 2, 2048)  # 67M
+    assert takes(documents, 1, 16384)  # 159M by the estimate
+    assert not takes(ba.PaddedKeysMask([384] * 32), 32, 512)  # 101M
+    assert takes(ba.LocalAttentionMask(window_left=512), 8, 2048)  # 117M
+    triton_options(gluon_bwd_min_visible=0)
+    assert takes(window, 2, 8192)
 
 
 def _gluon_that_cannot_build(monkeypatch, module: str, entry: str, **attrs):

@@ -40,7 +40,7 @@ def _plan_key(kind: str, tensors: tuple, spec: BiasSpec, *extra):
     launcher's ``extra`` items."""
     layout = spec.layout._version if spec.layout is not None else -1
     return ("launch plan", kind, plans.tensor_key(*tensors), layout, options.current(),
-            SHORT_SPAN_KEYS, SHORT_SPAN_KEYS_DKDV, NARROW_SPAN_KEYS, NARROW_SPAN_KEYS_BWD, INTERPRETED,
+            SHORT_SPAN_KEYS, SHORT_SPAN_KEYS_DKDV, NARROW_SPAN_KEYS, INTERPRETED,
             bool(configs._overrides), *extra)
 
 
@@ -241,8 +241,7 @@ def growing_spans(spec: BiasSpec) -> bool:
 
 SHORT_SPAN_KEYS = 1000  # mean visible keys per query row at or under which the forward takes short tiles
 SHORT_SPAN_KEYS_DKDV = 800  # ... and at or under which dK/dV does too
-NARROW_SPAN_KEYS = 640  # ... and under which the Gluon kernels at head dim 128 leave the call to triton.language's
-NARROW_SPAN_KEYS_BWD = 400  # ... the Gluon backward at head dim 128 on masks other than packed documents
+NARROW_SPAN_KEYS = 640  # ... and under which the Gluon forward at head dim 128 leaves the call to triton.language's
 
 
 def mean_visible_keys(spec: BiasSpec, Mq: int, Mk: int) -> float:
@@ -289,8 +288,7 @@ def _mean_visible_keys(q_seqstart, k_seqlen, kv_seqlens, band_lo, band_hi, Mq: i
 
 def _span_features(spec: BiasSpec, Mq: int, Mk: int) -> tuple[str, ...]:
     """``("short_span",)`` when query rows see few keys on average (packed documents, a 1k window, short caches),
-    plus ``"short_span_dkdv"`` when they see fewer still, ``"narrow_span"`` when fewer still and
-    ``"narrow_span_bwd"`` when fewer still (:func:`_gluon_span`).
+    plus ``"short_span_dkdv"`` when they see fewer still and ``"narrow_span"`` when fewer still (:func:`_gluon_span`).
 
     A tile then meets few tiles of the other side, and shorter tiles (more programs, each shorter)
     finish sooner (tiles per head dim: ``configs.SHORT_ROWS``): on an H200 at head dim 128 the forward's
@@ -306,8 +304,7 @@ def _span_features(spec: BiasSpec, Mq: int, Mk: int) -> tuple[str, ...]:
         mean = mean_visible_keys(spec, Mq, Mk)
         return (("short_span",) if mean <= SHORT_SPAN_KEYS else ()) + (
             ("short_span_dkdv",) if mean <= SHORT_SPAN_KEYS_DKDV else ()) + (
-            ("narrow_span",) if mean < NARROW_SPAN_KEYS else ()) + (
-            ("narrow_span_bwd",) if mean < NARROW_SPAN_KEYS_BWD else ())
+            ("narrow_span",) if mean < NARROW_SPAN_KEYS else ())
 
     return spec.cached_by_structure(("short_span", Mq, Mk), buckets)
 
@@ -419,21 +416,15 @@ def _gluon_lists(spec: BiasSpec, q, k) -> bool:
     return schedule.layout_exact(spec, schedule.query_schedule(spec, 128, q.device), tile, True)
 
 
-def _gluon_span(spec: BiasSpec, D: int, Mq: int, Mk: int, backward: bool = False) -> bool:
+def _gluon_span(spec: BiasSpec, D: int, Mq: int, Mk: int) -> bool:
     """Whether rows see enough keys (:func:`_span_features`) for the Gluon kernels at head dim ``D``: at 64 (the
-    backward only) more than :data:`SHORT_SPAN_KEYS`, at 128 :data:`NARROW_SPAN_KEYS` or more (the
-    ``backward`` on masks other than packed documents :data:`NARROW_SPAN_KEYS_BWD`), at 256 any number. Below
-    that the ``triton.language`` kernels' short tiles finish sooner (``docs/design.md``, "Gluon kernels on rows
-    that see few keys")."""
+    backward) more than :data:`SHORT_SPAN_KEYS`, at 128 (the forward) :data:`NARROW_SPAN_KEYS` or more, at 256 any
+    number. Below that the ``triton.language`` kernels' short tiles finish sooner (``docs/design.md``, "Gluon
+    kernels on rows that see few keys"). The backward at 128 goes by the call's work instead
+    (:func:`.flash_bwd._gluon_runs`)."""
     if D >= 256:
         return True
-    if D != 128:
-        bucket = "short_span"
-    elif backward and spec.q_seqstart is None:
-        bucket = "narrow_span_bwd"
-    else:
-        bucket = "narrow_span"
-    return bucket not in _span_features(spec, Mq, Mk)
+    return ("short_span" if D != 128 else "narrow_span") not in _span_features(spec, Mq, Mk)
 
 
 def _gluon_fails(error: Exception, failures: list[str] | None = None, what: str = "forward") -> None:

@@ -47,6 +47,11 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_streams[index]
 
 
+def _mean_keys(spec: BiasSpec, Mq: int, Mk: int) -> float:
+    """:func:`~.flash.mean_visible_keys`, kept by the spec's structure."""
+    return spec.cached_by_structure(("mean_keys", Mq, Mk), lambda: flash.mean_visible_keys(spec, Mq, Mk))
+
+
 def _long_backward(spec: BiasSpec, B: int, H: int, Mq: int, Mk: int, D: int) -> bool:
     """Whether a backward runs long enough on the GPU for the side stream to pay: the fork and join
     cost host time, which calls of about a millisecond cannot spare (measured on an H200: dQ beside
@@ -57,8 +62,7 @@ def _long_backward(spec: BiasSpec, B: int, H: int, Mq: int, Mk: int, D: int) -> 
     which the side stream's host time made up to 1.33x slower, depending on the host)."""
     if spec.q_seqstart is not None:  # packed documents: the nominal size overstates the work
         return False
-    keys = spec.cached_by_structure(("mean_keys", Mq, Mk), lambda: flash.mean_visible_keys(spec, Mq, Mk))
-    work = B * H * Mq * min(Mk, 2 * keys) * D
+    work = B * H * Mq * min(Mk, 2 * _mean_keys(spec, Mq, Mk)) * D
     return work >= (2**38 if spec.layout is not None else 2**36)
 
 
@@ -103,20 +107,16 @@ _gluon_failure: list[str] = []  # why the Gluon backward cannot run with the ins
 def _gluon_runs(q, k, v, lse, spec: BiasSpec, need_dbias: bool, dropout_p: float) -> bool:
     """Whether the Gluon backward takes the call: the ``gluon_backward`` option, an sm_90 GPU, a Triton whose
     Gluon builds the kernel, a bias of :data:`GLUON_FEATURES` only, no dropout and no bias gradient, runs
-    that need not be deterministic (its dQ adds tiles in any order), at least ``gluon_min_scores`` scores,
-    rows that see enough keys for the head dim (:func:`~.flash._gluon_span`), a block layout only as
-    :func:`_gluon_lists` allows, and the kernel's tensors (:func:`.gluon_backward.eligible`). The module is
-    imported on the first call that gets this far."""
+    that need not be deterministic (its dQ adds tiles in any order), a call large enough (:func:`_gluon_size`),
+    a block layout only as :func:`_gluon_lists` allows, and the kernel's tensors (:func:`.gluon_backward.eligible`).
+    The module is imported on the first call that gets this far."""
     opts = options.current()
     if (not opts.gluon_backward or _gluon_failure or flash.INTERPRETED or q.device.type != "cuda" or dropout_p > 0
             or need_dbias or not spec.features <= GLUON_FEATURES or torch.are_deterministic_algorithms_enabled()
             or cuda_capability(q.device)[0] != 9):
         return False
-    B, H, Mq, _ = q.shape
-    Mk = k.shape[2]
-    if computed_scores(spec, B, H, Mq, Mk) < opts.gluon_min_scores:
-        return False
-    if not flash._gluon_span(spec, q.shape[3], Mq, Mk, backward=True):
+    B, H, Mq, D = q.shape
+    if not _gluon_size(spec, B, H, Mq, k.shape[2], D):
         return False
     if spec.layout is not None and not _gluon_lists(spec, q, k):
         return False
@@ -126,6 +126,19 @@ def _gluon_runs(q, k, v, lse, spec: BiasSpec, need_dbias: bool, dropout_p: float
         flash._gluon_fails(e, _gluon_failure, "backward")
         return False
     return gluon_backward.eligible(q, k, v, lse)
+
+
+def _gluon_size(spec: BiasSpec, B: int, H: int, Mq: int, Mk: int, D: int) -> bool:
+    """Whether a backward is large enough for the Gluon kernel: at least ``gluon_min_scores`` scores
+    (:func:`~.flash.computed_scores`); at head dim 128 ``gluon_bwd_min_visible`` visible scores, B·H·Mq times the
+    keys a row sees on average (its host path costs 0.1-0.2 ms more than the ``triton.language`` one, which
+    shorter calls cannot hide); at 64 and 256 rows that see enough keys (:func:`~.flash._gluon_span`)."""
+    opts = options.current()
+    if computed_scores(spec, B, H, Mq, Mk) < opts.gluon_min_scores:
+        return False
+    if D == 128:
+        return B * H * Mq * _mean_keys(spec, Mq, Mk) >= opts.gluon_bwd_min_visible
+    return flash._gluon_span(spec, D, Mq, Mk)
 
 
 def _gluon_lists(spec: BiasSpec, q, k) -> bool:
