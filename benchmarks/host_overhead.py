@@ -344,7 +344,8 @@ def main(argv=None) -> int:
         return 0
     from biasattn.ops.triton import options
 
-    with options.use(gluon_min_scores=0 if args.gluon else options.current().gluon_min_scores):
+    sizes = dict(gluon_min_scores=0, gluon_bwd_min_visible=0) if args.gluon else {}
+    with options.use(**sizes):
         for name in args.cases:
             per_case(name, args)
     return 0
