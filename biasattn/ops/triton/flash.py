@@ -421,7 +421,7 @@ def _gluon_span(spec: BiasSpec, D: int, Mq: int, Mk: int) -> bool:
     backward) more than :data:`SHORT_SPAN_KEYS`, at 128 (the forward) :data:`NARROW_SPAN_KEYS` or more, at 256 any
     number. Below that the ``triton.language`` kernels' short tiles finish sooner (``docs/design.md``, "Gluon
     kernels on rows that see few keys"). The backward at 128 goes by the call's work instead
-    (:func:`.flash_bwd._gluon_runs`)."""
+    (:func:`.flash_bwd._gluon_size`)."""
     if D >= 256:
         return True
     return ("short_span" if D != 128 else "narrow_span") not in _span_features(spec, Mq, Mk)
