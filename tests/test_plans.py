@@ -424,3 +424,33 @@ def test_launch_options_change_for_a_block_and_key_plans_by_value():
     assert options.current() is before
     again = options.Options(**{f: getattr(before, f) for f in before.__dataclass_fields__})
     assert again == before and hash(again) == hash(before) and {before: 1}[again] == 1
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("name", ["none", "causal", "documents"])
+def test_every_descriptor_of_a_gluon_backward_launch_is_a_role(plans, monkeypatch, name, D):
+    """Each tensor descriptor a Gluon backward launches with is a role of its plan (the launch traced on the CPU,
+    the kernel not run): descriptors are built per call, so one outside the roles would differ from call to
+    call, and the signature would never settle into a plan."""
+    from triton.runtime.jit import JITFunction
+
+    from biasattn.bias.spec import lower
+    from biasattn.ops.triton import flash, flash_bwd
+
+    try:
+        from biasattn.ops.triton import gluon_backward  # noqa: F401
+    except Exception as e:  # a Triton whose Gluon lacks what the kernel uses
+        pytest.skip(f"the installed Triton's Gluon cannot import the kernel: {e}")
+    settled = []
+    monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **kwargs: None)
+    monkeypatch.setattr(flash_bwd.plans, "settle", lambda store, key, rec, roles, note=None: settled.append((rec, roles)))
+    B, H, M = (1 if name == "documents" else 2), 2, 256
+    bias = {"none": None, "causal": ba.LowerTriangularMask(),
+            "documents": ba.BlockDiagonalMask.from_seqlens([128, 64, 64]).make_causal()}[name]
+    q, k, v = (torch.randn(B, H, M, D, dtype=torch.float16) for _ in range(3))
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    flash_bwd._gluon_bwd(q, k, v, torch.zeros_like(q), torch.zeros(B, H, M), torch.zeros_like(q), None,
+                         lower(bias, B, H, M, M), D ** -0.5, D ** -0.5 * flash.LOG2E, *grads, {}, None, ())
+    (rec, roles), = settled
+    descs = [a for launch in rec.launches for a in launch[2] if "block_shape" in getattr(type(a), "__dataclass_fields__", ())]
+    assert len(descs) >= 7 and all(any(a is r for r in roles) for a in descs)
