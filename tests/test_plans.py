@@ -426,9 +426,27 @@ def test_launch_options_change_for_a_block_and_key_plans_by_value():
     assert again == before and hash(again) == hash(before) and {before: 1}[again] == 1
 
 
+@pytest.fixture
+def gluon_modules_forgotten():
+    """Leave the Gluon modules unimported after the test, as off an sm_90 GPU (``test_triton.py`` checks that)."""
+    import sys
+
+    from biasattn.ops.triton import flash, flash_bwd
+
+    package = sys.modules["biasattn.ops.triton"]
+    absent = [name for name in ("gluon_forward", "gluon_backward") if f"{package.__name__}.{name}" not in sys.modules]
+    yield
+    for name in absent:
+        sys.modules.pop(f"{package.__name__}.{name}", None)
+        if hasattr(package, name):
+            delattr(package, name)
+    flash._gluon_forward.cache_clear()
+    flash_bwd._gluon_backward.cache_clear()
+
+
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("name", ["none", "causal", "documents"])
-def test_every_descriptor_of_a_gluon_backward_launch_is_a_role(plans, monkeypatch, name, D):
+def test_every_descriptor_of_a_gluon_backward_launch_is_a_role(plans, monkeypatch, gluon_modules_forgotten, name, D):
     """Each tensor descriptor a Gluon backward launches with is a role of its plan (the launch traced on the CPU,
     the kernel not run): descriptors are built per call, so one outside the roles would differ from call to
     call, and the signature would never settle into a plan."""
