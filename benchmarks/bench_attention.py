@@ -162,12 +162,6 @@ def prepare(fn, inputs, mode: str, timing: str = "do_bench"):
     return (lambda: tuple(triton.testing.do_bench(target, warmup=100, rep=50, quantiles=[0.5, 0.2, 0.8]))), peak, out
 
 
-def measure(fn, inputs, mode: str):
-    """``(median ms, 20% ms, 80% ms, peak MiB above the inputs, output)`` of ``fn`` in ``mode`` (``do_bench``)."""
-    timer, peak, out = prepare(fn, inputs, mode)
-    return (*timer(), peak, out)
-
-
 def _warm(job) -> str:
     """Run one case's forward and backward at a small size, so its kernels land in Triton's disk cache.
 
@@ -445,10 +439,13 @@ AB_SWITCHES = {  # name: (launch option, state A, state B, value A, value B)
 
 
 def ab_switch(args) -> None:
-    """``triton`` with a launcher switch in state A against state B, same process, same inputs, rounds alternated."""
+    """``triton`` with a launcher switch in state A against state B, same process, same inputs, rounds alternated:
+    eager calls (host work included) or, with ``--timing graph``, CUDA-graph replays of calls captured in each
+    state (GPU work alone)."""
     from biasattn.ops.triton import options
 
     field, name_a, name_b, a, b = AB_SWITCHES[args.ab]
+    kept = []
     precompile(args.cases, args.head_dims, args.precompile or 8, index_64=(False, True) if args.ab == "offsets" else (False,))
     for D in args.head_dims:
         for M in args.seqlens:
@@ -460,15 +457,20 @@ def ab_switch(args) -> None:
                     if case.name == "additive" and mode != "fwd":
                         inputs.append(case.dense_mask())
                     fn = provider_fn("triton", case, None)
-                    ms = {a: [], b: []}
+                    timers, ms = {}, {a: [], b: []}
+                    for flag in (a, b):
+                        with options.use(**{field: flag}):
+                            timers[flag] = prepare(fn, inputs, mode, args.timing)[0]
                     for _ in range(args.rounds):
                         for flag in (a, b):
-                            with options.use(**{field: flag}):
-                                ms[flag].append(measure(fn, inputs, mode)[0])
+                            with options.use(**{field: flag}):  # eager calls read the switch as they run
+                                ms[flag].append(timers[flag]()[0])
                     ta, tb = sorted(ms[a])[args.rounds // 2], sorted(ms[b])[args.rounds // 2]
-                    print(f"ab D={D} M={M} {case_name} {mode}: {name_a} {ta:.3f} ms, {name_b} {tb:.3f} ms, "
+                    print(f"ab D={D} M={M} {case_name} {mode} ({args.timing}): {name_a} {ta:.3f} ms, {name_b} {tb:.3f} ms, "
                           f"B/A time {tb / ta:.3f}", flush=True)
-                    del case
+                    if args.timing == "graph":
+                        kept.append(timers)  # graphs live to the end, as in run_sweep
+                    del case, timers
 
 
 def main(argv=None) -> int:
@@ -502,7 +504,7 @@ def main(argv=None) -> int:
     p.add_argument("--point-rounds", type=int, default=1,
                    help="sweep: time each point's providers in this many alternating rounds (the median round is kept)")
     p.add_argument("--timing", default="do_bench", choices=["do_bench", "graph"],
-                   help="sweep and --tune: time eager calls (host work included) or CUDA-graph replays (GPU work only)")
+                   help="sweep, --ab and --tune: time eager calls (host work included) or CUDA-graph replays (GPU work only)")
     args = p.parse_args(argv)
     CASE_ARGS["window"] = args.window
     CASE_ARGS["docs"] = tuple(args.docs)
