@@ -446,7 +446,7 @@ def gluon_modules_forgotten():
 
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("name", ["none", "causal", "documents"])
-def test_every_descriptor_of_a_gluon_backward_launch_is_a_role(plans, monkeypatch, gluon_modules_forgotten, name, D):
+def test_every_descriptor_of_a_gluon_backward_launch_is_a_role(monkeypatch, gluon_modules_forgotten, name, D):
     """Each tensor descriptor a Gluon backward launches with is a role of its plan (the launch traced on the CPU,
     the kernel not run): descriptors are built per call, so one outside the roles would differ from call to
     call, and the signature would never settle into a plan."""
