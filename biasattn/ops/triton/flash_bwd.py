@@ -199,7 +199,7 @@ def _gluon_roles(q, k, v, out, lse, dout, dk, dv, spec: BiasSpec, roles: tuple, 
         dout = dout.clone(memory_format=torch.contiguous_format)
     delta, guarded = torch.empty((2, *lse.shape), dtype=torch.float32, device=q.device)
     dq32 = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # zeroed by the preprocessing (_delta)
-    descs = gluon_backward.descriptors(q, k, v, dout, guarded, delta, dq32)
+    descs = gluon_backward.descriptors(q, k, v, dout, guarded, delta, dq32, dk, dv, spec.q_seqstart is not None)
     table = schedule.key_schedule(spec, gluon_backward.program_keys(q.shape[3]), q.device).table if roles else None
     return (q, k, v, out, lse, dout, delta, guarded, dq32, dk, dv, *descs, *roles,
             *((table,) if table is not None else ()), qk_scale, scale)
@@ -217,7 +217,7 @@ def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, qk_s
 
     plan_roles = _gluon_roles(q, k, v, out, lse, dout, dk, dv, spec, roles, qk_scale, scale)
     dout, delta, guarded, dq32 = plan_roles[5:9]
-    descs = plan_roles[11:18]
+    descs = plan_roles[11:20 if gluon_backward.tma_outputs(q.shape[3], spec.q_seqstart is not None) else 18]
     sched = schedule.key_schedule(spec, gluon_backward.program_keys(q.shape[3]), q.device)
     args = _spec_args(spec, q.device)
     lists = None

@@ -160,6 +160,16 @@ def _dq_part(ds_smem, k_smem, dq_smem, dq_desc, buf, bh, m0, zero_q, sm_scale, P
 
 
 @gluon.jit
+def _store_tile(desc, buf, x, bh, row):
+    """Write ``x`` (``[rows, D]`` registers) to rows ``[row, +rows)`` of head ``bh`` of ``desc`` through the shared
+    ``[1, rows, D]`` buffer ``buf``: one TMA store, whose rows past the head's end are dropped."""
+    _flat(buf).store(x)
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(desc, [bh, row, 0], buf)
+
+
+@gluon.jit
 def _rows_in(rows, row_lo, n_rows, Mq, DOCUMENTS: gl.constexpr):
     """Which ``rows`` are the program's: ``[row_lo, row_lo + n_rows)`` (one unsigned compare) with ``DOCUMENTS``,
     else those before ``Mq``."""
@@ -237,13 +247,18 @@ def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, 
         last = (n_tiles - 1) % 2
         mbarrier.wait(ds_bar.index(last), ((n_tiles - 1) // 2) & 1)
         _dq_part(ds_smem, k_smem, dq_smem, dq_desc, last, bh_prev, m_prev, zero_q, sm_scale, PART)
-    tma.store_wait(0)
-    dims = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    keys_o = k0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, o_layout))
-    offs = (bh_k.to(gl.int64) * Mk + keys_o)[:, None] * D + dims[None, :]
-    keep = (keys_o < (n_end if DOCUMENTS else Mk))[:, None]
-    gl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
-    gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=keep)
+    if DOCUMENTS:  # the program's keys end at its document's: the rows past it are the next program's
+        tma.store_wait(0)
+        dims = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        keys_o = k0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, o_layout))
+        offs = (bh_k.to(gl.int64) * Mk + keys_o)[:, None] * D + dims[None, :]
+        keep = (keys_o < n_end)[:, None]
+        gl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
+        gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=keep)
+    else:  # staged in the ring, whose stages are free once both warpgroups are past the last tile's dS^T
+        _store_tile(DK, q_bufs.index(PART), (dk * sm_scale).to(dtype), bh_k, k0)
+        _store_tile(DV, do_bufs.index(PART), dv.to(dtype), bh_k, k0)
+        tma.store_wait(0)
 
 
 # Head dim 256: dK and dV of 64 keys by 256 dims do not fit in one warpgroup's registers. A program owns 64 keys;
@@ -607,14 +622,21 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return qualified_descriptor(TensorDescriptor, t, shape, strides, block, layout=layout)
 
 
-def descriptors(q, k, v, dout, lse, delta, dq32) -> tuple:
-    """The TMA descriptors :func:`attn_bwd` launches with (per head: ``[B·H, M(, D)]``): built per call, they
-    are roles of a launch plan."""
+def tma_outputs(D: int, documents: bool) -> bool:
+    """Whether the kernel writes dK and dV through TMA stores (:func:`descriptors`)."""
+    return D != 256 and not documents
+
+
+def descriptors(q, k, v, dout, lse, delta, dq32, dk, dv, documents: bool) -> tuple:
+    """The TMA descriptors :func:`attn_bwd` launches with (per head: ``[B·H, M(, D)]``), dK's and dV's too at head
+    dims 64 and 128 without packed ``documents`` (whose programs end their rows at a document's end): built per
+    call, they are roles of a launch plan."""
     D = q.shape[3]
     half = WIDE_KEYS if D == 256 else HALF
+    outs = (_descriptor(dk, [1, ROWS, D]), _descriptor(dv, [1, ROWS, D])) if tma_outputs(D, documents) else ()
     return (_descriptor(k, [1, half, D]), _descriptor(v, [1, half, D]), _descriptor(q, [1, ROWS, D]),
             _descriptor(dout, [1, ROWS, D]), _descriptor(lse, [1, ROWS]), _descriptor(delta, [1, ROWS]),
-            _descriptor(dq32, [1, ROWS, DQ_COLS]))
+            _descriptor(dq32, [1, ROWS, DQ_COLS])) + outs
 
 
 def attn_bwd(q, k, dk, dv, descs: tuple, qk_scale: float, scale: float, n_prog: int, table: torch.Tensor,
@@ -637,6 +659,8 @@ def attn_bwd(q, k, dk, dv, descs: tuple, qk_scale: float, scale: float, n_prog: 
     if lists is not None and masked:
         raise ValueError("a listed backward takes no other mask, Mq a multiple of 64 and Mk of the program's keys")
     count, index, cs, ts = lists if lists is not None else (table, table, (0, 0), (0, 0, 0))
+    if len(descs) > 7:  # dK and dV leave through TMA stores (_consume)
+        descs, dk, dv = descs[:7], descs[7], descs[8]
     _launch_bwd[(n_prog, B * Hkv)](
         *descs, dk, dv, table, *bounds, count, index, *cs, *ts, Hkv, H // Hkv, Mq, Mk, chunk, qk_scale, scale,
         WIDE_REGS if wide else CONSUMER_REGS[masked], masked, **switches, LISTED=lists is not None,
