@@ -244,21 +244,20 @@ def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, 
         bh_prev = bh
         m_prev = m0
     if n_tiles > 0:
-        last = (n_tiles - 1) % 2
-        mbarrier.wait(ds_bar.index(last), ((n_tiles - 1) // 2) & 1)
-        _dq_part(ds_smem, k_smem, dq_smem, dq_desc, last, bh_prev, m_prev, zero_q, sm_scale, PART)
+        mbarrier.wait(ds_bar.index((n_tiles - 1) % 2), ((n_tiles - 1) // 2) & 1)
+    if not DOCUMENTS:  # staged in the ring, whose stages are free once both warpgroups are past the last tile's dS^T
+        _store_tile(DK, q_bufs.index(PART), (dk * sm_scale).to(dtype), bh_k, k0)
+        _store_tile(DV, do_bufs.index(PART), dv.to(dtype), bh_k, k0)
+    if n_tiles > 0:
+        _dq_part(ds_smem, k_smem, dq_smem, dq_desc, (n_tiles - 1) % 2, bh_prev, m_prev, zero_q, sm_scale, PART)
+    tma.store_wait(0)
     if DOCUMENTS:  # the program's keys end at its document's: the rows past it are the next program's
-        tma.store_wait(0)
         dims = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
         keys_o = k0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, o_layout))
         offs = (bh_k.to(gl.int64) * Mk + keys_o)[:, None] * D + dims[None, :]
         keep = (keys_o < n_end)[:, None]
         gl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
         gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=keep)
-    else:  # staged in the ring, whose stages are free once both warpgroups are past the last tile's dS^T
-        _store_tile(DK, q_bufs.index(PART), (dk * sm_scale).to(dtype), bh_k, k0)
-        _store_tile(DV, do_bufs.index(PART), dv.to(dtype), bh_k, k0)
-        tma.store_wait(0)
 
 
 # Head dim 256: dK and dV of 64 keys by 256 dims do not fit in one warpgroup's registers. A program owns 64 keys;
