@@ -1262,7 +1262,7 @@ def test_a_triton_whose_gluon_cannot_build_the_backward_falls_back(monkeypatch):
     from biasattn.ops.triton import flash, flash_bwd
 
     _gluon_that_cannot_build(monkeypatch, "gluon_backward", "attn_bwd", descriptors=lambda *args: (),
-                             program_keys=lambda D: 128)
+                             program_keys=lambda D: 128, tma_outputs=lambda D, documents: False)
     monkeypatch.setattr(flash_bwd, "_gluon_runs", lambda *args: True)  # as on an sm_90 GPU
     monkeypatch.setattr(flash_bwd, "_gluon_failure", [])
     q, k, v = qkv(B=1, Hq=1, Hkv=1, Mq=64, Mk=64, D=128, dtype=torch.float16)
