@@ -30,8 +30,7 @@ def gluon_calls(triton_options, monkeypatch):
     does not)."""
     from biasattn.ops.triton import flash, gluon_forward
 
-    triton_options(gluon_min_scores=0, gluon_bwd_min_visible=0, gluon_layout_min_scores=0, gluon_layout_bwd_min_scores=0,
-                   plans=False)
+    triton_options(gluon_min_scores=0, gluon_bwd_min_visible=0, gluon_layout_min_scores=0, plans=False)
     monkeypatch.setattr(flash, "_gluon_span", lambda *args, **kwargs: True)  # rows seeing few keys take it too
     calls = []
     real = gluon_forward.attn_fwd
@@ -175,19 +174,15 @@ def test_block_layouts_walk_their_tile_lists(gluon_calls, gluon_bwd_calls, heads
 
 
 def test_small_block_layouts_keep_the_triton_kernels(gluon_calls, gluon_bwd_calls, triton_options):
-    """A block layout in a call of fewer than ``gluon_layout_min_scores`` scores (the forward) and
-    ``gluon_layout_bwd_min_scores`` (the backward) stays on the ``triton.language`` kernels; from that size on
-    it takes the Gluon ones."""
+    """A block layout in a call of fewer than ``gluon_layout_min_scores`` scores stays on the ``triton.language``
+    kernels, forward and backward; from that size on it takes the Gluon ones."""
     layout = torch.ones(1, 1, 4, 4, dtype=torch.bool, device="cuda").tril()
     args = qkv(B=2, Hq=2, Hkv=2, Mq=512, Mk=512, D=128, dtype=torch.bfloat16)
     n = 2 * 2 * 512 * 512
-    triton_options(gluon_layout_min_scores=n + 1, gluon_layout_bwd_min_scores=n + 1)
+    triton_options(gluon_layout_min_scores=n + 1)
     check(*args, const(ba.BlockSparseMask(layout, 128)))
     assert gluon_calls == [] and gluon_bwd_calls == []
-    triton_options(gluon_layout_min_scores=n)  # the forward's bound alone
-    check(*args, const(ba.BlockSparseMask(layout, 128)))
-    assert gluon_calls and gluon_bwd_calls == []
-    triton_options(gluon_layout_bwd_min_scores=n)
+    triton_options(gluon_layout_min_scores=n)
     check(*args, const(ba.BlockSparseMask(layout, 128)))
     assert gluon_calls and gluon_bwd_calls
 

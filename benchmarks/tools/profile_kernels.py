@@ -88,9 +88,9 @@ def sync_check(call) -> int:
     def show(message, category, filename, lineno, file=None, line=None):
         seen.append(f"{message}\n" + "".join(traceback.format_stack(limit=14)[:-2]))
 
+    torch.cuda.set_sync_debug_mode("warn")  # before the hook: its own notice (a prototype feature) is no sync
     saved = warnings.showwarning
     warnings.showwarning = show
-    torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")

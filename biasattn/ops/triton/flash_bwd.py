@@ -145,13 +145,13 @@ def _gluon_lists(spec: BiasSpec, q, k) -> bool:
     """Whether the Gluon backward can walk a block layout's tile lists: the layout is the only mask, its blocks
     hold whole tiles (64 rows by the program's keys), the shapes divide into them, and a KV head's query heads
     share one list (one query head per KV head, or one layout for every head), in calls of at least
-    ``gluon_layout_bwd_min_scores`` scores (an option)."""
+    ``gluon_layout_min_scores`` scores (an option, the forward's bound)."""
     B, H, Mq, D = q.shape
     Mk = k.shape[2]
     keys = 128 if D < 256 else 64  # gluon_backward.program_keys, without importing the module
     if spec.features != {"layout"} or Mq % 64 or Mk % keys or (H != k.shape[1] and spec.layout.shape[1] != 1):
         return False
-    if B * H * Mq * Mk < options.current().gluon_layout_bwd_min_scores:
+    if B * H * Mq * Mk < options.current().gluon_layout_min_scores:
         return False
     return schedule.layout_exact(spec, schedule.key_schedule(spec, keys, q.device), 64, False)
 

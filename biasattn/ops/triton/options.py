@@ -33,8 +33,7 @@ class Options:
     gluon_backward: bool = True  # backwards at head dims 64, 128, 256 on sm_90 (the same masks): gluon_backward.py
     gluon_min_scores: int = 2**26  # ... when they compute at least this many scores (smaller calls run faster without them)
     gluon_bwd_min_visible: int = 110_000_000  # ... the backward at D=128 from this many visible scores B·H·Mq·(mean keys)
-    gluon_layout_min_scores: int = 2**29  # block layouts take the Gluon forward from this many scores B·H·Mq·Mk
-    gluon_layout_bwd_min_scores: int = 2**30  # ... and the Gluon backward from this many (both visible or not)
+    gluon_layout_min_scores: int = 2**29  # block layouts take the Gluon kernels from this many scores B·H·Mq·Mk
     list_in_registers: bool = True  # branch-free tile-list loops keep the program's list in registers
     order_tail_waves: int = 4  # forwards, Gluon backward at D=64: waves at a grid's end started rank by rank (0: plain)
     concurrent_bwd: bool = True  # long backwards run dQ on a side stream beside dK/dV
