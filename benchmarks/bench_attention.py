@@ -144,11 +144,11 @@ def _graphed(call):
     return graph
 
 
-def prepare(fn, inputs, mode: str, timing: str = "do_bench"):
+def prepare(fn, inputs, mode: str, timing: str = "eager"):
     """``(timer, peak MiB above the inputs, output)``; ``timer()`` returns ``(median ms, 20% ms, 80% ms)``.
 
-    ``timing="do_bench"`` times the eager call (host work included, as a training loop pays it);
-    ``"graph"`` times replays of the call captured in a CUDA graph (GPU work only)."""
+    ``timing="eager"`` times the eager call with ``triton.testing.do_bench`` (host work included, as a training
+    loop pays it); ``"graph"`` times replays of the call captured in a CUDA graph (GPU work only)."""
     call, out = _call(fn, inputs, mode)
     call()
     torch.cuda.synchronize()
@@ -157,7 +157,7 @@ def prepare(fn, inputs, mode: str, timing: str = "do_bench"):
     call()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    target = call if timing == "do_bench" else _graphed(call).replay
+    target = call if timing == "eager" else _graphed(call).replay
     # 100 ms of warm-up: an idle GPU (after building the case, compiling) needs time to reach its clocks
     return (lambda: tuple(triton.testing.do_bench(target, warmup=100, rep=50, quantiles=[0.5, 0.2, 0.8]))), peak, out
 
@@ -501,7 +501,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of --ab and --tune (medians reported)")
     p.add_argument("--point-rounds", type=int, default=1,
                    help="sweep: time each point's providers in this many alternating rounds (the median round is kept)")
-    p.add_argument("--timing", default="do_bench", choices=["do_bench", "graph"],
+    p.add_argument("--timing", default="eager", choices=["eager", "graph"],
                    help="sweep, --ab and --tune: time eager calls (host work included) or CUDA-graph replays (GPU work only)")
     args = p.parse_args(argv)
     CASE_ARGS["window"] = args.window
@@ -525,7 +525,7 @@ def main(argv=None) -> int:
         precompile(args.cases, args.head_dims, args.precompile)
     if args.timing == "graph" and set(args.providers) - {"triton", "flex"}:
         # graphs of SDPA's flash/cuDNN calls beside the others left a CUDA error behind (torch 2.11, H200)
-        print("--timing graph times triton and flex only; SDPA backends run with --timing do_bench")
+        print("--timing graph times triton and flex only; SDPA backends run with --timing eager")
         args.providers = [p for p in args.providers if p in ("triton", "flex")]
     t0 = time.time()
     rows = run_sweep(args)
