@@ -243,11 +243,13 @@ def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, 
         mbarrier.arrive(ds_bar.index(t % 2), count=1)
         bh_prev = bh
         m_prev = m0
+    dk_out = (dk * sm_scale).to(dtype)
+    dv_out = dv.to(dtype)
     if n_tiles > 0:
         mbarrier.wait(ds_bar.index((n_tiles - 1) % 2), ((n_tiles - 1) // 2) & 1)
     if not DOCUMENTS:  # staged in the ring, whose stages are free once both warpgroups are past the last tile's dS^T
-        _store_tile(DK, q_bufs.index(PART), (dk * sm_scale).to(dtype), bh_k, k0)
-        _store_tile(DV, do_bufs.index(PART), dv.to(dtype), bh_k, k0)
+        _store_tile(DK, q_bufs.index(PART), dk_out, bh_k, k0)
+        _store_tile(DV, do_bufs.index(PART), dv_out, bh_k, k0)
     if n_tiles > 0:
         _dq_part(ds_smem, k_smem, dq_smem, dq_desc, (n_tiles - 1) % 2, bh_prev, m_prev, zero_q, sm_scale, PART)
     tma.store_wait(0)
@@ -256,8 +258,8 @@ def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, 
         keys_o = k0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, o_layout))
         offs = (bh_k.to(gl.int64) * Mk + keys_o)[:, None] * D + dims[None, :]
         keep = (keys_o < n_end)[:, None]
-        gl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
-        gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=keep)
+        gl.store(DK + offs, dk_out, mask=keep)
+        gl.store(DV + offs, dv_out, mask=keep)
 
 
 # Head dim 256: dK and dV of 64 keys by 256 dims do not fit in one warpgroup's registers. A program owns 64 keys;
