@@ -247,11 +247,10 @@ def _consume(k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, ds_smem, dq_smem, 
     dv_out = dv.to(dtype)
     if n_tiles > 0:
         mbarrier.wait(ds_bar.index((n_tiles - 1) % 2), ((n_tiles - 1) // 2) & 1)
+        _dq_part(ds_smem, k_smem, dq_smem, dq_desc, (n_tiles - 1) % 2, bh_prev, m_prev, zero_q, sm_scale, PART)
     if not DOCUMENTS:  # staged in the ring, whose stages are free once both warpgroups are past the last tile's dS^T
         _store_tile(DK, q_bufs.index(PART), dk_out, bh_k, k0)
         _store_tile(DV, do_bufs.index(PART), dv_out, bh_k, k0)
-    if n_tiles > 0:
-        _dq_part(ds_smem, k_smem, dq_smem, dq_desc, (n_tiles - 1) % 2, bh_prev, m_prev, zero_q, sm_scale, PART)
     tma.store_wait(0)
     if DOCUMENTS:  # the program's keys end at its document's: the rows past it are the next program's
         dims = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
