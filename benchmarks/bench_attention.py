@@ -14,8 +14,9 @@ ALiBi). Writes ``attention.csv`` (long format, with device, versions, commit, da
 ``attention.md`` and one PNG per head dim into ``--out``; ``--base CSV`` flags regressions of the
 ``triton`` rows against a stored run. ``--timing graph`` times CUDA-graph replays of each call
 instead (GPU work only: no host time, no launch gaps), and ``--point-rounds N`` times every
-provider of a point in N alternating rounds and keeps the median round, so that a drift of the
-GPU's clocks (this H200 runs at its power cap on dense work) does not favour whoever ran first.
+provider of a point in N rounds, each starting with the next provider, and keeps the median round, so that
+a drift of the GPU's clocks (this H200 runs at its power cap on dense work) or the host's work after a
+compilation does not favour or penalize whoever runs first.
 
     PYTHONPATH=. python benchmarks/bench_attention.py                  # into benchmarks/results/<device>, e.g. h100
     PYTHONPATH=. python benchmarks/bench_attention.py --quick          # a few rows, to check the harness
@@ -202,6 +203,18 @@ def precompile(cases, head_dims, workers: int, index_64=(False,)) -> None:
     _pool_map(jobs, workers)
 
 
+def time_rounds(timed: list, rounds: int) -> None:
+    """Run every ``(row, timer, times)`` of a point's providers ``rounds`` times, appending each timer's result to
+    its ``times``; round ``r`` starts at the ``r``-th provider, so that no provider always runs first (right after
+    another one's compilation, or on clocks that have just ramped). A timer that raises marks its row."""
+    for r in range(rounds if timed else 0):
+        for row, timer, times in timed[r % len(timed):] + timed[:r % len(timed)]:
+            try:
+                times.append(timer())
+            except Exception as e:
+                row.update(status=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+
+
 def run_sweep(args) -> list[dict]:
     device = torch.cuda.get_device_name()
     meta = dict(device=device, torch=torch.__version__, triton=triton.__version__, commit=git_commit(),
@@ -247,12 +260,7 @@ def run_sweep(args) -> list[dict]:
             except Exception as e:  # a provider that refuses the inputs or runs out of memory
                 row.update(ms=float("nan"), status=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
             rows.append(row)
-        for _ in range(args.point_rounds):
-            for row, timer, times in timed:
-                try:
-                    times.append(timer())
-                except Exception as e:
-                    row.update(status=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        time_rounds(timed, args.point_rounds)
         for row, _, times in timed:
             if times and row["status"] == "ok":
                 ms, lo, hi = sorted(times)[len(times) // 2]  # the round with the median time

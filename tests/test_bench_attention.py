@@ -1,4 +1,5 @@
-"""The attention benchmark's tables say which commit measured each row, also when joined from several runs."""
+"""The attention benchmark's tables say which commit measured each row, also when joined from several runs; its
+rounds start with each provider in turn."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from bench_attention import markdown  # noqa: E402
+from bench_attention import markdown, time_rounds  # noqa: E402
 
 
 def _row(commit, date, D, provider="triton", ms=1.0):
@@ -56,3 +57,22 @@ def test_the_dispatch_table_renders_from_the_csvs_of_several_calls(tmp_path):
     assert "| bf16 | 256 | 8192 | none | fwd | triton 3.000 | cudnn | 3.300 | cudnn 3.300 | 0.91 | 1.00 | NO |" in table
     with open(tmp_path / "merged.csv", newline="") as f:
         assert len(list(csv.DictReader(f))) == 6
+
+
+def test_each_round_of_a_point_starts_with_the_next_provider():
+    order = []
+    timed = [({"provider": p}, (lambda p=p: order.append(p) or len(order)), []) for p in ("triton", "cudnn", "flex")]
+    time_rounds(timed, 4)
+    assert order == ["triton", "cudnn", "flex", "cudnn", "flex", "triton", "flex", "triton", "cudnn",
+                     "triton", "cudnn", "flex"]
+    assert [len(times) for _, _, times in timed] == [4, 4, 4]
+
+
+def test_a_timer_that_raises_marks_its_row_and_the_others_keep_timing():
+    def broken():
+        raise RuntimeError("out of memory\nmore")
+
+    timed = [({"status": "ok"}, broken, []), ({"status": "ok"}, lambda: 1.0, [])]
+    time_rounds(timed, 2)
+    assert timed[0][0]["status"] == "RuntimeError: out of memory" and timed[1][2] == [1.0, 1.0]
+    time_rounds([], 3)  # a point no provider could express
