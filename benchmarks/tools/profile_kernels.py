@@ -3,7 +3,8 @@
 Use it when a benchmark row is slower than expected and you need to know whether the kernels or the
 host are the cause. For each case and provider it runs the call (forward, or forward+backward)
 ``--iters`` times under ``torch.profiler`` and prints every GPU kernel's time per call, largest first,
-with the call's total GPU time, its wall time (the difference is host time the GPU waited for) and its host time
+with the call's total GPU time, its wall time in a loop without the profiler (the difference is host time the GPU
+waited for) and its host time
 alone (calls issued behind a sleep kernel, as ``host_time.py`` measures them).
 ``--host-profile`` adds cProfile's top host functions, ``--sync-check`` the operations that wait for
 the GPU. Needs a CUDA device to measure; ``--help`` works anywhere.
@@ -40,16 +41,20 @@ def _call(fn, inputs, mode):
 
 
 def profile_call(call, iters: int) -> tuple[list[tuple[str, float, int]], float]:
-    """``([(kernel, µs per call, launches per call)], wall µs per call)``."""
+    """``([(kernel, µs per call, launches per call)], wall µs per call)``; the wall time is that of a loop run
+    without the profiler, whose own host work per launch would count as the call's."""
     for _ in range(5):
         call()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        call()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / iters * 1e6
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
         for _ in range(iters):
             call()
         torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / iters * 1e6
     rows = []
     for e in prof.key_averages():
         t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
