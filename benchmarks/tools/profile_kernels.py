@@ -7,7 +7,10 @@ with the call's total GPU time, its wall time in a loop without the profiler (th
 waited for) and its host time
 alone (calls issued behind a sleep kernel, as ``host_time.py`` measures them).
 ``--host-profile`` adds cProfile's top host functions, ``--sync-check`` the operations that wait for
-the GPU. Needs a CUDA device to measure; ``--help`` works anywhere.
+the GPU, ``--timeline`` (``triton`` only) when each of the call's launches leaves the host, measured from the
+call's start, with the call's time as ``do_bench`` takes it (caches flushed, the GPU idle before the call):
+a call whose time exceeds its GPU time by the host time before its last long kernel's launch is paced by
+the host. Needs a CUDA device to measure; ``--help`` works anywhere.
 
     PYTHONPATH=. python benchmarks/tools/profile_kernels.py --cases none varlen --M 2048 --modes fwd+bwd
 """
@@ -15,8 +18,11 @@ the GPU. Needs a CUDA device to measure; ``--help`` works anywhere.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import itertools
 import os
+import statistics
 import sys
 import time
 
@@ -81,6 +87,62 @@ def host_profile(call, iters: int = 30, top: int = 25) -> None:
     stats.sort_stats("cumulative").print_stats(top)
 
 
+@contextlib.contextmanager
+def host_marks(marks: list):
+    """Append ``(label, perf_counter())`` to ``marks`` at each launch of the ``triton`` operator's launcher
+    (``launch <kernel>``) and at the entry and exit of the autograd function's forward and backward."""
+    from biasattn.ops import autograd
+    from biasattn.ops.triton import launch
+
+    fn = autograd._AttentionFunction
+    saved = (launch._Direct._run, fn.forward, fn.backward)
+    run, forward, backward = saved
+
+    def marked_run(entry, grid, args):
+        marks.append((f"launch {entry[0].name}", time.perf_counter()))
+        return run(entry, grid, args)
+
+    def around(f, name):
+        def marked(*args, **kwargs):
+            marks.append((f"{name} in", time.perf_counter()))
+            out = f(*args, **kwargs)
+            marks.append((f"{name} out", time.perf_counter()))
+            return out
+        return staticmethod(marked)
+
+    launch._Direct._run = staticmethod(marked_run)
+    fn.forward, fn.backward = around(forward, "forward"), around(backward, "backward")
+    try:
+        yield marks
+    finally:
+        launch._Direct._run, fn.forward, fn.backward = (staticmethod(f) for f in saved)
+
+
+def timeline(call, iters: int = 30, flush_bytes: int = 256 * 2**20) -> tuple[float, list[tuple[str, float]]]:
+    """``(µs per call, [(mark, µs after the call's start)])``: each call timed by CUDA events after a cache
+    flush, with the GPU idle before it (as ``triton.testing.do_bench`` times one call), and the median offset of
+    each :func:`host_marks` mark."""
+    for _ in range(3):
+        call()
+    cache = torch.empty(flush_bytes, dtype=torch.int8, device="cuda")
+    times, offsets, marks = [], collections.defaultdict(list), []
+    with host_marks(marks):
+        for _ in range(iters):
+            cache.zero_()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            marks.clear()
+            start.record()
+            t0 = time.perf_counter()
+            call()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+            for i, (label, t) in enumerate(marks):
+                offsets[i, label].append((t - t0) * 1e6)
+    return statistics.median(times), [(label, statistics.median(v)) for (_, label), v in sorted(offsets.items())]
+
+
 def sync_check(call) -> int:
     """Run ``call`` twice with CUDA's sync debug mode on; print each synchronizing operation with its stack."""
     import traceback
@@ -122,6 +184,8 @@ def main(argv=None) -> int:
     p.add_argument("--host-profile", action="store_true", help="also print cProfile's top host functions per call")
     p.add_argument("--sync-check", action="store_true", help="also report operations that synchronize with the GPU")
     p.add_argument("--no-plans", action="store_true", help="run the triton operator without launch plans")
+    p.add_argument("--timeline", action="store_true",
+                   help="triton: also print when each launch leaves the host, from the call's start")
     args = p.parse_args(argv)
     from biasattn.ops.triton import options
 
@@ -146,6 +210,11 @@ def main(argv=None) -> int:
                     host_profile(call)
                 if args.sync_check:
                     print(f"   synchronizing operations in two calls: {sync_check(call)}")
+                if args.timeline and name == "triton":
+                    event_us, marks = timeline(call)
+                    print(f"   one call after a cache flush: {event_us:.0f} µs; host marks, µs from its start:")
+                    for label, us in marks:
+                        print(f"  {us:9.1f} µs  {label}")
                 for key, us, count in rows[:12]:
                     print(f"  {us:9.1f} µs  x{count:<3d} {key[:110]}")
     return 0
