@@ -119,9 +119,10 @@ def host_marks(marks: list):
 
 
 def timeline(call, iters: int = 30, flush_bytes: int = 256 * 2**20) -> tuple[float, list[tuple[str, float]]]:
-    """``(µs per call, [(mark, µs after the call's start)])``: each call timed by CUDA events after a cache
-    flush, with the GPU idle before it (as ``triton.testing.do_bench`` times one call), and the median offset of
-    each :func:`host_marks` mark."""
+    """``(µs per call, [(mark, µs after the call's start)])``: each call is issued right behind a cache flush on a
+    GPU that has finished everything else and timed by CUDA events around it, as one repetition of
+    ``triton.testing.do_bench`` is when the host paces the calls; with the median offset of each
+    :func:`host_marks` mark."""
     for _ in range(3):
         call()
     cache = torch.empty(flush_bytes, dtype=torch.int8, device="cuda")
@@ -129,7 +130,6 @@ def timeline(call, iters: int = 30, flush_bytes: int = 256 * 2**20) -> tuple[flo
     with host_marks(marks):
         for _ in range(iters):
             cache.zero_()
-            torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             marks.clear()
             start.record()
