@@ -217,7 +217,8 @@ def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, qk_s
 
     plan_roles = _gluon_roles(q, k, v, out, lse, dout, dk, dv, spec, roles, qk_scale, scale)
     dout, delta, guarded, dq32 = plan_roles[5:9]
-    descs = plan_roles[11:20 if gluon_backward.tma_outputs(q.shape[3], spec.q_seqstart is not None) else 18]
+    descs = plan_roles[11:18]
+    outs = plan_roles[18:20] if gluon_backward.tma_outputs(q.shape[3], spec.q_seqstart is not None) else (dk, dv)
     sched = schedule.key_schedule(spec, gluon_backward.program_keys(q.shape[3]), q.device)
     args = _spec_args(spec, q.device)
     lists = None
@@ -228,7 +229,7 @@ def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, qk_s
                q.shape[3], lse, guarded, dq32)
         try:
             gluon_backward.attn_bwd(
-                q, k, dk, dv, descs, qk_scale, scale, sched.n,
+                q, k, *outs, descs, qk_scale, scale, sched.n,
                 sched.table if sched.table is not None else args.d32,
                 (args.qs, args.ks, args.kl, args.kv, args.band_lo, args.band_hi),
                 dict(SCHEDULED=sched.table is not None, HAS_SEGMENTS=args.has_segments, HAS_PADDED=args.has_padded,

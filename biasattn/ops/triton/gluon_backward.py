@@ -641,8 +641,9 @@ def descriptors(q, k, v, dout, lse, delta, dq32, dk, dv, documents: bool) -> tup
 
 def attn_bwd(q, k, dk, dv, descs: tuple, qk_scale: float, scale: float, n_prog: int, table: torch.Tensor,
              bounds: tuple, switches: dict, chunk: int = 1, lists: tuple | None = None) -> None:
-    """Write ``dk`` and ``dv`` and add dQ into the float32 (zeroed) buffer of an :func:`eligible` call, every
-    operand but those two in ``descs`` (:func:`descriptors` of ``q, k, v, dout, lse, delta, dq32``): ``lse``
+    """Write ``dk`` and ``dv`` (their descriptors where :func:`tma_outputs`) and add dQ into the float32 (zeroed)
+    buffer of an :func:`eligible` call, every other operand in ``descs`` (the first seven :func:`descriptors`,
+    of ``q, k, v, dout, lse, delta, dq32``): ``lse``
     the forward's, guarded (+inf where it is -inf, NaN where +inf), and ``delta = rowsum(dout * out) - dlse``
     (float32 ``[B, H, Mq]``, both from the backward's preprocessing); ``qk_scale`` the softmax ``scale`` times
     log2(e); ``n_prog`` key-tile programs, those of the packed segments' ``table`` (:func:`.schedule.key_schedule`
@@ -659,8 +660,6 @@ def attn_bwd(q, k, dk, dv, descs: tuple, qk_scale: float, scale: float, n_prog: 
     if lists is not None and masked:
         raise ValueError("a listed backward takes no other mask, Mq a multiple of 64 and Mk of the program's keys")
     count, index, cs, ts = lists if lists is not None else (table, table, (0, 0), (0, 0, 0))
-    if len(descs) > 7:  # dK and dV leave through TMA stores (_consume)
-        descs, dk, dv = descs[:7], descs[7], descs[8]
     _launch_bwd[(n_prog, B * Hkv)](
         *descs, dk, dv, table, *bounds, count, index, *cs, *ts, Hkv, H // Hkv, Mq, Mk, chunk, qk_scale, scale,
         WIDE_REGS if wide else CONSUMER_REGS[masked], masked, **switches, LISTED=lists is not None,
