@@ -14,7 +14,7 @@ ALiBi). Writes ``attention.csv`` (long format, with device, versions, commit, da
 ``attention.md`` and one PNG per head dim into ``--out``; ``--base CSV`` flags regressions of the
 ``triton`` rows against a stored run. ``--timing graph`` times CUDA-graph replays of each call
 instead (GPU work only: no host time, no launch gaps; FlexAttention's packed documents there ended in an
-illegal memory access on the H200 with torch 2.11, and alone did not finish capturing within minutes:
+illegal memory access on the H200 with torch 2.11, and a run of that point alone did not finish in four minutes:
 time that point eager), and ``--point-rounds N`` times every
 provider of a point in N rounds, each starting with the next provider, and keeps the median round, so that
 a drift of the GPU's clocks (this H200 runs at its power cap on dense work) or the host's work after a
