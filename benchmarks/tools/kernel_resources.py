@@ -121,7 +121,7 @@ def _gluon_call(kernel: str, q, k, v, spec) -> None:
     if kernel == "gluon_fwd":
         flash._gluon_fwd(q, k, v, torch.empty_like(q), lse, spec, D ** -0.5 * flash.LOG2E, 2**40 + 1, *no_plan)
     else:
-        new = [torch.empty_like(t) for t in (q, k, v)]
+        new = [torch.empty_like(t) for t in (k, v)]
         flash_bwd._gluon_bwd(q, k, v, torch.zeros_like(q), lse, torch.zeros_like(q), None, spec, D ** -0.5,
                              D ** -0.5 * flash.LOG2E, *new, *no_plan)
 

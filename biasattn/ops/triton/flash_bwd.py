@@ -205,9 +205,9 @@ def _gluon_roles(q, k, v, out, lse, dout, dk, dv, spec: BiasSpec, roles: tuple, 
             *((table,) if table is not None else ()), qk_scale, scale)
 
 
-def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, qk_scale: float, dq, dk, dv, store: dict,
-               key, roles: tuple) -> bool:
-    """Write ``dq``, ``dk`` and ``dv`` with the Gluon backward; False (nothing written) when the installed
+def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, qk_scale: float, dk, dv, store: dict,
+               key, roles: tuple) -> torch.Tensor | None:
+    """Write ``dk`` and ``dv`` with the Gluon backward and return dQ; None (nothing written) when the installed
     Triton cannot build the kernel. The launches are recorded for the launch plan of ``key`` in ``store``
     (:func:`attn_bwd` replays it); the copy out of the float32 dQ stays outside the plan."""
     from triton.compiler.errors import CompilationError
@@ -237,10 +237,9 @@ def _gluon_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, qk_s
                 _gluon_chunk(q, k, spec, sched.n), lists)
         except (CompilationError, OutOfResources) as e:
             flash._gluon_fails(e, _gluon_failure, "backward")
-            return False
+            return None
     plans.settle(store, key, rec, plan_roles, flash.GLUON_NOTE)
-    dq.copy_(dq32)
-    return True
+    return dq32.to(q.dtype)
 
 
 def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_dbias: bool,
@@ -253,12 +252,12 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     dev = q.device
     add = spec.additive
     need_dbias = need_dbias and add is not None
-    dq = _new(q, q.shape, q.dtype)  # contiguous (docs/design.md: "Outputs laid out like q, gradients contiguous")
+    # gradients contiguous (docs/design.md: "Outputs laid out like q, gradients contiguous")
     dk = _new(q, k.shape, k.dtype)
     dv = _new(q, v.shape, v.dtype)
     if B * H * Mq == 0 or Mk == 0:
-        dq.zero_(), dk.zero_(), dv.zero_()
-        return dq, dk, dv, (torch.zeros_like(add) if need_dbias else None)
+        dk.zero_(), dv.zero_()
+        return q.new_zeros(q.shape), dk, dv, (torch.zeros_like(add) if need_dbias else None)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     # one plan per call signature, on whichever kernels its first calls took: a replay asks nothing again
     plannable = dlse is None and not need_dbias and dropout_p == 0
@@ -270,11 +269,12 @@ def attn_bwd(q, k, v, out, lse, dout, dlse, spec: BiasSpec, scale: float, need_d
     if planned is not None and planned.note == flash.GLUON_NOTE:
         plan_roles = _gluon_roles(q, k, v, out, lse, dout, dk, dv, spec, roles, qk_scale, scale)
         planned.run(plan_roles)
-        dq.copy_(plan_roles[8])
-        return dq, dk, dv, None
+        return plan_roles[8].to(q.dtype), dk, dv, None  # dQ out of its float32 sums
     if planned is None and D == Dv and D in GLUON_HEAD_DIMS and _gluon_runs(q, k, v, lse, spec, need_dbias, dropout_p):
-        if _gluon_bwd(q, k, v, out, lse, dout, dlse, spec, scale, qk_scale, dq, dk, dv, store, key, roles):
+        dq = _gluon_bwd(q, k, v, out, lse, dout, dlse, spec, scale, qk_scale, dk, dv, store, key, roles)
+        if dq is not None:
             return dq, dk, dv, None
+    dq = _new(q, q.shape, q.dtype)
     delta = q.new_empty((B, H, Mq), dtype=torch.float32)
     if planned is not None:
         planned.run((q, k, v, out, lse, dout, delta, dq, dk, dv, *roles, *_tables(spec, planned.note, dev, roles),
